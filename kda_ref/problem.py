@@ -1,0 +1,226 @@
+"""The Problem: the inputs and options of one KDA forward, and their validation.
+
+Shapes (DESIGN §2), with HV value heads sharing H query/key heads (GVA, HV % H == 0):
+
+    q, k   [B, T, H, K]          v    [B, T, HV, V]
+    g      [B, T, HV, K]         beta [B, T, HV]
+    A_log  [HV]                  dt_bias [HV*K]
+    cu_seqlens [N+1] (varlen, B == 1)
+    initial_state [N, HV, K, V] ("kv") or [N, HV, V, K] ("vk")
+    state_cache [slots, HV, V, K] + state_indices int [N] + has_initial_state bool [N] ("paged")
+
+Every tensor is a torch tensor of any float dtype on any device; the oracle converts
+to float64 itself.  ``validate`` raises :class:`ProblemError` with a one-line message
+naming the argument, what was expected and what came.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+GATE_KINDS = ("lower_bound", "softplus", "pregated")
+BETA_KINDS = ("sigmoid", "sigmoid2", "pregated")
+STATE_LAYOUTS = ("kv", "vk", "paged")
+
+
+class ProblemError(ValueError):
+    """Bad input to a Problem: the message names the argument, the expectation and what came."""
+
+
+def _shape(t: Optional[torch.Tensor]) -> str:
+    return "None" if t is None else f"{list(t.shape)} {str(t.dtype).replace('torch.', '')}"
+
+
+@dataclass
+class Problem:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+    A_log: Optional[torch.Tensor] = None
+    dt_bias: Optional[torch.Tensor] = None
+    scale: Optional[float] = None
+    lower_bound: Optional[float] = None
+    gate: str = "lower_bound"
+    beta_kind: str = "sigmoid"
+    qk_l2norm: bool = True
+    cu_seqlens: Optional[torch.Tensor] = None
+    initial_state: Optional[torch.Tensor] = None
+    state_layout: str = "kv"
+    state_cache: Optional[torch.Tensor] = None
+    state_indices: Optional[torch.Tensor] = None
+    has_initial_state: Optional[torch.Tensor] = None
+    output_final_state: bool = True
+    meta: dict = field(default_factory=dict)  # free-form provenance (case name, seed, ...)
+
+    # ----- derived sizes -------------------------------------------------------------
+    @property
+    def B(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def T(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def H(self) -> int:
+        return self.q.shape[2]
+
+    @property
+    def K(self) -> int:
+        return self.q.shape[3]
+
+    @property
+    def HV(self) -> int:
+        return self.v.shape[2]
+
+    @property
+    def V(self) -> int:
+        return self.v.shape[3]
+
+    @property
+    def N(self) -> int:
+        return self.B if self.cu_seqlens is None else int(self.cu_seqlens.numel()) - 1
+
+    @property
+    def paged(self) -> bool:
+        return self.state_layout == "paged"
+
+    @property
+    def scale_value(self) -> float:
+        return float(self.K ** -0.5) if self.scale is None else float(self.scale)
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    def seq_bounds(self) -> list[tuple[int, int]]:
+        """(bos, eos) of every sequence in the packed token axis of length B*T."""
+        if self.cu_seqlens is None:
+            return [(b * self.T, (b + 1) * self.T) for b in range(self.B)]
+        cu = [int(x) for x in self.cu_seqlens.tolist()]
+        return list(zip(cu[:-1], cu[1:]))
+
+    def replace(self, **changes) -> "Problem":
+        return dataclasses.replace(self, **changes)
+
+    def to(self, device=None, dtype_map=None) -> "Problem":
+        """A copy with every tensor moved to ``device``; float tensors optionally re-typed
+        through ``dtype_map`` (a dict field name -> dtype)."""
+        changes = {}
+        for f in dataclasses.fields(self):
+            val = getattr(self, f.name)
+            if isinstance(val, torch.Tensor):
+                dt = (dtype_map or {}).get(f.name)
+                changes[f.name] = val.to(device=device or val.device, dtype=dt or val.dtype)
+        return self.replace(**changes)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if isinstance(getattr(self, f.name), torch.Tensor)}
+
+    def describe(self) -> str:
+        lens = [e - b for b, e in self.seq_bounds()]
+        lb = "none" if self.lower_bound is None else f"{self.lower_bound:g}"
+        return (f"B={self.B} T={self.T} H={self.H} HV={self.HV} K={self.K} V={self.V} N={self.N} "
+                f"lens={lens if len(lens) <= 8 else str(lens[:8])[:-1] + ', ...]'} gate={self.gate} lb={lb} "
+                f"beta={self.beta_kind} l2norm={self.qk_l2norm} state={self.state_layout}"
+                f"{'' if self.initial_state is not None or self.paged else '(none)'}")
+
+
+def _req(cond: bool, msg: str):
+    if not cond:
+        raise ProblemError(msg)
+
+
+def _finite(name: str, t: Optional[torch.Tensor]):
+    if t is None or not t.is_floating_point():
+        return
+    bad = ~torch.isfinite(t)
+    if bool(bad.any()):
+        idx = tuple(int(i) for i in bad.nonzero()[0].tolist())
+        raise ProblemError(f"{name}: expected finite values, got {int(bad.sum())} NaN/Inf "
+                           f"(first at index {idx})")
+
+
+def validate(p: Problem) -> Problem:
+    """Check every argument of a Problem; raise ProblemError naming the first bad one."""
+    for name in ("q", "k", "v", "g", "beta"):
+        t = getattr(p, name)
+        _req(isinstance(t, torch.Tensor), f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        _req(t.is_floating_point(), f"{name}: expected a floating-point tensor, got {t.dtype}")
+    _req(p.q.dim() == 4, f"q: expected 4 dims [B,T,H,K], got {_shape(p.q)}")
+    B, T, H, K = p.q.shape
+    _req(p.k.shape == p.q.shape, f"k: expected the shape of q {list(p.q.shape)}, got {_shape(p.k)}")
+    _req(p.v.dim() == 4 and tuple(p.v.shape[:2]) == (B, T),
+         f"v: expected [B={B},T={T},HV,V], got {_shape(p.v)}")
+    HV, V = p.v.shape[2], p.v.shape[3]
+    _req(HV >= 1 and HV % H == 0, f"v: expected HV a multiple of H={H} (GVA), got HV={HV}")
+    _req(K >= 1 and V >= 1, f"q/v: expected K >= 1 and V >= 1, got K={K} V={V}")
+    _req(tuple(p.g.shape) == (B, T, HV, K), f"g: expected [{B},{T},{HV},{K}] (K must match q), got {_shape(p.g)}")
+    _req(tuple(p.beta.shape) == (B, T, HV), f"beta: expected [{B},{T},{HV}], got {_shape(p.beta)}")
+    _req(p.gate in GATE_KINDS, f"gate: expected one of {'|'.join(GATE_KINDS)}, got {p.gate!r}")
+    _req(p.beta_kind in BETA_KINDS, f"beta_kind: expected one of {'|'.join(BETA_KINDS)}, got {p.beta_kind!r}")
+    _req(p.state_layout in STATE_LAYOUTS,
+         f"state_layout: expected one of {'|'.join(STATE_LAYOUTS)}, got {p.state_layout!r}")
+    if p.A_log is not None:
+        _req(tuple(p.A_log.shape) == (HV,), f"A_log: expected [{HV}] (one per value head), got {_shape(p.A_log)}")
+    if p.dt_bias is not None:
+        _req(p.dt_bias.numel() == HV * K and p.dt_bias.dim() in (1, 2),
+             f"dt_bias: expected [{HV * K}] (HV*K) or [{HV},{K}], got {_shape(p.dt_bias)}")
+    if p.gate == "lower_bound":
+        _req(p.lower_bound is not None, "lower_bound: expected a number < 0 for gate=lower_bound, got none")
+        _req(isinstance(p.lower_bound, (int, float)) and math.isfinite(p.lower_bound) and p.lower_bound < 0,
+             f"lower_bound: expected a finite number < 0, got {p.lower_bound!r}")
+    if p.gate == "softplus":
+        _req(p.A_log is not None, "A_log: expected [HV] for gate=softplus, got None")
+    if p.scale is not None:
+        _req(math.isfinite(float(p.scale)) and float(p.scale) > 0, f"scale: expected a number > 0, got {p.scale!r}")
+    # varlen
+    if p.cu_seqlens is not None:
+        cu = p.cu_seqlens
+        _req(not cu.is_floating_point() and cu.dim() == 1 and cu.numel() >= 2,
+             f"cu_seqlens: expected an integer tensor [N+1] with N >= 1, got {_shape(cu)}")
+        _req(B == 1, f"cu_seqlens: expected B == 1 with varlen, got B={B}")
+        c = [int(x) for x in cu.tolist()]
+        _req(c[0] == 0, f"cu_seqlens: expected to start at 0, got {c[0]}")
+        bad = [i for i in range(1, len(c)) if c[i] < c[i - 1]]
+        if bad:
+            raise ProblemError(f"cu_seqlens: expected non-decreasing, got {c[bad[0] - 1]} then {c[bad[0]]} at index {bad[0]}")
+        _req(c[-1] == T, f"cu_seqlens: expected to end at T={T}, got {c[-1]}")
+    N = p.N
+    # states
+    if p.state_layout in ("kv", "vk"):
+        _req(p.state_cache is None and p.state_indices is None and p.has_initial_state is None,
+             f"state_cache: expected None unless state_layout=paged, got state_layout={p.state_layout!r}")
+        if p.initial_state is not None:
+            want = (N, HV, K, V) if p.state_layout == "kv" else (N, HV, V, K)
+            _req(tuple(p.initial_state.shape) == want,
+                 f"initial_state: expected {list(want)} ([N,HV,{'K,V' if p.state_layout == 'kv' else 'V,K'}] "
+                 f"for layout {p.state_layout}), got {_shape(p.initial_state)}")
+    else:
+        _req(p.initial_state is None, "initial_state: expected None with state_layout=paged (the cache holds it), got a tensor")
+        sc = p.state_cache
+        _req(sc is not None and sc.dim() == 4 and tuple(sc.shape[1:]) == (HV, V, K),
+             f"state_cache: expected [slots,{HV},{V},{K}] (V-first), got {_shape(sc)}")
+        si, hs = p.state_indices, p.has_initial_state
+        _req(si is not None and not si.is_floating_point() and si.dtype != torch.bool and tuple(si.shape) == (N,),
+             f"state_indices: expected an integer tensor [{N}], got {_shape(si)}")
+        _req(hs is not None and hs.dtype == torch.bool and tuple(hs.shape) == (N,),
+             f"has_initial_state: expected a bool tensor [{N}], got {_shape(hs)}")
+        idx = [int(x) for x in si.tolist()]
+        out = [i for i in idx if not 0 <= i < sc.shape[0]]
+        _req(not out, f"state_indices: expected values in [0, {sc.shape[0]}) (slots), got {out[:1]}")
+        dup = sorted({i for i in idx if idx.count(i) > 1})
+        _req(not dup, f"state_indices: expected distinct slots, got slot {dup[:1]} used twice")
+    for name in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state"):
+        _finite(name, getattr(p, name))
+    if p.paged:
+        used = p.state_cache[p.state_indices.long()[p.has_initial_state]]
+        _finite("state_cache (slots read through has_initial_state)", used)
+    return p

@@ -1,0 +1,59 @@
+"""The token recurrence, the definition of KDA (float64, torch path).
+
+Per sequence and value head, state S in R^{K x V}, tokens in order:
+
+    S  <- diag(exp(a_t)) S
+    d   = beta_t * (v_t - S^T k_t)
+    S  <- S + k_t d^T
+    o_t = scale * S^T q_t                 (output after the update)
+
+Vectorised over sequences and heads: sequences are padded to the longest one with
+identity tokens (k = 0, a = 0 leave S unchanged), so one loop over token positions
+serves every sequence at once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .preprocess import F64, Prepared, pad_sequences, prepare, unpad_sequences
+from .problem import Problem
+
+
+@dataclass
+class RecurrenceResult:
+    o: torch.Tensor                       # [Ttot, HV, V] float64, packed
+    final_state: torch.Tensor             # [N, HV, K, V] K-first
+    chunk_states: Optional[torch.Tensor]  # [N, NCmax+1, HV, K, V]: state at every chunk boundary
+
+
+def recurrence_prepared(pp: Prepared, chunk_size: Optional[int] = None) -> RecurrenceResult:
+    bounds = pp.bounds
+    Ttot = pp.q.shape[0]
+    L = max([e - b for b, e in bounds] + [0])
+    q, k, v = (pad_sequences(x, bounds, L) for x in (pp.q, pp.k, pp.v))
+    a, beta = pad_sequences(pp.a, bounds, L), pad_sequences(pp.beta, bounds, L)
+    decay = torch.exp(a)
+    S = pp.S0.clone()
+    o = torch.zeros_like(v)
+    states = None
+    if chunk_size:
+        nc = -(-L // chunk_size)
+        states = S.new_zeros((S.shape[0], nc + 1) + tuple(S.shape[1:]))
+        states[:, 0] = S
+    for t in range(L):
+        S = decay[:, t, :, :, None] * S
+        d = beta[:, t, :, None] * (v[:, t] - torch.einsum("nhk,nhkv->nhv", k[:, t], S))
+        S = S + k[:, t, :, :, None] * d[:, :, None, :]
+        o[:, t] = pp.scale * torch.einsum("nhk,nhkv->nhv", q[:, t], S)
+        if chunk_size and ((t + 1) % chunk_size == 0 or t + 1 == L):
+            states[:, -(-(t + 1) // chunk_size)] = S  # past a sequence's end S stays its final state
+    return RecurrenceResult(o=unpad_sequences(o, bounds, Ttot), final_state=S, chunk_states=states)
+
+
+def recurrence(p: Problem, chunk_size: Optional[int] = None) -> RecurrenceResult:
+    """Run the definition on a Problem; with ``chunk_size`` also return the state at every
+    chunk boundary (index c = state before chunk c; the last = final state)."""
+    return recurrence_prepared(prepare(p), chunk_size)
