@@ -1,0 +1,45 @@
+import pytest
+import torch
+
+from kda_ref import Problem, ProblemError, truth
+from kda_ref.recurrence import recurrence
+
+
+def _problem(seed=0, T=50, H=2, K=8, V=8, cu=(0, 10, 10, 50)):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)
+    N = len(cu) - 1
+    return Problem(q=r(1, T, H, K), k=r(1, T, H, K), v=r(1, T, H, V), g=r(1, T, H, K), beta=r(1, T, H),
+                   A_log=torch.rand(H, generator=g, dtype=torch.float64), dt_bias=r(H * K), lower_bound=-5.0,
+                   cu_seqlens=torch.tensor(cu), initial_state=r(N, H, K, V))
+
+
+def test_chunk_boundary_states_end_in_the_final_state():
+    r = recurrence(_problem(), chunk_size=16)
+    assert r.chunk_states.shape == (3, 4, 2, 8, 8)
+    for n in range(3):
+        assert torch.equal(r.chunk_states[n, -1], r.final_state[n])
+    # the empty sequence keeps its initial state
+    assert torch.equal(r.final_state[1], _problem().initial_state[1].double())
+
+
+def test_recurrence_matches_a_plain_loop():
+    p = _problem(seed=3)
+    t = truth(p)
+    from kda_ref.preprocess import prepare
+    pp = prepare(p)
+    for n, (bos, eos) in enumerate(pp.bounds):
+        for h in range(p.HV):
+            S = pp.S0[n, h].clone()
+            for i in range(bos, eos):
+                S = torch.exp(pp.a[i, h])[:, None] * S
+                d = pp.beta[i, h] * (pp.v[i, h] - S.T @ pp.k[i, h])
+                S = S + torch.outer(pp.k[i, h], d)
+                assert torch.allclose(t.o[0, i, h], pp.scale * S.T @ pp.q[i, h], rtol=1e-14, atol=1e-14)
+            assert torch.allclose(t.final_state[n, h], S, rtol=1e-14, atol=1e-14)
+
+
+def test_bad_cu_seqlens_is_named():
+    p = _problem()
+    with pytest.raises(ProblemError, match="cu_seqlens: expected non-decreasing"):
+        truth(p.replace(cu_seqlens=torch.tensor([0, 20, 10, 50])))

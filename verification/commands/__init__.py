@@ -1,0 +1,1 @@
+"""One module per `kda-verify` subcommand (NAME, HELP, add_arguments, run)."""
