@@ -1,0 +1,287 @@
+"""Adapter: AMD aiter's FlashKDA forward (``flash_kda_fwd``), every aiter layout seen.
+
+aiter is not on any package index; put its ``aiter/`` tree on PYTHONPATH and import it
+with ``AITER_TRITON_ONLY=1``.  Two module layouts exist:
+
+    2026-08   aiter.ops.triton._triton_kernels.chunk_delta_attn.flash_kda   switch CHUNK_DELTA_ATTN_USE_FLASH_KDA
+    newer     aiter.ops.triton._triton_kernels.kimi_delta_attn.flash_kda    switch AITER_FDA_ENABLE,
+              Gluon K1/K2 via AITER_FDA_USE_GLUON (module flags AITER_FDA_USE_GLUON_K1/K2), paged cache, out=
+
+Routes: ``<kernels>:<segmentation>[:prefetch=on|off]`` with kernels in triton | gluon |
+gluon-k1 | gluon-k2 (AITER_FDA_USE_GLUON = 0 / 1 / k1 / k2) and segmentation in unseg |
+seg | seg:cps=N (``chunks_per_seg`` = 0, None, N).  Gluon kernels exist only on gfx950
+(the arch decides: on any other GPU those routes are "not applicable" with the reason);
+the scan-prefetch switch AITER_FDA_SCAN_PREFETCH exists in no aiter version seen, so the
+prefetch routes say so when the installed module lacks it.
+
+Flags are set around each call and restored afterwards, so routes never leak into each
+other; afterwards the adapter confirms which kernels actually launched (it counts
+launches of the module's kernel objects) instead of trusting the flags, and refuses a
+result whose launches contradict the route.
+No AMD GPU exists where this project is developed: the Gluon routes are untested here.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+import os
+import re
+from typing import Optional
+
+import torch
+
+from kda_ref.problem import Problem
+
+from .base import Outputs, Route
+
+LAYOUTS = (
+    ("kimi_delta_attn", "aiter.ops.triton._triton_kernels.kimi_delta_attn.flash_kda"),
+    ("chunk_delta_attn", "aiter.ops.triton._triton_kernels.chunk_delta_attn.flash_kda"),
+)
+KERNEL_SETS = {"triton": (False, False), "gluon": (True, True), "gluon-k1": (True, False), "gluon-k2": (False, True)}
+SEGMENTATIONS = ("unseg", "seg", "seg:cps=1", "seg:cps=4")
+TRITON_KERNELS = {"K1": "_flash_kda_prepare_kernel", "K2": "_flash_kda_segment_kernel",
+                  "scan": "_flash_kda_seg_scan_kernel"}
+PINNED_BW = 32  # the K2 tile width each route pins where aiter would autotune among several
+_ROUTE_RE = re.compile(r"^(triton|gluon|gluon-k1|gluon-k2):(unseg|seg(?::cps=(\d+))?)(?::prefetch=(on|off))?$")
+
+
+def parse_route(name: str) -> dict:
+    """'gluon-k2:seg:cps=4:prefetch=on' -> kernels, chunks_per_seg (0 = unsegmented, None =
+    aiter's heuristic), prefetch (None = leave the library default)."""
+    m = _ROUTE_RE.match(name)
+    if not m:
+        raise ValueError(f"--route: expected <triton|gluon|gluon-k1|gluon-k2>:<unseg|seg|seg:cps=N>"
+                         f"[:prefetch=on|off] for aiter, got {name!r}")
+    kernels, seg, cps, pf = m.groups()
+    return dict(kernels=kernels, chunks_per_seg=0 if seg == "unseg" else (int(cps) if cps else None),
+                prefetch=None if pf is None else pf == "on")
+
+
+def route_names() -> list[str]:
+    names = [f"{k}:{s}" for k in KERNEL_SETS for s in SEGMENTATIONS]
+    names += [f"triton:{s}:prefetch={p}" for s in ("seg", "seg:cps=4") for p in ("on", "off")]
+    return names
+
+
+def current_arch() -> str:
+    """'gfx950', 'gfx1250', 'sm90', ... of the active GPU, or 'none'."""
+    if not torch.cuda.is_available():
+        return "none"
+    props = torch.cuda.get_device_properties(0)
+    gcn = getattr(props, "gcnArchName", "") or ""
+    if gcn:
+        return gcn.split(":")[0]
+    return f"sm{props.major}{props.minor}"
+
+
+class _LaunchCounter:
+    """Wraps a Triton kernel object: ``kernel[grid](...)`` still launches, and is counted."""
+
+    def __init__(self, kernel, counts: dict, key: str):
+        self._kernel, self._counts, self._key = kernel, counts, key
+
+    def __getitem__(self, grid):
+        launcher = self._kernel[grid]
+
+        def counted(*a, **kw):
+            self._counts[self._key] = self._counts.get(self._key, 0) + 1
+            return launcher(*a, **kw)
+        return counted
+
+    def __getattr__(self, name):
+        return getattr(self._kernel, name)
+
+
+class AiterBackend:
+    name = "aiter"
+
+    def __init__(self, module=None):
+        """``module``: an already-imported flash_kda module (tests pass a recording fake)."""
+        self._mod = module
+        self._layout = None
+        self._why = None
+        if module is not None:
+            self._layout = getattr(module, "__aiter_layout__", "given")
+
+    # ----- discovery -----------------------------------------------------------------
+    def _load(self):
+        if self._mod is not None or self._why is not None:
+            return self._mod
+        os.environ.setdefault("AITER_TRITON_ONLY", "1")
+        errors = []
+        for layout, path in LAYOUTS:
+            try:
+                self._mod = importlib.import_module(path)
+                self._layout = layout
+                return self._mod
+            except Exception as e:  # ModuleNotFoundError, or aiter's arch probe failing without a GPU
+                errors.append(f"{path}: {type(e).__name__}: {e}")
+        self._why = ("aiter is not importable (put its aiter/ tree on PYTHONPATH; AITER_TRITON_ONLY=1): "
+                     + " | ".join(errors))
+        return None
+
+    def available(self) -> tuple[bool, str]:
+        if self._load() is None:
+            return False, self._why
+        if not torch.cuda.is_available() and self._layout != "given":
+            return False, "aiter's FlashKDA needs a GPU (no CUDA/HIP device here)"
+        return True, ""
+
+    def version(self) -> str:
+        mod = self._load()
+        if mod is None:
+            return "not installed"
+        feats = [f for f in ("state_cache", "out") if self._supports(f)]
+        return f"aiter flash_kda ({self._layout} layout{', ' + ', '.join(feats) if feats else ''})"
+
+    def _supports(self, arg: str) -> bool:
+        try:
+            return arg in inspect.signature(self._mod.flash_kda_fwd).parameters
+        except (TypeError, ValueError, AttributeError):
+            return False
+
+    def routes(self) -> list[Route]:
+        out = []
+        for name in route_names():
+            r = parse_route(name)
+            out.append(Route(name, recipe="flashkda", flags=tuple(sorted(r.items(), key=lambda kv: kv[0])),
+                             description=f"AITER_FDA_USE_GLUON={r['kernels']}, chunks_per_seg={r['chunks_per_seg']}"))
+        return out
+
+    # ----- applicability -------------------------------------------------------------
+    def route_exists(self, route: Route) -> tuple[bool, str]:
+        """Whether this route exists with this aiter version on this GPU, and why not."""
+        r = parse_route(route.name)
+        mod = self._load()
+        if r["kernels"] != "triton":
+            if mod is not None and not hasattr(mod, "AITER_FDA_USE_GLUON_K1"):
+                return False, (f"not applicable: this aiter version ({self._layout} layout) has no Gluon "
+                               f"FlashKDA kernels (no AITER_FDA_USE_GLUON)")
+            arch = current_arch()
+            if arch != "gfx950":
+                return False, (f"not applicable: aiter's Gluon FlashKDA kernels run on gfx950 only; this GPU is "
+                               f"{arch} (no AMD GPU is available to this project)")
+        if r["prefetch"] is not None and mod is not None and not hasattr(mod, "AITER_FDA_SCAN_PREFETCH"):
+            return False, ("not applicable: this aiter version has no scan-prefetch switch "
+                           "(AITER_FDA_SCAN_PREFETCH is absent from the module)")
+        return True, ""
+
+    def accepts(self, p: Problem, route: Route) -> tuple[bool, str]:
+        ok, why = self.route_exists(route)
+        if not ok:
+            return ok, why
+        if p.K != 128 or p.V != 128:
+            return False, f"not applicable: FlashKDA needs K = V = 128, got K={p.K} V={p.V}"
+        if p.HV != p.H:
+            return False, f"not applicable: FlashKDA has no GVA (H={p.H}, HV={p.HV})"
+        if p.gate != "lower_bound" or p.A_log is None:
+            return False, "not applicable: FlashKDA needs the lower_bound gate with A_log"
+        if not -5.55 < float(p.lower_bound) < 0:
+            return False, f"not applicable: FlashKDA's pivot overflows fp32 for lower_bound <= -5.55, got {p.lower_bound}"
+        if p.beta_kind != "sigmoid" or not p.qk_l2norm:
+            return False, "not applicable: FlashKDA needs beta sigmoid and qk l2norm in the kernel"
+        if p.q.dtype != torch.bfloat16 or p.v.dtype != torch.bfloat16:
+            return False, f"not applicable: FlashKDA needs bf16 q and v, got {p.q.dtype} / {p.v.dtype}"
+        if p.paged and not self._supports("state_cache"):
+            return False, f"not applicable: this aiter version ({self._layout} layout) has no paged state cache"
+        if p.N * p.H > 65535:
+            return False, f"not applicable: N*H = {p.N * p.H} exceeds the CUDA grid-y limit 65535 of aiter's scan"
+        return True, ""
+
+    # ----- running ---------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _pinned(self, r: dict, counts: dict):
+        """Set the route's module flags and count kernel launches; restore everything after."""
+        mod = self._mod
+        saved = {}
+        saved_configs = []
+
+        def setattr_saved(name, value):
+            if hasattr(mod, name):
+                saved[name] = getattr(mod, name)
+                setattr(mod, name, value)
+
+        k1, k2 = KERNEL_SETS[r["kernels"]]
+        setattr_saved("AITER_FDA_USE_GLUON_K1", k1)
+        setattr_saved("AITER_FDA_USE_GLUON_K2", k2)
+        if r["prefetch"] is not None:
+            setattr_saved("AITER_FDA_SCAN_PREFETCH", r["prefetch"])
+        env_saved = os.environ.pop("CHUNK_DELTA_ATTN_FLASH_KDA_SEG", None)  # the explicit argument decides
+        for key, attr in TRITON_KERNELS.items():
+            if hasattr(mod, attr):
+                kernel = getattr(mod, attr)
+                configs = getattr(kernel, "configs", None)
+                if configs and len(configs) > 1:  # pin one config: no autotuning inside a verdict
+                    pinned = [c for c in configs if c.kwargs.get("BW") == PINNED_BW] or configs[:1]
+                    saved_configs.append((kernel, configs))
+                    kernel.configs = pinned[:1]
+                    counts[f"{key}:config"] = str(pinned[0].kwargs)
+                setattr_saved(attr, _LaunchCounter(kernel, counts, key))
+        for attr in [a for a in dir(mod) if "gluon" in a.lower() and callable(getattr(mod, a, None))
+                     and hasattr(getattr(mod, a), "__getitem__") and not a.startswith("AITER")]:
+            setattr_saved(attr, _LaunchCounter(getattr(mod, attr), counts, f"gluon:{attr}"))
+        try:
+            yield
+        finally:
+            for name, value in saved.items():
+                setattr(mod, name, value)
+            for kernel, configs in saved_configs:
+                kernel.configs = configs
+            if env_saved is not None:
+                os.environ["CHUNK_DELTA_ATTN_FLASH_KDA_SEG"] = env_saved
+
+    def call_arguments(self, p: Problem, r: dict) -> dict:
+        """Keyword arguments of flash_kda_fwd for one Problem (layouts and dtypes as aiter wants)."""
+        kw = dict(q=p.q, k=p.k, v=p.v, g=p.g, beta=p.beta, A_log=p.A_log.to(torch.float32),
+                  dt_bias=None if p.dt_bias is None else p.dt_bias.reshape(-1).to(torch.float32),
+                  scale=p.scale_value, lower_bound=float(p.lower_bound),
+                  output_final_state=bool(p.output_final_state) and not p.paged,
+                  state_v_first=p.state_layout in ("vk", "paged"), chunks_per_seg=r["chunks_per_seg"])
+        if p.cu_seqlens is not None:
+            kw["cu_seqlens"] = p.cu_seqlens.to(device=p.device, dtype=torch.int64).clone()
+        if p.initial_state is not None:
+            kw["initial_state"] = p.initial_state.to(torch.float32)
+        if p.paged:
+            kw.update(state_cache=p.state_cache.clone(), state_indices=p.state_indices.to(torch.int32),
+                      has_initial_state=p.has_initial_state.bool(), out=torch.empty_like(p.v))
+        return kw
+
+    @staticmethod
+    def confirm(r: dict, counts: dict, segmented_expected: Optional[bool]) -> str:
+        """Describe what launched; raise if it contradicts the route."""
+        counts = {k: v for k, v in counts.items() if not k.endswith(":config")}
+        gluon = sum(v for k, v in counts.items() if k.startswith("gluon:"))
+        wants_gluon = r["kernels"] != "triton"
+        if not wants_gluon and gluon:
+            raise RuntimeError(f"aiter route {r['kernels']} launched Gluon kernels: {counts}")
+        if wants_gluon and not gluon:
+            raise RuntimeError(f"aiter route {r['kernels']} launched no Gluon kernel: {counts}")
+        scans = counts.get("scan", 0)
+        if segmented_expected is True and not scans:
+            raise RuntimeError(f"aiter route asked for segmentation but no scan launched: {counts}")
+        if segmented_expected is False and scans:
+            raise RuntimeError(f"aiter route asked for no segmentation but the scan launched: {counts}")
+        return ", ".join(f"{k}x{v}" for k, v in sorted(counts.items())) or "no launches counted"
+
+    def run(self, p: Problem, route: Route) -> Outputs:
+        if self._load() is None:
+            raise RuntimeError(self._why)
+        r = parse_route(route.name)
+        kw = self.call_arguments(p, r)
+        n_chunks_max = max([-(-(e - b) // 32) for b, e in p.seq_bounds()] + [0])
+        cps = r["chunks_per_seg"]
+        segmented_expected = None if cps is None else (cps > 0 and n_chunks_max > cps)
+        counts: dict = {}
+        with self._pinned(r, counts), torch.inference_mode():
+            o, final = self._mod.flash_kda_fwd(**kw)
+        ran = self.confirm(r, counts, segmented_expected)
+        pinned = {k: v for k, v in counts.items() if k.endswith(":config")}
+        if pinned:
+            ran += "; pinned " + ", ".join(f"{k}={v}" for k, v in pinned.items())
+        if p.paged:
+            return Outputs(o=kw["out"] if o is None else o, state_cache=kw["state_cache"],
+                           info={"route_ran": ran, "layout": self._layout})
+        return Outputs(o=o, final_state=final if p.output_final_state else None,
+                       info={"route_ran": ran, "layout": self._layout})

@@ -1,0 +1,136 @@
+"""Adapter: flash-linear-attention's KDA (fla-core 0.6.0 API), Triton path.
+
+Routes (all forward, inference mode, ``FLA_FLASH_KDA=0`` so fla's own Triton kernels run
+and not the CUTLASS FlashKDA backend that fla would otherwise dispatch to):
+
+    chunk:safe_gate          chunk_kda(chunk_size=64, safe_gate=True)
+    chunk:exact              chunk_kda(chunk_size=64, safe_gate=False)
+    chunk:safe_gate:C=32     chunk_kda(chunk_size=32, safe_gate=True)
+    chunk:exact:C=32         chunk_kda(chunk_size=32, safe_gate=False)
+    fused_recurrent          fused_recurrent_kda (token loop, fp32)
+
+Problem -> call mapping: gate lower_bound -> use_gate_in_kernel + lower_bound (+A_log,
+dt_bias as keywords); softplus -> use_gate_in_kernel with lower_bound None; pregated -> g
+as given.  beta sigmoid -> use_beta_sigmoid_in_kernel; sigmoid2 -> + allow_neg_eigval.
+qk_l2norm -> use_qk_l2norm_in_kernel.  state kv / vk -> state_v_first False / True, the
+initial state in fp32.  Paged caches are not part of chunk_kda's API: not applicable.
+fla caches tensors derived from ``cu_seqlens`` keyed by object identity; every call gets
+a fresh int64 copy so a reused, mutated tensor can never hit a stale entry.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from kda_ref.problem import Problem
+
+from .base import Outputs, Route
+
+CHUNK_ROUTES = {
+    "chunk:safe_gate": dict(chunk_size=64, safe_gate=True),
+    "chunk:exact": dict(chunk_size=64, safe_gate=False),
+    "chunk:safe_gate:C=32": dict(chunk_size=32, safe_gate=True),
+    "chunk:exact:C=32": dict(chunk_size=32, safe_gate=False),
+}
+
+
+def _import_fla():
+    """Import fla's KDA ops with its FlashKDA dispatch switched off (before the import)."""
+    os.environ["FLA_FLASH_KDA"] = "0"
+    from fla.ops.kda import chunk_kda, fused_recurrent_kda
+    return chunk_kda, fused_recurrent_kda
+
+
+def call_arguments(p: Problem, route: Route) -> tuple[str, dict]:
+    """The fla function name and keyword arguments for one route on one Problem
+    (pure: no fla import, so the mapping is testable anywhere)."""
+    kw: dict = dict(q=p.q, k=p.k, v=p.v, g=p.g, beta=p.beta, scale=p.scale_value,
+                    output_final_state=bool(p.output_final_state),
+                    use_qk_l2norm_in_kernel=bool(p.qk_l2norm),
+                    use_beta_sigmoid_in_kernel=p.beta_kind in ("sigmoid", "sigmoid2"),
+                    allow_neg_eigval=p.beta_kind == "sigmoid2",
+                    state_v_first=p.state_layout == "vk")
+    if p.gate in ("lower_bound", "softplus"):
+        kw.update(use_gate_in_kernel=True, A_log=p.A_log, dt_bias=None if p.dt_bias is None else p.dt_bias.reshape(-1),
+                  lower_bound=float(p.lower_bound) if p.gate == "lower_bound" else None)
+    else:
+        kw.update(use_gate_in_kernel=False)
+    if p.initial_state is not None:
+        kw["initial_state"] = p.initial_state.to(torch.float32).contiguous()
+    if p.cu_seqlens is not None:
+        kw["cu_seqlens"] = p.cu_seqlens.to(device=p.device, dtype=torch.int64).clone()
+    if route.name == "fused_recurrent":
+        return "fused_recurrent_kda", kw
+    kw.update(CHUNK_ROUTES[route.name])
+    return "chunk_kda", kw
+
+
+class FlaBackend:
+    name = "fla"
+
+    def __init__(self):
+        self._ops = None
+        self._why = None
+
+    def _load(self):
+        if self._ops is None and self._why is None:
+            try:
+                self._ops = dict(zip(("chunk_kda", "fused_recurrent_kda"), _import_fla()))
+            except Exception as e:  # ImportError, or fla's own platform checks
+                self._why = f"fla-core is not importable: {type(e).__name__}: {e}"
+        return self._ops
+
+    def available(self) -> tuple[bool, str]:
+        self._load()
+        if self._why:
+            return False, self._why
+        if not torch.cuda.is_available():
+            return False, "fla's Triton kernels need a GPU (no CUDA device here)"
+        return True, ""
+
+    def version(self) -> str:
+        try:
+            import fla
+            return f"fla-core {fla.__version__}"
+        except Exception:
+            return "not installed"
+
+    def routes(self) -> list[Route]:
+        out = [Route(name, recipe="fla", flags=tuple(sorted(kw.items())),
+                     description=f"chunk_kda {kw}") for name, kw in CHUNK_ROUTES.items()]
+        out.append(Route("fused_recurrent", recipe="fla", description="fused_recurrent_kda (fp32 token loop)"))
+        return out
+
+    def accepts(self, p: Problem, route: Route) -> tuple[bool, str]:
+        if route.name not in CHUNK_ROUTES and route.name != "fused_recurrent":
+            return False, f"not applicable: unknown fla route {route.name!r}"
+        if p.paged:
+            return False, "not applicable: fla's chunk_kda / fused_recurrent_kda have no paged state cache"
+        if p.K > 256:
+            return False, f"not applicable: fla asserts K <= 256, got K={p.K}"
+        safe = dict(CHUNK_ROUTES.get(route.name, {})).get("safe_gate", False)
+        if safe:
+            if p.gate == "softplus":
+                return False, "not applicable: safe_gate needs the lower_bound gate (fla raises otherwise)"
+            if p.gate == "lower_bound" and not (-5.0 <= float(p.lower_bound) < 0.0):
+                return False, f"not applicable: safe_gate needs lower_bound in [-5, 0), got {p.lower_bound}"
+            if p.gate == "pregated":
+                lo = float(p.g.float().min()) if p.g.numel() else 0.0
+                if lo < -5.0:
+                    return False, f"not applicable: safe_gate needs a pre-gated g in [-5, 0], min is {lo:.3g}"
+        if p.gate == "softplus" and p.A_log is None:
+            return False, "not applicable: fla's softplus gate needs A_log"
+        return True, ""
+
+    def run(self, p: Problem, route: Route, out: Optional[torch.Tensor] = None) -> Outputs:
+        ops = self._load()
+        if ops is None:
+            raise RuntimeError(self._why)
+        fn_name, kw = call_arguments(p, route)
+        with torch.inference_mode():
+            o, final = ops[fn_name](**kw)
+        info = {"route_ran": f"fla.{fn_name}" + (f"(chunk_size={kw['chunk_size']}, safe_gate={kw['safe_gate']})"
+                                                   if fn_name == "chunk_kda" else "")}
+        return Outputs(o=o, final_state=final if p.output_final_state else None, info=info)

@@ -1,0 +1,188 @@
+"""CPU tests of the production-kernel adapters' mapping from a Problem to the library call.
+
+fla, aiter and Moonshot's flash_kda run only on GPUs. Here the fla mapping is checked as
+pure data (no fla import), and aiter is replaced by a *recorded* stand-in module that
+launches stand-in kernels the way aiter's flash_kda_fwd does (K1, pass A/B when
+segmented, pass C), because aiter is not importable without a GPU.
+"""
+import os
+import types
+
+import pytest
+import torch
+
+from kda_kernels import aiter as aiter_mod
+from kda_kernels import fla as fla_mod
+from kda_kernels import moonshot as moon_mod
+from kda_kernels.base import Route
+from kda_ref.problem import Problem
+
+
+def _problem(T=100, H=2, K=128, V=128, cu=None, layout="kv", gate="lower_bound", lb=-5.0, state=True):
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g)
+    N = 1 if cu is None else len(cu) - 1
+    init = None
+    if state and layout != "paged":
+        init = r(N, H, K, V) if layout == "kv" else r(N, H, V, K)
+    return Problem(q=r(1, T, H, K).bfloat16(), k=r(1, T, H, K).bfloat16(), v=r(1, T, H, V).bfloat16(),
+                   g=r(1, T, H, K).bfloat16(), beta=r(1, T, H), A_log=r(H).abs(), dt_bias=r(H * K),
+                   lower_bound=lb if gate == "lower_bound" else None, gate=gate,
+                   cu_seqlens=None if cu is None else torch.tensor(cu), initial_state=init, state_layout=layout)
+
+
+# ----- fla ---------------------------------------------------------------------------------
+def test_fla_chunk_mapping_lower_bound_vk_varlen():
+    p = _problem(cu=[0, 40, 100], layout="vk")
+    name, kw = fla_mod.call_arguments(p, Route("chunk:safe_gate:C=32", recipe="fla"))
+    assert name == "chunk_kda"
+    assert kw["chunk_size"] == 32 and kw["safe_gate"] is True
+    assert kw["use_gate_in_kernel"] and kw["lower_bound"] == -5.0 and kw["A_log"] is p.A_log
+    assert kw["state_v_first"] is True and kw["initial_state"].dtype == torch.float32
+    assert kw["cu_seqlens"].dtype == torch.int64 and kw["cu_seqlens"] is not p.cu_seqlens  # fresh copy
+    assert kw["use_qk_l2norm_in_kernel"] and kw["use_beta_sigmoid_in_kernel"] and not kw["allow_neg_eigval"]
+
+
+def test_fla_softplus_pregated_and_sigmoid2():
+    p = _problem(gate="softplus").replace(beta_kind="sigmoid2")
+    _, kw = fla_mod.call_arguments(p, Route("chunk:exact", recipe="fla"))
+    assert kw["use_gate_in_kernel"] and kw["lower_bound"] is None and kw["allow_neg_eigval"]
+    p2 = _problem(gate="pregated").replace(beta_kind="pregated")
+    name, kw2 = fla_mod.call_arguments(p2, Route("fused_recurrent", recipe="fla"))
+    assert name == "fused_recurrent_kda" and not kw2["use_gate_in_kernel"] and not kw2["use_beta_sigmoid_in_kernel"]
+    assert "chunk_size" not in kw2
+
+
+def test_fla_accepts_says_why():
+    b = fla_mod.FlaBackend()
+    ok, why = b.accepts(_problem(layout="paged", state=False).replace(
+        state_cache=torch.zeros(3, 2, 128, 128), state_indices=torch.tensor([1]),
+        has_initial_state=torch.tensor([True])), Route("chunk:safe_gate"))
+    assert not ok and "paged" in why
+    ok, why = b.accepts(_problem(gate="softplus"), Route("chunk:safe_gate"))
+    assert not ok and "safe_gate" in why
+    ok, why = b.accepts(_problem(lb=-5.5), Route("chunk:safe_gate"))
+    assert not ok and "[-5, 0)" in why
+    assert b.accepts(_problem(lb=-5.5), Route("chunk:exact")) == (True, "")
+
+
+# ----- aiter (recorded stand-in) ------------------------------------------------------------
+class _FakeKernel:
+    def __init__(self, log, name):
+        self.log, self.name = log, name
+
+    def __getitem__(self, grid):
+        return lambda *a, **kw: self.log.append(self.name)
+
+
+def _fake_aiter(with_gluon=False, paged=False):
+    """A stand-in for aiter's flash_kda module that records its calls and launches."""
+    m = types.ModuleType("fake_flash_kda")
+    m.__aiter_layout__ = "recorded"
+    m.calls, m.log = [], []
+    m._flash_kda_prepare_kernel = _FakeKernel(m.log, "K1")
+    m._flash_kda_segment_kernel = _FakeKernel(m.log, "K2")
+    m._flash_kda_seg_scan_kernel = _FakeKernel(m.log, "scan")
+    if with_gluon:
+        m.AITER_FDA_USE_GLUON_K1 = True
+        m.AITER_FDA_USE_GLUON_K2 = True
+
+    def flash_kda_fwd(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, initial_state=None,
+                      output_final_state=False, state_v_first=False, cu_seqlens=None, chunk_indices=None,
+                      chunks_per_seg=None, **extra):
+        m.calls.append(dict(locals()))
+        bounds = cu_seqlens.tolist() if cu_seqlens is not None else [0, q.shape[1]]
+        nmax = max(-(-(b - a) // 32) for a, b in zip(bounds[:-1], bounds[1:]))
+        m._flash_kda_prepare_kernel[(1,)]()
+        cps = nmax if chunks_per_seg is None or chunks_per_seg <= 0 else chunks_per_seg
+        if nmax > cps:
+            m._flash_kda_segment_kernel[(1,)]()
+            m._flash_kda_seg_scan_kernel[(1,)]()
+        m._flash_kda_segment_kernel[(1,)]()
+        N = len(bounds) - 1
+        fs = torch.zeros(N, q.shape[2], 128, 128) if output_final_state else None
+        return torch.zeros_like(v), fs
+
+    m.flash_kda_fwd = flash_kda_fwd
+    if paged:
+        def flash_kda_fwd_paged(*a, out=None, state_cache=None, state_indices=None, has_initial_state=None, **kw):
+            return flash_kda_fwd(*a, **kw)
+        m.flash_kda_fwd = flash_kda_fwd_paged
+    return m
+
+
+def test_aiter_route_names_parse_and_reject():
+    assert aiter_mod.parse_route("gluon-k2:seg:cps=4:prefetch=on") == dict(kernels="gluon-k2", chunks_per_seg=4,
+                                                                          prefetch=True)
+    assert aiter_mod.parse_route("triton:unseg")["chunks_per_seg"] == 0
+    assert aiter_mod.parse_route("triton:seg")["chunks_per_seg"] is None
+    with pytest.raises(ValueError, match="--route: expected"):
+        aiter_mod.parse_route("triton:segmented")
+
+
+def test_aiter_mapping_and_launch_confirmation():
+    fake = _fake_aiter()
+    b = aiter_mod.AiterBackend(module=fake)
+    p = _problem(T=200, cu=[0, 150, 150, 200], layout="vk")
+    out = b.run(p, Route("triton:seg:cps=1"))
+    call = fake.calls[-1]
+    assert call["chunks_per_seg"] == 1 and call["state_v_first"] is True
+    assert call["cu_seqlens"].dtype == torch.int64 and call["dt_bias"].shape == (2 * 128,)
+    assert call["initial_state"].dtype == torch.float32
+    assert "scanx1" in out.info["route_ran"] and "K1x1" in out.info["route_ran"]
+    b.run(p, Route("triton:unseg"))
+    assert fake.calls[-1]["chunks_per_seg"] == 0 and fake.log[-1] == "K2" and "scan" not in fake.log[-2:]
+
+
+def test_aiter_contradicting_launches_are_refused():
+    fake = _fake_aiter()
+    b = aiter_mod.AiterBackend(module=fake)
+    fake.flash_kda_fwd_orig = fake.flash_kda_fwd
+
+    def never_segments(*a, chunks_per_seg=None, **kw):  # a library that ignores chunks_per_seg
+        return fake.flash_kda_fwd_orig(*a, chunks_per_seg=0, **kw)
+    fake.flash_kda_fwd = never_segments
+    with pytest.raises(RuntimeError, match="no scan launched"):
+        b.run(_problem(T=200), Route("triton:seg:cps=1"))
+
+
+def test_aiter_flags_are_restored_and_gluon_needs_gfx950():
+    fake = _fake_aiter(with_gluon=True)
+    b = aiter_mod.AiterBackend(module=fake)
+    ok, why = b.accepts(_problem(), Route("gluon:unseg"))
+    assert not ok and "gfx950" in why
+    b.run(_problem(), Route("triton:unseg"))
+    assert fake.AITER_FDA_USE_GLUON_K1 is True and fake.AITER_FDA_USE_GLUON_K2 is True  # restored
+    assert isinstance(fake._flash_kda_prepare_kernel, _FakeKernel)  # counters removed
+    ok, why = aiter_mod.AiterBackend(module=_fake_aiter()).accepts(_problem(), Route("gluon-k1:unseg"))
+    assert not ok and "no Gluon" in why
+    ok, why = b.accepts(_problem(), Route("triton:seg:prefetch=on"))
+    assert not ok and "AITER_FDA_SCAN_PREFETCH" in why
+
+
+def test_aiter_paged_only_where_supported():
+    paged = _problem(layout="paged", state=False).replace(
+        state_cache=torch.zeros(4, 2, 128, 128), state_indices=torch.tensor([2], dtype=torch.int32),
+        has_initial_state=torch.tensor([True]))
+    ok, why = aiter_mod.AiterBackend(module=_fake_aiter()).accepts(paged, Route("triton:unseg"))
+    assert not ok and "paged" in why
+    assert aiter_mod.AiterBackend(module=_fake_aiter(paged=True)).accepts(paged, Route("triton:unseg"))[0]
+
+
+def test_aiter_env_segment_override_cannot_leak_into_a_route(monkeypatch):
+    monkeypatch.setenv("CHUNK_DELTA_ATTN_FLASH_KDA_SEG", "4")
+    fake = _fake_aiter()
+    aiter_mod.AiterBackend(module=fake).run(_problem(T=200), Route("triton:unseg"))
+    assert "scan" not in fake.log
+    assert os.environ["CHUNK_DELTA_ATTN_FLASH_KDA_SEG"] == "4"
+
+
+# ----- moonshot ------------------------------------------------------------------------------
+def test_moonshot_mapping_is_v_first_with_2d_dt_bias():
+    p = _problem(cu=[0, 60, 100])
+    kw = moon_mod.call_arguments(p)
+    assert kw["dt_bias"].shape == (2, 128) and kw["cu_seqlens"].dtype == torch.int64
+    assert torch.equal(kw["initial_state"], p.initial_state.transpose(-1, -2))
+    assert kw["final_state"].shape == (2, 2, 128, 128) and kw["out"].dtype == torch.bfloat16
+    ok, why = moon_mod.MoonshotBackend().accepts(p.replace(gate="softplus", lower_bound=None), Route("cutlass"))
+    assert not ok and "lower_bound" in why
