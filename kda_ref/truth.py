@@ -43,11 +43,51 @@ def finish(p: Problem, o_packed: torch.Tensor, final_kfirst: torch.Tensor) -> Tr
     return Truth(o=o, final_state=fs)
 
 
-def truth(p: Problem, method: str = "recurrence") -> Truth:
-    """The float64 truth of a Problem (validated first)."""
+METHODS = ("chunked", "segmented", "recurrence", "fla")
+
+
+def truth(p: Problem, method: str = "chunked", chunk_size: int = 64, chunks_per_seg: Optional[int] = None,
+          workspace: bool = False) -> Truth:
+    """The float64 truth of a Problem (validated first).
+
+    method: "chunked" (default; the workspace and the chunk steps, one segment per sequence),
+    "segmented" (passes A, B, C with ``chunks_per_seg``), "recurrence" (the token recurrence,
+    the definition) or "fla" (fla's chunked form, chunk_size 32 or 64).
+    workspace=True also returns, in ``Truth.extras``, the ws_* buffers at ``chunk_size`` (production
+    layout), ``ws_pivot`` [tiles], ``ws_cond1`` [HV*tiles] (κ₁(I - L)), and the segment tensors of
+    ``chunks_per_seg`` (None: one segment per sequence): ``A_seg``, ``b_seg``, ``h_in``,
+    ``seg_desc`` [6, segs] int32 and ``seq_seg_off`` [N+1] int32."""
     validate(p)
+    if method not in METHODS:
+        raise ValueError(f"method: expected one of {'|'.join(METHODS)}, got {method!r}")
+    from .preprocess import prepare
+    pp = prepare(p)
+    extras: dict = {}
+    ws = seg = None
+    if method in ("chunked", "segmented") or workspace:
+        from .workspace import condition_number, workspace_prepared
+        ws = workspace_prepared(pp, chunk_size)
+    if method == "segmented" or workspace:
+        from .segments import segmented
+        seg = segmented(pp, ws, chunks_per_seg)
     if method == "recurrence":
-        from .recurrence import recurrence
-        r = recurrence(p)
-        return finish(p, r.o, r.final_state)
-    raise ValueError(f"method: expected recurrence, got {method!r}")
+        from .recurrence import recurrence_prepared
+        r = recurrence_prepared(pp)
+        o, final = r.o, r.final_state
+    elif method == "chunked":
+        from .chunked import chunked_from_workspace
+        o, final = chunked_from_workspace(pp, ws)
+    elif method == "segmented":
+        o, final = seg.o, seg.final_state
+    else:
+        from .fla_form import fla_form
+        f = fla_form(pp, chunk_size)
+        o, final = f.o, f.final_state
+    if workspace:
+        extras.update(ws.tensors())
+        extras["ws_pivot"] = ws.pivot.to(torch.int32)
+        extras["ws_cond1"] = condition_number(ws.L, ws.ws_inv)
+        extras.update(seg.tensors())
+    t = finish(p, o, final)
+    t.extras = extras
+    return t
