@@ -1,0 +1,348 @@
+"""Cases and suites (DESIGN §5): a Case is a name, a seed and a recipe of parameters that
+builds one Problem deterministically.
+
+Inputs follow aiter's FlashKDA test generator (realistic Kimi ranges):
+
+    q, k, v ~ N(0,1) bf16 [B,T,H,128]      g = g_scale*N(0,1) + g_shift, bf16 [B,T,H,128]
+    beta_raw ~ N(0,1) fp32 (or a constant) A_log = 0.5|N(0,1)| fp32 [H]
+    dt_bias = 0.1 N(0,1) fp32 [H*128]      scale = 1/sqrt(128), lower_bound lb (default -5)
+
+Random numbers are drawn on the CPU from a generator seeded by the case's seed, then moved to
+the requested device, so a case builds the same Problem on every machine.
+
+Parameters (``Case.params``; every one optional):
+    B, T, H, HV, K, V   sizes (defaults 1, 64, 2, H, 128, 128); ``lens`` [..] makes a varlen
+                        problem (B = 1, T = sum(lens), empty sequences allowed)
+    lb                  lower bound of the gate (gate = lower_bound)
+    g_scale, g_shift    raw gate = g_scale*N(0,1) + g_shift (g_shift = 12 saturates the sigmoid)
+    beta_raw            a constant raw beta (4 -> beta ~ 0.982) instead of N(0,1)
+    rho                 correlated keys: k <- rho*k[first token] + (1-rho)*k
+    state               none | kv | vk | paged;  state_scale (default 0.5) multiplies N(0,1)
+    converged           initial state S* and v_t = S*^T khat_t (+ bf16 rounding): S^T k ~ v
+    paged_new           indices of sequences that start fresh (has_initial_state False);
+                        their slots and every unused slot hold NaN; slot_pad adds a slot stride pad
+    fused_proj          q/k/v/g are strided bands of one [B,T,H*(3K+V)] projection
+    chunks_per_seg      a hint for segmented routes (stored in problem.meta)
+    long                a case too long for CPU runs (get_suite(..., long=False) drops it)
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+
+from kda_ref.problem import Problem, validate
+
+SUITES = ("smoke", "default", "k3-prefill", "stress", "fuzz")
+
+DEFAULT_SHAPES = ((1, 256, 12), (1, 512, 12), (1, 1664, 12), (1, 2048, 12), (1, 8192, 12), (1, 16384, 12),
+                  (1, 16384, 64), (1, 16384, 96), (1, 8192, 32), (1, 8192, 64), (2, 2664, 12), (4, 4096, 16),
+                  (8, 2048, 16))
+
+
+def _usage_error(msg: str) -> Exception:
+    from verification.cli import UsageError
+    return UsageError(msg)
+
+
+def stable_seed(text: str) -> int:
+    """A seed that depends only on the text (crc32), the same on every machine and run."""
+    return zlib.crc32(text.encode()) & 0x7FFFFFFF
+
+
+@dataclass
+class Case:
+    name: str
+    suite: str
+    seed: int
+    params: dict = field(default_factory=dict)
+
+    @property
+    def id(self) -> str:
+        return f"{self.suite}/{self.name}"
+
+    @property
+    def long(self) -> bool:
+        return bool(self.params.get("long", False))
+
+    @property
+    def lens(self):
+        p = self.params
+        if "lens" in p:
+            return list(p["lens"])
+        return [p.get("T", 64)] * p.get("B", 1)
+
+    @property
+    def shape_key(self) -> tuple:
+        """(B, T, H) for plots: T is the total token count of a varlen case."""
+        p = self.params
+        if "lens" in p:
+            return (1, sum(p["lens"]), p.get("H", 2))
+        return (p.get("B", 1), p.get("T", 64), p.get("H", 2))
+
+    def build(self, device="cpu") -> Problem:
+        """The Problem of this case (deterministic from the seed), on ``device``."""
+        return build_problem(self.params, self.seed, device=device, meta={"case": self.id, "seed": self.seed})
+
+    def __repr__(self) -> str:
+        return f"Case({self.id!r}, seed={self.seed})"
+
+
+def _bf16(x):
+    return x.to(torch.bfloat16)
+
+
+def build_problem(params: dict, seed: int, device="cpu", meta=None) -> Problem:
+    """Realistic KDA inputs from ``params`` (see the module docstring) and ``seed``."""
+    p = dict(params)
+    gen = torch.Generator().manual_seed(int(seed))
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float32)
+
+    H = int(p.get("H", 2))
+    HV = int(p.get("HV", H))
+    K, V = int(p.get("K", 128)), int(p.get("V", 128))
+    varlen = "lens" in p
+    if varlen:
+        lens = [int(n) for n in p["lens"]]
+        B, T = 1, sum(lens)
+    else:
+        B, T = int(p.get("B", 1)), int(p.get("T", 64))
+        lens = [T] * B
+    N = len(lens)
+    g_scale, g_shift = float(p.get("g_scale", 0.1)), float(p.get("g_shift", 0.0))
+    if p.get("fused_proj"):
+        # one projection [B,T,H*K | H*K | HV*V | HV*K]; q, k, v, g are strided views of it
+        pieces = [randn(B, T, H * K), randn(B, T, H * K), randn(B, T, HV * V), g_scale * randn(B, T, HV * K) + g_shift]
+        proj = _bf16(torch.cat(pieces, dim=-1))
+        o1, o2, o3 = H * K, 2 * H * K, 2 * H * K + HV * V
+        q = proj[..., :o1].unflatten(-1, (H, K))
+        k = proj[..., o1:o2].unflatten(-1, (H, K))
+        v = proj[..., o2:o3].unflatten(-1, (HV, V))
+        g = proj[..., o3:].unflatten(-1, (HV, K))
+    else:
+        q, k, v = _bf16(randn(B, T, H, K)), _bf16(randn(B, T, H, K)), _bf16(randn(B, T, HV, V))
+        g = _bf16(g_scale * randn(B, T, HV, K) + g_shift)
+    beta = randn(B, T, HV)
+    if "beta_raw" in p:
+        beta = torch.full((B, T, HV), float(p["beta_raw"]))
+    rho = float(p.get("rho", 0.0))
+    if rho:
+        # correlated keys within each sequence: every key leans towards the sequence's first key
+        kf = k.float().clone()
+        for n, (bos, eos) in enumerate(_bounds(lens, B, T, varlen)):
+            b, t0, t1 = (0, bos, eos) if varlen else (n, 0, T)
+            if t1 > t0:
+                kf[b, t0:t1] = rho * kf[b, t0:t0 + 1] + (1.0 - rho) * kf[b, t0:t1]
+        k = _bf16(kf)
+    A_log = 0.5 * randn(HV).abs()
+    dt_bias = 0.1 * randn(HV * K)
+    lb = float(p.get("lb", -5.0))
+    state = p.get("state", "none")
+    scale_s = float(p.get("state_scale", 0.5))
+    init = None
+    cache = indices = has_init = None
+    if p.get("converged"):
+        # S* with S*^T khat ~ v: v is made from the keys the kernel will see
+        S_star = randn(N, HV, K, V) * scale_s
+        kh = k.double() / torch.sqrt((k.double() ** 2).sum(-1, keepdim=True) + 1e-6)
+        kh = kh.repeat_interleave(HV // H, dim=2)
+        vv = torch.zeros(B, T, HV, V, dtype=torch.float64)
+        for n, (bos, eos) in enumerate(_bounds(lens, B, T, varlen)):
+            b, t0, t1 = (0, bos, eos) if varlen else (n, 0, T)
+            vv[b, t0:t1] = torch.einsum("thk,hkv->thv", kh[b, t0:t1], S_star[n].double())
+        v = _bf16(vv)
+        init = S_star
+        state = "kv" if state == "none" else state
+    elif state in ("kv", "vk", "paged"):
+        init = randn(N, HV, K, V) * scale_s
+    if state == "vk" and init is not None:
+        init = init.transpose(-1, -2).contiguous()
+    if state == "paged":
+        slots = int(p.get("slots", 2 * N + 3))
+        new = set(int(i) for i in p.get("paged_new", []))
+        perm = torch.randperm(slots, generator=gen)[:N]
+        indices = perm.to(torch.int32)
+        has_init = torch.tensor([n not in new for n in range(N)], dtype=torch.bool)
+        pad = int(p.get("slot_pad", 0))
+        buf = torch.full((slots, HV * V * K + pad), math.nan, dtype=torch.float32)
+        cache = buf[:, :HV * V * K].unflatten(-1, (HV, V, K))
+        for n in range(N):
+            if has_init[n]:
+                cache[int(indices[n])] = init[n].transpose(-1, -2)
+        init = None
+    layout = state if state in ("kv", "vk", "paged") else "kv"
+    cu = torch.tensor([0] + list(_cumsum(lens)), dtype=torch.int64) if varlen else None
+    meta = dict(meta or {})
+    if "chunks_per_seg" in p:
+        meta["chunks_per_seg"] = int(p["chunks_per_seg"])
+    prob = Problem(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, scale=K ** -0.5,
+                   lower_bound=lb, gate="lower_bound", beta_kind="sigmoid", qk_l2norm=True,
+                   cu_seqlens=cu, initial_state=init, state_layout=layout, state_cache=cache,
+                   state_indices=indices, has_initial_state=has_init, output_final_state=True, meta=meta)
+    if str(device) != "cpu":
+        prob = _to_device_keep_views(prob, device)
+    return validate(prob)
+
+
+def _to_device_keep_views(prob: Problem, device) -> Problem:
+    """Move a Problem to ``device``; strided views stay strided views of one moved buffer."""
+    changes = {}
+    for name, t in prob.tensors().items():
+        if t.is_contiguous() or t._base is None:
+            changes[name] = t.to(device)
+        else:
+            base = t._base.to(device)
+            changes[name] = base.as_strided(t.shape, t.stride(), t.storage_offset() - t._base.storage_offset())
+    return prob.replace(**changes)
+
+
+def _cumsum(xs):
+    s = 0
+    for x in xs:
+        s += x
+        yield s
+
+
+def _bounds(lens, B, T, varlen):
+    if not varlen:
+        return [(b * T, (b + 1) * T) for b in range(B)]
+    c = [0] + list(_cumsum(lens))
+    return list(zip(c[:-1], c[1:]))
+
+
+# ----------------------------------------------------------------------------------- suites
+def _case(suite: str, name: str, **params) -> Case:
+    return Case(name=name, suite=suite, seed=stable_seed(f"{suite}/{name}"), params=params)
+
+
+def smoke_suite() -> list[Case]:
+    """Six tiny cases (K=V=128, T <= 100, H <= 2): seconds per case even in Triton's interpreter."""
+    s = "smoke"
+    return [
+        _case(s, "dense-T64-lb-5", B=1, T=64, H=2),
+        _case(s, "varlen-tail33-lb-5", lens=[33, 64], H=2),
+        _case(s, "initial-state-kv-lb-5", B=2, T=40, H=1, state="kv"),
+        _case(s, "paged-lb-5", lens=[20, 47], H=2, state="paged", paged_new=[1]),
+        _case(s, "weak-gate-lb-0.1-vk", B=1, T=96, H=2, lb=-0.1, state="vk"),
+        _case(s, "correlated-weak-lb-0.01", B=1, T=64, H=1, lb=-0.01, rho=0.9, beta_raw=4.0),
+    ]
+
+
+def default_suite() -> list[Case]:
+    """The 13 production benchmark shapes of DESIGN §5 (K=V=128, lb -5)."""
+    return [_case("default", f"B{B}-T{T}-H{H}", B=B, T=T, H=H, long=B * T * H > 2 ** 20)
+            for B, T, H in DEFAULT_SHAPES]
+
+
+def k3_prefill_suite() -> list[Case]:
+    """26 synthetic Kimi-K3 (H=12, TP8) varlen prefill forwards: some sequences continue a
+    cached prefix through the paged cache (has_initial_state True), the others start fresh
+    and their slots hold NaN, which must never be read."""
+    gen = torch.Generator().manual_seed(stable_seed("k3-prefill"))
+    cases = []
+    for i in range(26):
+        n = int(torch.randint(1, 9, (1,), generator=gen))
+        # log-uniform lengths between 1 and 4096 tokens, some exactly chunk-aligned
+        lens = [max(1, int(2 ** (12 * float(torch.rand(1, generator=gen))))) for _ in range(n)]
+        if i % 5 == 0:
+            lens[0] = 32 * max(1, lens[0] // 32)
+        fresh = [j for j in range(n) if float(torch.rand(1, generator=gen)) < 0.5]
+        total = sum(lens)
+        cases.append(_case("k3-prefill", f"p{i:02d}-N{n}-T{total}", lens=lens, H=12, state="paged",
+                           paged_new=fresh, slot_pad=(64 if i % 4 == 1 else 0), long=total * 12 > 2 ** 17))
+    return cases
+
+
+def stress_suite() -> list[Case]:
+    """The numerically hard corners (research/flashkda.md §13)."""
+    s = "stress"
+    c = []
+    for lb in (-0.01, -0.1, -1.0):
+        c.append(_case(s, f"weak-gate-lb{lb:g}", B=1, T=96, H=2, lb=lb, state="kv"))
+    for lb in (-5.0, -5.5):
+        c.append(_case(s, f"saturated-gate-lb{lb:g}", B=1, T=96, H=2, lb=lb, g_scale=1.0, g_shift=12.0))
+    for rho in (0.9, 1.0):
+        c.append(_case(s, f"correlated-keys-rho{rho:g}-lb-0.01", B=1, T=96, H=2, lb=-0.01, rho=rho,
+                       beta_raw=4.0))
+    for tail in (1, 15, 16, 17, 31, 32, 33):
+        c.append(_case(s, f"tail{tail}-lb-1", lens=[tail, 64 + tail], H=1, lb=-1.0, state="kv"))
+    for where, lens in (("start", [0, 40, 70]), ("middle", [40, 0, 70]), ("end", [40, 70, 0])):
+        c.append(_case(s, f"empty-seq-{where}", lens=lens, H=1, lb=-1.0, state="kv"))
+    c.append(_case(s, "one-chunk-per-segment-lb-0.1", B=1, T=160, H=1, lb=-0.1, state="kv", chunks_per_seg=1))
+    c.append(_case(s, "large-state-x100-lb-0.1", B=1, T=96, H=1, lb=-0.1, state="kv", state_scale=100.0))
+    c.append(_case(s, "converged-state-lb-0.01", B=1, T=96, H=1, lb=-0.01, converged=True, state_scale=0.1))
+    c.append(_case(s, "fused-projection-bands-lb-1", B=2, T=48, H=2, lb=-1.0, fused_proj=True, state="vk"))
+    c.append(_case(s, "long-T65536-lb-0.1", B=1, T=65536, H=2, lb=-0.1, state="kv", long=True))
+    c.append(_case(s, "long-T65536-correlated-lb-0.01", B=1, T=65536, H=2, lb=-0.01, rho=0.9, beta_raw=4.0,
+                   long=True))
+    return c
+
+
+FUZZ_DOMAIN = "K=V=128, HV=H, bf16 q/k/v/g, fp32 beta, lower-bound gate lb in [-5.5, -0.01], l2norm, sigmoid beta"
+
+
+def fuzz_suite(n: int = 20, seed: int = 0) -> list[Case]:
+    """``n`` Hypothesis-drawn problems within the FlashKDA domain (FUZZ_DOMAIN), derandomized
+    with a fixed seed and no example database, so CI sees the same problems every run."""
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import seed as hseed
+    from hypothesis import strategies as st
+
+    params = st.fixed_dictionaries({
+        "lens": st.lists(st.integers(0, 130), min_size=1, max_size=4),
+        "H": st.integers(1, 2),
+        "lb": st.sampled_from([-5.5, -5.0, -3.0, -1.0, -0.3, -0.1, -0.01]),
+        "g_scale": st.sampled_from([0.1, 1.0, 4.0]),
+        "g_shift": st.sampled_from([0.0, -4.0, 4.0, 12.0]),
+        "rho": st.sampled_from([0.0, 0.0, 0.5, 0.9, 1.0]),
+        "state": st.sampled_from(["none", "kv", "vk", "paged"]),
+        "state_scale": st.sampled_from([0.1, 1.0, 10.0]),
+    }, optional={"beta_raw": st.sampled_from([-4.0, 0.0, 4.0])})
+    drawn: list = []
+
+    @hseed(seed)
+    @settings(max_examples=4 * n, database=None, phases=[Phase.generate], deadline=None,
+              suppress_health_check=list(HealthCheck))
+    @given(params)
+    def collect(p):
+        if len(drawn) < n and sum(p["lens"]) > 0:
+            drawn.append(p)
+
+    collect()
+    out = []
+    for i, p in enumerate(drawn):
+        if p["state"] == "paged":
+            p["paged_new"] = [j for j in range(len(p["lens"])) if j % 2 == 1]
+        out.append(Case(name=f"fuzz{seed}-{i:03d}", suite="fuzz", seed=stable_seed(f"fuzz/{seed}/{i}"),
+                        params=p))
+    return out
+
+
+def get_suite(name: str, **opts) -> list[Case]:
+    """The cases of suite ``name``.  Options: ``long=False`` drops long cases (CPU runs);
+    fuzz takes ``n`` (default 20) and ``seed`` (default 0)."""
+    if name not in SUITES:
+        raise _usage_error(f"--suite: expected one of {', '.join(SUITES)}, got {name!r}")
+    long = opts.pop("long", True)
+    if name == "fuzz":
+        n, seed = int(opts.pop("n", 20)), int(opts.pop("seed", 0))
+    if opts:
+        raise _usage_error(f"get_suite: unknown option(s) {', '.join(sorted(opts))} for suite {name!r} "
+                           f"(expected long, and n, seed for fuzz)")
+    cases = {"smoke": smoke_suite, "default": default_suite, "k3-prefill": k3_prefill_suite,
+             "stress": stress_suite}.get(name)
+    cases = cases() if cases else fuzz_suite(n=n, seed=seed)
+    return [c for c in cases if long or not c.long]
+
+
+def get_case(case_id: str, **opts) -> Case:
+    """One case by id ``suite/name`` (fuzz ids need the same n/seed options)."""
+    suite, _, name = case_id.partition("/")
+    for c in get_suite(suite, **opts):
+        if c.name == name:
+            return c
+    raise _usage_error(f"--case: no case named {name!r} in suite {suite!r}")

@@ -1,0 +1,167 @@
+"""Metrics of one output tensor against the float64 oracle (DESIGN §4).
+
+For an output x and its float64 reference r (both upcast to float64; d = x - r):
+
+    rel_l2       ||d||_2 / ||r||_2                      (0 if both are 0, inf if only r is 0)
+    max_abs      max |d|
+    tail_rel_l2  rel_l2 over the last half of every sequence (o only; where a bad carry shows);
+                 for a state tensor it equals rel_l2
+    chunk_rel_l2 [rel_l2 over the rows of chunk c of every sequence, c = 0, 1, ...] (o only)
+    max_ulp      max distance in units in the last place of ``dtype`` between x and r rounded
+                 to ``dtype`` (inf if x holds a NaN)
+    nan_frac, inf_frac, zero_frac   fractions of x that are NaN, +-Inf, exactly 0
+    mistrusted   zero_frac > ZERO_TRUST while r rounded to ``dtype`` is not mostly zero:
+                 a mostly-zero output on non-degenerate input is never a pass
+
+The paged ``state_cache`` is compared on the slots the problem writes (``state_indices``);
+every other slot must stay bit-identical to the reference (NaN equal to NaN), counted in
+``untouched_changed``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+F64 = torch.float64
+ZERO_TRUST = 0.30      # oneDNN benchdnn's zero_trust_percent: more zeros than this is suspicious
+METRIC_KEYS = ("rel_l2", "max_abs", "tail_rel_l2", "chunk_rel_l2", "max_ulp",
+               "nan_frac", "inf_frac", "zero_frac", "mistrusted")
+
+_INT_VIEW = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32,
+             torch.float64: torch.int64}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Short dtype names used in tolerance keys and reports: bf16, fp16, fp32, fp64."""
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
+            torch.float64: "fp64"}.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def rel_l2(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """||x - ref|| / ||ref|| in float64 (0 when both are zero, inf when only ref is)."""
+    x, ref = x.to(F64), ref.to(F64)
+    num = float(torch.linalg.vector_norm(x - ref))
+    den = float(torch.linalg.vector_norm(ref))
+    if den == 0.0:
+        return 0.0 if num == 0.0 else math.inf
+    return num / den
+
+
+def _ordered_int(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Map floats of ``dtype`` to integers whose order is the float order (adjacent floats
+    differ by 1): sign-magnitude bit patterns folded onto two's complement, in int64."""
+    bits = x.to(dtype).contiguous().view(_INT_VIEW[dtype]).to(torch.int64)
+    nbits = torch.finfo(dtype).bits
+    sign_bit = 1 << (nbits - 1)
+    mag = bits & (sign_bit - 1)
+    return torch.where(bits < 0, -mag, mag)
+
+
+def max_ulp(x: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> float:
+    """Largest ULP distance between x and ref, both rounded to ``dtype`` (inf on NaN/Inf mismatch)."""
+    if x.numel() == 0:
+        return 0.0
+    if dtype not in _INT_VIEW:
+        raise ValueError(f"dtype: expected one of bf16|fp16|fp32|fp64 for max_ulp, got {dtype}")
+    xd, rd = x.to(dtype), ref.to(F64).to(dtype)
+    bad = torch.isnan(xd) | torch.isnan(rd) | (torch.isinf(xd) & (xd != rd))
+    if bool(bad.any()):
+        return math.inf
+    return float((_ordered_int(xd, dtype) - _ordered_int(rd, dtype)).abs().max())
+
+
+def _packed_rows(t: torch.Tensor, problem) -> torch.Tensor:
+    """o [B,T,HV,V] -> [B*T, HV*V] (rows are packed tokens)."""
+    return t.reshape(problem.B * problem.T, -1)
+
+
+def _row_groups(problem, chunk: int):
+    """(tail_rows, [rows of chunk c]) as index lists over the packed token axis."""
+    tail, chunks = [], []
+    for bos, eos in problem.seq_bounds():
+        n = eos - bos
+        tail.extend(range(bos + n // 2, eos))
+        for c, c0 in enumerate(range(bos, eos, chunk)):
+            while len(chunks) <= c:
+                chunks.append([])
+            chunks[c].extend(range(c0, min(c0 + chunk, eos)))
+    return tail, chunks
+
+
+def _fractions(x: torch.Tensor) -> tuple[float, float, float]:
+    n = max(x.numel(), 1)
+    return (float(torch.isnan(x).sum()) / n, float(torch.isinf(x).sum()) / n, float((x == 0).sum()) / n)
+
+
+def tensor_metrics(x: torch.Tensor, ref: torch.Tensor, *, dtype: Optional[torch.dtype] = None,
+                   problem=None, tensor: str = "o", chunk: int = 32) -> dict:
+    """Every metric of one output tensor ``x`` against its float64 reference ``ref``.
+
+    ``dtype`` is the dtype the ULP distance is counted in (default: x's dtype); ``problem``
+    gives the sequence bounds (o) and the written slots (state_cache); ``chunk`` is the row
+    count of one point of the per-chunk curve."""
+    if tuple(x.shape) != tuple(ref.shape):
+        raise ValueError(f"{tensor}: expected shape {list(ref.shape)} (the oracle's), got {list(x.shape)}")
+    dtype = dtype or x.dtype
+    x = x.detach()
+    ref = ref.detach().to(device=x.device)
+    extra = {}
+    if tensor == "state_cache" and problem is not None:
+        written = problem.state_indices.long().to(x.device)
+        keep = torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
+        keep[written] = False
+        xo, ro = x[keep].to(F64), ref[keep].to(F64)
+        same = (xo == ro) | (torch.isnan(xo) & torch.isnan(ro))
+        extra["untouched_changed"] = int((~same).sum())
+        x, ref = x[written], ref[written]
+    xf, rf = x.to(F64), ref.to(F64)
+    nan_frac, inf_frac, zero_frac = _fractions(xf)
+    finite = nan_frac == 0.0 and inf_frac == 0.0
+    err = rel_l2(xf, rf) if finite else math.nan
+    max_abs = float((xf - rf).abs().max()) if finite and xf.numel() else (0.0 if finite else math.nan)
+    tail, curve = err, []
+    if tensor == "o" and problem is not None and xf.dim() == 4:
+        xr, rr = _packed_rows(xf, problem), _packed_rows(rf, problem)
+        tail_rows, chunk_rows = _row_groups(problem, chunk)
+        if finite and tail_rows:
+            idx = torch.tensor(tail_rows, device=xr.device)
+            tail = rel_l2(xr[idx], rr[idx])
+        elif finite:
+            tail = 0.0
+        for rows in chunk_rows:
+            idx = torch.tensor(rows, device=xr.device)
+            curve.append(rel_l2(xr[idx], rr[idx]) if finite else math.nan)
+    ref_zero = float((rf.to(dtype) == 0).sum()) / max(rf.numel(), 1)
+    mistrusted = zero_frac > ZERO_TRUST and ref_zero <= ZERO_TRUST
+    out = {"rel_l2": err, "max_abs": max_abs, "tail_rel_l2": tail, "chunk_rel_l2": curve,
+           "max_ulp": max_ulp(xf, rf, dtype) if dtype in _INT_VIEW else math.nan,
+           "nan_frac": nan_frac, "inf_frac": inf_frac, "zero_frac": zero_frac,
+           "ref_zero_frac": ref_zero, "mistrusted": bool(mistrusted), "dtype": dtype_name(dtype),
+           "numel": int(x.numel())}
+    out.update(extra)
+    return out
+
+
+def missing_metrics(tensor: str) -> dict:
+    """The record of an expected tensor the backend did not return (never passes)."""
+    return {"rel_l2": math.nan, "max_abs": math.nan, "tail_rel_l2": math.nan, "chunk_rel_l2": [],
+            "max_ulp": math.inf, "nan_frac": 0.0, "inf_frac": 0.0, "zero_frac": 0.0, "ref_zero_frac": 0.0,
+            "mistrusted": False, "dtype": None, "numel": 0, "missing": True}
+
+
+def compare(outputs: dict, truth: dict, problem=None, chunk: int = 32) -> dict:
+    """Metrics of every tensor of ``truth`` (name -> float64 tensor) found in ``outputs``
+    (name -> tensor in the kernel's dtype); an expected tensor that is absent is reported
+    with ``missing: True``.  Extra output tensors are ignored."""
+    result = {}
+    for name, ref in truth.items():
+        if name not in ("o", "final_state", "state_cache"):
+            continue
+        x = outputs.get(name)
+        if x is None:
+            result[name] = missing_metrics(name)
+            continue
+        result[name] = tensor_metrics(x, ref, dtype=x.dtype, problem=problem, tensor=name, chunk=chunk)
+    return result
