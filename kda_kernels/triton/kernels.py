@@ -1,0 +1,269 @@
+"""The Triton kernels of our FlashKDA forward: K1 (prepare), the chunk-step kernel (pass A
+and pass C), and the segment scan (pass B).  Math: DESIGN §2 and research/flashkda.md §3.
+
+K1, one program per (tile, head), C = 32 rows x D = 128 channels, all in fp32:
+    q^, k^ = x / sqrt(sum x^2 + 1e-6)
+    a      = lb * sigmoid(exp(A_log[h]) * (g + dt_bias[h]))        (0 on tail rows)
+    G_i    = log2(e) * sum_{s<=i} a_s,   G_last = G_{Lc-1}
+    ws_kd  = k^ 2^G,  ws_qd = scale q^ 2^G,  ws_kr = k^ 2^(G_last - G),  ws_gt = 2^G_last
+    pivot p = min(C/2, Lc-1), G~ = G - G_p:
+        kp = bf16(k^ 2^G~), qp = bf16(scale q^ 2^G~), ki = bf16(k^ 2^-G~)
+    L   = -beta_i (kp ki^T)_ij  for i > j   (selected with tl.where: the upper triangle may be inf)
+    Mqk = (qp ki^T)_ij           for i >= j
+    INV = (I - L)^-1: the 16x16 diagonal blocks D by Neumann doubling
+          (I+D)(I+D^2)(I+D^4)(I+D^8) = sum_{n<16} D^n, then one merge
+          INV <- INV + INV (L_off INV), all fp32 IEEE dots.
+
+Chunk step (fp32 state S [K, BW], bf16 dot operands, fp32 accumulation):
+    U = INV fp16(beta (v - kd bf16(S)))
+    o = qd bf16(S) + Mqk fp16(U)
+    S <- diag(gt) S + kr^T bf16(U)
+Pass A runs it from S = 0 with v (-> b_seg) and from S = I without v (u = -beta kd S,
+-> A_seg); pass C runs it from h_in with outputs.  Columns of S are independent, so the
+state is split over programs BW columns at a time.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._interpreter_compat import install as _install_interpreter_compat
+
+_install_interpreter_compat()
+
+LOG2E = 1.4426950408889634
+
+# chunk-step modes
+MODE_C = 0        # outputs (+ final state) from an initial state
+MODE_B = 1        # b_seg: from 0, with v
+MODE_A = 2        # A_seg: from I, without v
+MODE_AB = 3       # both in one launch (K == V)
+
+# initial-state sources
+H0_NONE = 0       # zeros
+H0_SEQ = 1        # dense / paged state of the segment's sequence
+H0_SEG = 2        # h_in[s] of pass B
+
+
+@triton.jit
+def k1_prepare_kernel(
+    q_ptr, k_ptr, g_ptr, beta_ptr, alog_ptr, bias_ptr, tile_ptr,
+    kd_ptr, qd_ptr, kr_ptr, gt_ptr, inv_ptr, mqk_ptr, wsb_ptr,
+    sqb, sqt, sqh, sqd, skb, skt, skh, skd, sgb, sgt, sgh, sgd, sbb, sbt, sbh,
+    total_tiles, scale, lower_bound,
+    HAS_BIAS: tl.constexpr, C: tl.constexpr, D: tl.constexpr, BC: tl.constexpr,
+    NUM_DOUBLING: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.load(tile_ptr + tile * 4).to(tl.int64)
+    t0 = tl.load(tile_ptr + tile * 4 + 1).to(tl.int64)
+    Lc = tl.load(tile_ptr + tile * 4 + 2)
+    rows = tl.arange(0, C)
+    cols = tl.arange(0, D)
+    rmask = rows < Lc
+    m2 = rmask[:, None]
+    tok = (t0 + rows)[:, None]
+    q = tl.load(q_ptr + b * sqb + tok * sqt + h * sqh + cols[None, :] * sqd, mask=m2, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + b * skb + tok * skt + h * skh + cols[None, :] * skd, mask=m2, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + b * sgb + tok * sgt + h * sgh + cols[None, :] * sgd, mask=m2, other=0.0).to(tl.float32)
+    braw = tl.load(beta_ptr + b * sbb + (t0 + rows) * sbt + h * sbh, mask=rmask, other=0.0).to(tl.float32)
+
+    q = q / tl.sqrt(tl.sum(q * q, 1) + 1e-6)[:, None]
+    k = k / tl.sqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
+    rate = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
+    if HAS_BIAS:
+        g = g + tl.load(bias_ptr + h * D + cols).to(tl.float32)[None, :]
+    a = tl.where(m2, lower_bound * tl.sigmoid(rate * g), 0.0)
+    G = tl.cumsum(a, 0) * 1.4426950408889634
+    ri = rows[:, None]
+    G_last = tl.sum(tl.where(ri == Lc - 1, G, 0.0), 0)
+    beta = tl.where(rmask, tl.sigmoid(braw), 0.0)
+
+    ws = (h * total_tiles + tile).to(tl.int64)
+    tile_off = ws * (C * D) + ri * D + cols[None, :]
+    eG = tl.exp2(G)
+    tl.store(kd_ptr + tile_off, tl.where(m2, k * eG, 0.0).to(tl.bfloat16))
+    tl.store(qd_ptr + tile_off, tl.where(m2, (scale * q) * eG, 0.0).to(tl.bfloat16))
+    tl.store(kr_ptr + tile_off, tl.where(m2, k * tl.exp2(G_last[None, :] - G), 0.0).to(tl.bfloat16))
+    tl.store(gt_ptr + ws * D + cols, tl.exp2(G_last))
+    tl.store(wsb_ptr + ws * C + rows, beta)
+
+    pivot = tl.minimum(C // 2, Lc - 1)
+    Gc = G - tl.sum(tl.where(ri == pivot, G, 0.0), 0)[None, :]
+    up = tl.exp2(Gc)
+    kp = tl.where(m2, k * up, 0.0).to(tl.bfloat16)
+    qp = tl.where(m2, (scale * q) * up, 0.0).to(tl.bfloat16)
+    ki = tl.where(m2, k * tl.exp2(-Gc), 0.0).to(tl.bfloat16)
+    kiT = tl.trans(ki)
+    cj = tl.arange(0, C)[None, :]
+    L = tl.where(ri > cj, -beta[:, None] * tl.dot(kp, kiT), 0.0)
+    mqk = tl.where(ri >= cj, tl.dot(qp, kiT), 0.0)
+    sq_off = ws * (C * C) + ri * C + cj
+    tl.store(mqk_ptr + sq_off, mqk.to(tl.float16))
+
+    same_block = (ri // BC) == (cj // BC)
+    Dm = tl.where(same_block, L, 0.0)
+    inv = tl.where(ri == cj, 1.0, 0.0) + Dm
+    P = tl.dot(Dm, Dm, input_precision="ieee")
+    for it in tl.static_range(NUM_DOUBLING):
+        inv = inv + tl.dot(inv, P, input_precision="ieee")
+        if it + 1 < NUM_DOUBLING:
+            P = tl.dot(P, P, input_precision="ieee")
+    L_off = tl.where(same_block, 0.0, L)
+    inv = inv + tl.dot(inv, tl.dot(L_off, inv, input_precision="ieee"), input_precision="ieee")
+    tl.store(inv_ptr + sq_off, inv.to(tl.float16))
+
+
+@triton.jit
+def _state_offsets(row, h, sn, sh, sk, sv, kk, cols):
+    """Offsets of the [K, BW] tile of state `row` in a K-first view with strides (sn, sh, sk, sv)."""
+    return row.to(tl.int64) * sn + h * sh + kk[:, None].to(tl.int64) * sk + cols[None, :].to(tl.int64) * sv
+
+
+@triton.jit
+def _initial_state(h0_ptr, idx_ptr, has_ptr, row, h, sn, sh, sk, sv, kk, cols,
+                   H0: tl.constexpr, PAGED: tl.constexpr, K: tl.constexpr, BW: tl.constexpr):
+    """The fp32 initial state tile of `row` (a sequence, or a segment when H0 == H0_SEG).
+    Paged: the slot state_indices[row] is read only when has_initial_state[row]."""
+    if H0 == 0:
+        S = tl.zeros([K, BW], dtype=tl.float32)
+    elif PAGED:
+        slot = tl.load(idx_ptr + row)
+        has = tl.load(has_ptr + row) != 0
+        off = _state_offsets(slot, h, sn, sh, sk, sv, kk, cols)
+        S = tl.load(h0_ptr + off, mask=has & (off >= 0), other=0.0).to(tl.float32)
+    else:
+        S = tl.load(h0_ptr + _state_offsets(row, h, sn, sh, sk, sv, kk, cols)).to(tl.float32)
+    return S
+
+
+@triton.jit
+def segment_kernel(
+    seg_ptr, v_ptr, svb, svt, svh, svd, o_ptr, sob, sot, soh, sod,
+    kd_ptr, qd_ptr, kr_ptr, gt_ptr, inv_ptr, mqk_ptr, wsb_ptr,
+    h0_ptr, idx_ptr, has_ptr, shn, shh, shk, shv,
+    fs_ptr, fidx_ptr, sfn, sfh, sfk, sfv,
+    aseg_ptr, bseg_ptr,
+    H, total_tiles,
+    MODE: tl.constexpr, H0: tl.constexpr, PAGED: tl.constexpr, STORE_FINAL: tl.constexpr,
+    FINAL_PAGED: tl.constexpr,
+    C: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BW: tl.constexpr,
+):
+    """One program = (segment s, head h) x BW state columns; walks the segment's chunks."""
+    pid = tl.program_id(0)
+    s = pid // H
+    h = pid % H
+    cols = tl.program_id(1) * BW + tl.arange(0, BW)
+    kk = tl.arange(0, K)
+    rows = tl.arange(0, C)
+    chunk_base = tl.load(seg_ptr + s * 8)
+    nch = tl.load(seg_ptr + s * 8 + 1)
+    n = tl.load(seg_ptr + s * 8 + 2)
+    is_last = tl.load(seg_ptr + s * 8 + 3)
+    b = tl.load(seg_ptr + s * 8 + 4).to(tl.int64)
+    t0 = tl.load(seg_ptr + s * 8 + 5)
+    t_end = tl.load(seg_ptr + s * 8 + 6)
+
+    if MODE == 0:
+        if H0 == 2:
+            S = _initial_state(h0_ptr, idx_ptr, has_ptr, s, h, shn, shh, shk, shv, kk, cols, H0, PAGED, K, BW)
+        else:
+            S = _initial_state(h0_ptr, idx_ptr, has_ptr, n, h, shn, shh, shk, shv, kk, cols, H0, PAGED, K, BW)
+    elif MODE == 1:
+        S = tl.zeros([K, BW], dtype=tl.float32)
+    elif MODE == 2:
+        S = tl.where(kk[:, None] == cols[None, :], 1.0, 0.0)
+    else:
+        S = tl.zeros([K, BW], dtype=tl.float32)                    # b part
+        SA = tl.where(kk[:, None] == cols[None, :], 1.0, 0.0)       # A part
+
+    tile_off = rows[:, None] * K + kk[None, :]
+    sq_off = rows[:, None] * C + rows[None, :]
+    for j in range(0, nch):
+        ws = (h * total_tiles + chunk_base + j).to(tl.int64)
+        kd = tl.load(kd_ptr + ws * (C * K) + tile_off)
+        kr = tl.load(kr_ptr + ws * (C * K) + tile_off)
+        inv = tl.load(inv_ptr + ws * (C * C) + sq_off)
+        gt = tl.load(gt_ptr + ws * K + kk)
+        beta = tl.load(wsb_ptr + ws * C + rows)
+        krT = tl.trans(kr)
+        tok = t0 + j * C + rows
+        if MODE != 2:
+            vmask = (tok < t_end)[:, None]
+            v = tl.load(v_ptr + b * svb + tok[:, None].to(tl.int64) * svt + h * svh + cols[None, :] * svd,
+                        mask=vmask, other=0.0).to(tl.float32)
+        if MODE == 2:
+            u = -beta[:, None] * tl.dot(kd, S.to(tl.bfloat16))
+        else:
+            Sb = S.to(tl.bfloat16)
+            u = beta[:, None] * (v - tl.dot(kd, Sb))
+        U = tl.dot(inv, u.to(tl.float16))
+        if MODE == 0:
+            qd = tl.load(qd_ptr + ws * (C * K) + tile_off)
+            mqk = tl.load(mqk_ptr + ws * (C * C) + sq_off)
+            o = tl.dot(qd, Sb) + tl.dot(mqk, U.to(tl.float16))
+            tl.store(o_ptr + b * sob + tok[:, None].to(tl.int64) * sot + h * soh + cols[None, :] * sod,
+                     o.to(o_ptr.dtype.element_ty), mask=vmask)
+        S = S * gt[:, None] + tl.dot(krT, U.to(tl.bfloat16))
+        if MODE == 3:
+            uA = -beta[:, None] * tl.dot(kd, SA.to(tl.bfloat16))
+            UA = tl.dot(inv, uA.to(tl.float16))
+            SA = SA * gt[:, None] + tl.dot(krT, UA.to(tl.bfloat16))
+
+    seg_off = (s * H + h).to(tl.int64) * K * V + kk[:, None] * V + cols[None, :]
+    if MODE == 0:
+        if STORE_FINAL:
+            if FINAL_PAGED:
+                off = _state_offsets(tl.load(fidx_ptr + n), h, sfn, sfh, sfk, sfv, kk, cols)
+            else:
+                off = _state_offsets(n, h, sfn, sfh, sfk, sfv, kk, cols)
+            tl.store(fs_ptr + off, S, mask=(is_last != 0) & (off >= 0))
+    elif MODE == 1:
+        tl.store(bseg_ptr + seg_off, S)
+    elif MODE == 2:
+        tl.store(aseg_ptr + (s * H + h).to(tl.int64) * K * K + kk[:, None] * K + cols[None, :], S.to(tl.bfloat16))
+    else:
+        tl.store(bseg_ptr + seg_off, S)
+        tl.store(aseg_ptr + (s * H + h).to(tl.int64) * K * K + kk[:, None] * K + cols[None, :], SA.to(tl.bfloat16))
+
+
+@triton.jit
+def scan_kernel(
+    seg_off_ptr, aseg_ptr, bseg_ptr, hin_ptr,
+    h0_ptr, idx_ptr, has_ptr, shn, shh, shk, shv,
+    H,
+    H0: tl.constexpr, PAGED: tl.constexpr, PREFETCH: tl.constexpr,
+    K: tl.constexpr, V: tl.constexpr, BW: tl.constexpr,
+):
+    """Pass B, one program = (sequence n, head h) x BW columns:
+    h = h0;  for each segment s of n in order: h_in[s] = h;  h <- bf16(A_seg[s]) bf16(h) + b_seg[s]."""
+    pid = tl.program_id(0)
+    n = pid // H
+    h = pid % H
+    cols = tl.program_id(1) * BW + tl.arange(0, BW)
+    kk = tl.arange(0, K)
+    S = _initial_state(h0_ptr, idx_ptr, has_ptr, n, h, shn, shh, shk, shv, kk, cols, H0, PAGED, K, BW)
+    s0 = tl.load(seg_off_ptr + n)
+    s1 = tl.load(seg_off_ptr + n + 1)
+    a_tile = kk[:, None] * K + kk[None, :]
+    v_tile = kk[:, None] * V + cols[None, :]
+    if PREFETCH:
+        first = (s0 * H + h).to(tl.int64)
+        live = s0 < s1
+        A_next = tl.load(aseg_ptr + first * K * K + a_tile, mask=live & (a_tile >= 0), other=0.0)
+        b_next = tl.load(bseg_ptr + first * K * V + v_tile, mask=live & (v_tile >= 0), other=0.0)
+    for s in range(s0, s1):
+        cur = (s * H + h).to(tl.int64)
+        tl.store(hin_ptr + cur * K * V + v_tile, S)
+        if PREFETCH:
+            A = A_next
+            bb = b_next
+            nxt = ((s + 1) * H + h).to(tl.int64)
+            live = (s + 1) < s1
+            A_next = tl.load(aseg_ptr + nxt * K * K + a_tile, mask=live & (a_tile >= 0), other=0.0)
+            b_next = tl.load(bseg_ptr + nxt * K * V + v_tile, mask=live & (v_tile >= 0), other=0.0)
+        else:
+            A = tl.load(aseg_ptr + cur * K * K + a_tile)
+            bb = tl.load(bseg_ptr + cur * K * V + v_tile)
+        S = tl.dot(A, S.to(tl.bfloat16)) + bb

@@ -1,0 +1,99 @@
+"""Route names of our Triton FlashKDA, and their parser.
+
+A route name is ``MODE[:key=value]...``:
+
+    unseg[:BW=32]                               one segment per sequence: pass C alone
+    seg[:cps=N][:A=two|fused][:B=plain|prefetch][:BW=32]
+        cps  chunks (of 32 tokens) per segment; absent = the occupancy heuristic, which may
+             pick "unsegmented" when the grid already fills the device
+        A    pass A as two launches (b_seg, then A_seg) or one fused launch
+        B    pass B scan plain, or prefetching the next segment's A_seg / b_seg
+        BW   state columns per program in the chunk-step passes (16, 32, 64 or 128)
+
+Canonical names spell every key of the mode (``seg:cps=4:A=fused:B=prefetch:BW=32``;
+the heuristic's is ``seg:A=fused:B=prefetch:BW=32``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+BW_CHOICES = (16, 32, 64, 128)
+DEFAULT_BW = 32
+DEFAULT_A = "fused"
+DEFAULT_B = "prefetch"
+
+
+class RouteError(ValueError):
+    """A route name that does not parse; the message names the route."""
+
+
+@dataclass(frozen=True)
+class RouteSpec:
+    segmented: bool                 # False: pass C alone from the initial state
+    cps: Optional[int] = None       # chunks per segment; None = heuristic (segmented only)
+    pass_a: str = DEFAULT_A         # "two" | "fused"
+    pass_b: str = DEFAULT_B         # "plain" | "prefetch"
+    bw: int = DEFAULT_BW
+
+    @property
+    def name(self) -> str:
+        if not self.segmented:
+            return f"unseg:BW={self.bw}"
+        cps = "" if self.cps is None else f":cps={self.cps}"
+        return f"seg{cps}:A={self.pass_a}:B={self.pass_b}:BW={self.bw}"
+
+
+def parse_route(name: str) -> RouteSpec:
+    """``RouteSpec`` of a route name; RouteError (one line, naming the route) if it is bad."""
+    if not isinstance(name, str) or not name.strip():
+        raise RouteError(f"route: expected a name like 'unseg' or 'seg:cps=4:A=fused:B=prefetch:BW=32', got {name!r}")
+    parts = name.strip().split(":")
+    mode, rest = parts[0], parts[1:]
+    if mode not in ("unseg", "seg"):
+        raise RouteError(f"route {name!r}: expected it to start with 'unseg' or 'seg', got {mode!r}")
+    allowed = ("BW",) if mode == "unseg" else ("cps", "A", "B", "BW")
+    vals: dict[str, str] = {}
+    for part in rest:
+        key, eq, val = part.partition("=")
+        if not eq or key not in allowed:
+            raise RouteError(f"route {name!r}: expected key=value with key in {'|'.join(allowed)} "
+                             f"for mode {mode}, got {part!r}")
+        if key in vals:
+            raise RouteError(f"route {name!r}: key {key!r} given twice")
+        vals[key] = val
+    bw = _int(name, "BW", vals.get("BW", str(DEFAULT_BW)))
+    if bw not in BW_CHOICES:
+        raise RouteError(f"route {name!r}: expected BW in {BW_CHOICES}, got {bw}")
+    if mode == "unseg":
+        return RouteSpec(segmented=False, bw=bw)
+    cps = None
+    if "cps" in vals:
+        cps = _int(name, "cps", vals["cps"])
+        if cps < 1:
+            raise RouteError(f"route {name!r}: expected cps >= 1, got {cps}")
+    pass_a = vals.get("A", DEFAULT_A)
+    if pass_a not in ("two", "fused"):
+        raise RouteError(f"route {name!r}: expected A=two|fused, got A={pass_a}")
+    pass_b = vals.get("B", DEFAULT_B)
+    if pass_b not in ("plain", "prefetch"):
+        raise RouteError(f"route {name!r}: expected B=plain|prefetch, got B={pass_b}")
+    return RouteSpec(segmented=True, cps=cps, pass_a=pass_a, pass_b=pass_b, bw=bw)
+
+
+def _int(name: str, key: str, val: str) -> int:
+    try:
+        return int(val)
+    except ValueError:
+        raise RouteError(f"route {name!r}: expected an integer {key}, got {val!r}") from None
+
+
+def route_names() -> list[str]:
+    """The pinned routes the backend lists (canonical names)."""
+    names = [RouteSpec(False, bw=bw).name for bw in (32, 64)]
+    for cps in (None, 1, 4, 16, 32, 64):
+        for a in ("two", "fused"):
+            for b in ("plain", "prefetch"):
+                names.append(RouteSpec(True, cps, a, b, DEFAULT_BW).name)
+    names += [RouteSpec(True, cps, "fused", "prefetch", 64).name for cps in (None, 16, 32)]
+    return names
