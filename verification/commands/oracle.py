@@ -1,0 +1,69 @@
+"""`kda-verify oracle`: write the float64 truth of a problem file."""
+from __future__ import annotations
+
+import time
+
+NAME = "oracle"
+HELP = "Compute the float64 truth (o, final state or state cache; optionally ws_* and segments) of a problem file."
+
+
+def check_device(device: str):
+    """Raise UsageError unless ``device`` is cpu or an available CUDA device."""
+    import torch
+
+    from verification.cli import UsageError
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise UsageError(f"--device: expected cpu or cuda[:N], got {device!r}") from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise UsageError(f"--device: expected cpu or cuda[:N], got {device!r}")
+    if not torch.cuda.is_available():
+        raise UsageError(f"--device: expected cpu or an available CUDA device, got {device!r} (no CUDA device here)")
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise UsageError(f"--device: expected a CUDA index below {torch.cuda.device_count()}, got {device!r}")
+    return dev
+
+
+def add_arguments(parser):
+    parser.add_argument("--inputs", required=True, help="problem file (safetensors, see README 'Problem files')")
+    parser.add_argument("--out", required=True, help="truth file to write (safetensors)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+    parser.add_argument("--workspace", action="store_true",
+                        help="also write ws_* (production layout), ws_pivot, ws_cond1 and the segment tensors")
+    parser.add_argument("--method", default="chunked", choices=("chunked", "segmented", "recurrence", "fla"),
+                        help="which float64 form computes o and the state (default chunked)")
+    parser.add_argument("--chunk-size", type=int, default=64, help="chunk size C of the workspace (16, 32, 64)")
+    parser.add_argument("--chunks-per-seg", type=int, default=None,
+                        help="chunks per segment for the segment tensors / segmented method (default: one per sequence)")
+
+
+def run(args) -> int:
+    import torch
+
+    from kda_ref.truth import truth
+    from verification.cli import UsageError
+    from verification.problem_file import load_problem, save_outputs
+
+    dev = check_device(args.device)
+    if args.chunk_size not in (16, 32, 64) or (args.method == "fla" and args.chunk_size not in (32, 64)):
+        allowed = "32 or 64 (fla)" if args.method == "fla" else "16, 32 or 64"
+        raise UsageError(f"--chunk-size: expected {allowed}, got {args.chunk_size}")
+    p = load_problem(args.inputs).to(dev)
+    t0 = time.perf_counter()
+    t = truth(p, method=args.method, chunk_size=args.chunk_size, chunks_per_seg=args.chunks_per_seg,
+              workspace=args.workspace)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    secs = time.perf_counter() - t0
+    tensors = {n: x.detach().cpu() for n, x in t.tensors().items()}
+    meta = {"method": args.method, "chunk_size": str(args.chunk_size),
+            "chunks_per_seg": "none" if args.chunks_per_seg is None else str(args.chunks_per_seg),
+            "device": str(dev), "seconds": f"{secs:.3f}", "problem": p.describe(), "inputs": args.inputs,
+            "torch": torch.__version__, "dtype": "float64"}
+    save_outputs(args.out, tensors, meta)
+    print(f"wrote {args.out}: {', '.join(f'{n} {list(x.shape)}' for n, x in tensors.items())} "
+          f"({args.method}, {secs:.2f} s on {dev})")
+    return 0

@@ -1,0 +1,32 @@
+"""`kda-verify selfcheck`: the oracle against itself, NumPy and mpmath (non-zero exit on any FAIL)."""
+from __future__ import annotations
+
+import json
+import sys
+
+NAME = "selfcheck"
+HELP = "Verify the float64 oracle: its forms against each other, NumPy, mpmath, and its inverses' residuals."
+
+
+def add_arguments(parser):
+    parser.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
+    parser.add_argument("--quick", action="store_true", help="one seed per recipe instead of four")
+    parser.add_argument("--device", default="cpu", help="device of the float64 oracle (cpu or cuda); default cpu")
+
+
+def run(args) -> int:
+    from verification.commands.oracle import check_device
+    from verification.selfcheck import format_table, selfcheck_report
+
+    check_device(args.device)
+    rep = selfcheck_report(quick=args.quick, device=args.device)
+    rows = rep.pop("_rows")
+    if args.json:
+        json.dump(rep, sys.stdout, indent=1)
+        print()
+    else:
+        print(format_table(rows))
+        nfail = sum(not r.passed for r in rows)
+        print(f"\n{len(rows)} checks, {nfail} failed, {rep['seconds']:.1f} s on {args.device}: "
+              f"{'PASS' if rep['passed'] else 'FAIL'}")
+    return 0 if rep["passed"] else 1

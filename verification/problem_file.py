@@ -1,0 +1,167 @@
+"""Problem and output files (safetensors).
+
+A problem file holds the tensors ``q k v g beta`` and, when present, ``A_log dt_bias
+cu_seqlens initial_state state_cache state_indices has_initial_state`` (each in its own
+dtype), and string metadata:
+
+    format              kda-verify-problem/1
+    scale               a number, or "none" (K^-1/2)
+    lower_bound         a number, or "none"
+    gate                lower_bound | softplus | pregated
+    beta                the beta kind: sigmoid | sigmoid2 | pregated
+    qk_l2norm           true | false
+    state_layout        kv | vk | paged
+    output_final_state  true | false
+    meta                (optional) JSON of Problem.meta
+
+A missing metadata key takes the Problem's default.  An output (truth) file holds ``o`` and
+``final_state`` (or ``state_cache`` when paged), plus any extra tensors (ws_*, segments), and
+string metadata (``format`` kda-verify-outputs/1 and whatever the writer adds).
+
+Bad files raise UsageError (file, metadata) or ProblemError (tensors) naming the key.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import torch
+
+from kda_ref.problem import BETA_KINDS, GATE_KINDS, STATE_LAYOUTS, Problem, ProblemError
+
+PROBLEM_FORMAT = "kda-verify-problem/1"
+OUTPUTS_FORMAT = "kda-verify-outputs/1"
+REQUIRED_TENSORS = ("q", "k", "v", "g", "beta")
+OPTIONAL_TENSORS = ("A_log", "dt_bias", "cu_seqlens", "initial_state", "state_cache", "state_indices",
+                    "has_initial_state")
+META_KEYS = ("scale", "lower_bound", "gate", "beta", "qk_l2norm", "state_layout", "output_final_state")
+
+
+def _usage(msg: str) -> Exception:
+    from verification.cli import UsageError
+    return UsageError(msg)
+
+
+def _num(x) -> str:
+    return "none" if x is None else repr(float(x))
+
+
+def _bool(x: bool) -> str:
+    return "true" if x else "false"
+
+
+def _save(path: str, tensors: dict, metadata: dict):
+    from safetensors.torch import save_file
+    clean = {n: t.detach().contiguous().clone() for n, t in tensors.items() if t is not None}
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    save_file(clean, path, metadata={k: str(v) for k, v in metadata.items()})
+
+
+def _open(path: str, what: str):
+    """(tensors, metadata) of a safetensors file, with one-line errors."""
+    from safetensors import safe_open
+    if not os.path.isfile(path):
+        raise _usage(f"{what}: expected an existing safetensors file, got {path!r} (no such file)")
+    try:
+        with safe_open(path, framework="pt") as f:
+            meta = dict(f.metadata() or {})
+            tensors = {n: f.get_tensor(n) for n in f.keys()}
+    except Exception as e:  # noqa: BLE001 - any parse failure is a bad file
+        raise _usage(f"{what}: expected a safetensors file, got {path!r} that cannot be read "
+                     f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    return tensors, meta
+
+
+def save_problem(path: str, problem: Problem) -> None:
+    """Write a Problem (tensors in their own dtypes, options as string metadata)."""
+    tensors = {n: getattr(problem, n) for n in REQUIRED_TENSORS + OPTIONAL_TENSORS}
+    meta = {"format": PROBLEM_FORMAT, "scale": _num(problem.scale), "lower_bound": _num(problem.lower_bound),
+            "gate": problem.gate, "beta": problem.beta_kind, "qk_l2norm": _bool(problem.qk_l2norm),
+            "state_layout": problem.state_layout, "output_final_state": _bool(problem.output_final_state)}
+    if problem.meta:
+        meta["meta"] = json.dumps(problem.meta, default=str, sort_keys=True)
+    _save(path, tensors, meta)
+
+
+def _parse_num(key: str, s: str, path: str):
+    if s.strip().lower() == "none":
+        return None
+    try:
+        x = float(s)
+    except ValueError:
+        raise _usage(f"{key}: expected a number or 'none' in the metadata of {path}, got {s!r}") from None
+    if not math.isfinite(x):
+        raise _usage(f"{key}: expected a finite number or 'none' in the metadata of {path}, got {s!r}")
+    return x
+
+
+def _parse_bool(key: str, s: str, path: str) -> bool:
+    v = s.strip().lower()
+    if v not in ("true", "false"):
+        raise _usage(f"{key}: expected true or false in the metadata of {path}, got {s!r}")
+    return v == "true"
+
+
+def _parse_choice(key: str, s: str, choices, path: str) -> str:
+    if s not in choices:
+        raise _usage(f"{key}: expected one of {'|'.join(choices)} in the metadata of {path}, got {s!r}")
+    return s
+
+
+def load_problem(path: str) -> Problem:
+    """Read a problem file back into a Problem (not validated: call kda_ref.validate)."""
+    tensors, meta = _open(path, "inputs")
+    fmt = meta.get("format", PROBLEM_FORMAT)
+    if fmt != PROBLEM_FORMAT:
+        raise _usage(f"format: expected {PROBLEM_FORMAT!r} in the metadata of {path}, got {fmt!r}")
+    for n in REQUIRED_TENSORS:
+        if n not in tensors:
+            raise ProblemError(f"{n}: expected a tensor {n!r} in {path}, got none "
+                               f"(it holds {', '.join(sorted(tensors)) or 'no tensors'})")
+    known = set(REQUIRED_TENSORS + OPTIONAL_TENSORS)
+    extra = sorted(set(tensors) - known)
+    if extra:
+        raise _usage(f"{extra[0]}: expected only the tensors {', '.join(REQUIRED_TENSORS + OPTIONAL_TENSORS)} "
+                     f"in {path}, got an unknown tensor {extra[0]!r}")
+    kw = {n: tensors.get(n) for n in REQUIRED_TENSORS + OPTIONAL_TENSORS}
+    kw["scale"] = _parse_num("scale", meta.get("scale", "none"), path)
+    kw["lower_bound"] = _parse_num("lower_bound", meta.get("lower_bound", "none"), path)
+    kw["gate"] = _parse_choice("gate", meta.get("gate", "lower_bound"), GATE_KINDS, path)
+    kw["beta_kind"] = _parse_choice("beta", meta.get("beta", "sigmoid"), BETA_KINDS, path)
+    kw["qk_l2norm"] = _parse_bool("qk_l2norm", meta.get("qk_l2norm", "true"), path)
+    kw["state_layout"] = _parse_choice("state_layout", meta.get("state_layout", "kv"), STATE_LAYOUTS, path)
+    kw["output_final_state"] = _parse_bool("output_final_state", meta.get("output_final_state", "true"), path)
+    if "meta" in meta:
+        try:
+            kw["meta"] = json.loads(meta["meta"])
+        except json.JSONDecodeError:
+            raise _usage(f"meta: expected JSON in the metadata of {path}, got {meta['meta'][:40]!r}") from None
+    return Problem(**kw)
+
+
+def save_outputs(path: str, tensors: dict, meta: dict) -> None:
+    """Write output tensors (``o``, ``final_state`` or ``state_cache``, extras) with string metadata."""
+    if "o" not in tensors or tensors["o"] is None:
+        raise _usage(f"tensors: expected an 'o' tensor to write to {path}, got {', '.join(sorted(tensors))}")
+    md = {"format": OUTPUTS_FORMAT}
+    md.update({k: (v if isinstance(v, str) else json.dumps(v, default=str)) for k, v in (meta or {}).items()})
+    _save(path, tensors, md)
+
+
+def load_outputs(path: str) -> dict:
+    """The tensors of an output file (``o`` always; ``final_state`` or ``state_cache``; extras)."""
+    tensors, meta = _open(path, "outputs")
+    fmt = meta.get("format", OUTPUTS_FORMAT)
+    if fmt != OUTPUTS_FORMAT:
+        raise _usage(f"format: expected {OUTPUTS_FORMAT!r} in the metadata of {path}, got {fmt!r}")
+    if "o" not in tensors:
+        raise ProblemError(f"o: expected a tensor 'o' in {path}, got none "
+                           f"(it holds {', '.join(sorted(tensors)) or 'no tensors'})")
+    return tensors
+
+
+def load_outputs_metadata(path: str) -> dict:
+    """The string metadata of an output file."""
+    return _open(path, "outputs")[1]
