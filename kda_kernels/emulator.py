@@ -1,0 +1,488 @@
+"""Emulator baselines: the chunked KDA algorithm in torch with a route's precision recipe.
+
+A recipe says which tensors a production kernel stores in which dtype.  The emulator
+computes every product in float64 and rounds explicitly at the recipe's storage points
+(``bf16``, ``fp16``, ``fp32``, or ``tf32`` = fp32 with a 10-bit mantissa), so it gives
+the same bits on any device.  A dot product "with bf16 operands and fp32 accumulation" is
+``fp32(bf16(a) @ bf16(b))`` (products exact in float64, one rounding at the end).
+
+Per chunk of C rows (G_i = log2(e) * chunk-local cumsum of the decay a, fp32):
+
+    kd_i = k_i 2^{G_i}      qd_i = scale q_i 2^{G_i}      kr_i = k_i 2^{G_last - G_i}
+    gt   = 2^{G_last}       L_ij = -beta_i sum_d k_id k_jd 2^{G_id - G_jd}   (i > j)
+    Mqk_ij = scale sum_d q_id k_jd 2^{G_id - G_jd}   (i >= j)        INV = (I - L)^{-1}
+    pair products go through anchored factors  k_i 2^{G_i - A} . k_j 2^{A - G_j}
+    (A: the pivot row G_p, p = min(C/2, Lc-1), for flashkda; 0 for moonshot; the middle /
+    first row of each 16-row block for fla), each factor rounded to the tile dtype.
+
+Recipes (research/flashkda.md §3, §11; research/fla_kda.md §7):
+
+    flashkda  C=32, pivot; kd/qd/kr bf16; INV built in fp32 (16-wide Neumann doubling, one
+              block merge) and stored fp16; Mqk fp16; fp32 state; per chunk
+                  Sb = bf16(S); tmp = kd.Sb; u = beta(v - tmp); U = INV.fp16(u)
+                  o = qd.Sb + Mqk.fp16(U);  S <- S*gt + kr^T.bf16(U)
+    fla       C=64, 16-row anchored factors (tf32), diagonal blocks by exact substitution,
+              block merges with tf32 operands; q, k (after l2norm), Akk, Aqk, w, u, kg, v_new
+              stored in the input dtype; fp32 state; per chunk
+                  v_new = in(u - w.in(S)); o = scale qg.in(S) + Aqk.v_new; S <- S*gt + kg^T.v_new
+    moonshot  C=16, no pivot; q, k bf16; INV by fp16 doubling (fp16 accumulation), stored
+              bf16; Mqk bf16; the state is bf16 between chunks; per chunk
+                  tmp = bf16(kd.S); v' = bf16(bf16(v - tmp) bf16(beta)); U = bf16(INV.v')
+                  o = qd.S + Mqk.U;  S <- bf16(S*gt + kr^T.U)
+
+Negative controls (NEGATIVE_CONTROLS) are the flashkda recipe with one deliberate bug
+each; they run as routes of the backend ``emulator-bad`` (``negative_control()``), so the
+harness can prove that its verdict sees these bugs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+
+from kda_ref.preprocess import F64, LOG2E, prepare
+from kda_ref.problem import Problem, validate
+
+from .base import Outputs, Route
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+TF32 = "tf32"
+INPUT = "input"            # the dtype of the problem's q (fla stores intermediates in it)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Where a kernel rounds: every field is a storage or operand dtype (BF16, FP16, FP32,
+    TF32, INPUT = the problem's q dtype, or F64 = no rounding)."""
+    name: str
+    chunk: int
+    form: str                 # chunk step: "flashkda" | "moonshot" | "fla"
+    anchor: str               # pair-product anchors: "pivot" | "start" | "block16"
+    qk_dtype: object          # l2-normed q, k
+    factor_dtype: object      # anchored factors of the L / Mqk products
+    tile_dtype: object        # kd, qd, kr (fla: qg, kg, w, u, v_new)
+    inverse: str              # "doubling" (Neumann, 16-wide blocks, merges) | "substitution" (fla)
+    inv_build_dtype: object   # what every product of the inverse construction is rounded to
+    inv_dtype: object         # INV as stored
+    mqk_dtype: object         # Mqk (fla: Aqk) as stored
+    state_dtype: object       # the state between chunks
+    operand_dtype: object     # the state as a dot operand (flashkda: bf16(S); fla: the input dtype)
+    u_dtype: object           # u = beta (v - kd S) as the operand of INV (moonshot: also tmp, v')
+    U_mqk_dtype: object       # U as the operand of Mqk
+    U_kr_dtype: object        # U as the operand of kr^T
+    acc_dtype: object = FP32  # accumulators, gates, decays
+    description: str = ""
+
+
+def exact_recipe(recipe: "Recipe") -> "Recipe":
+    """The same algorithm with no rounding at all: it must reproduce the float64 oracle."""
+    dt = {f: F64 for f in ("qk_dtype", "factor_dtype", "tile_dtype", "inv_build_dtype", "inv_dtype", "mqk_dtype",
+                          "state_dtype", "operand_dtype", "u_dtype", "U_mqk_dtype", "U_kr_dtype", "acc_dtype")}
+    return replace(recipe, name=recipe.name + "-exact", **dt)
+
+
+RECIPES: dict[str, Recipe] = {
+    "flashkda": Recipe("flashkda", 32, "flashkda", "pivot", FP32, BF16, BF16, "doubling", FP32, FP16, FP16, FP32,
+                       BF16, FP16, FP16, BF16, FP32,
+                       "aiter FlashKDA: C=32, pivoted bf16 tiles, fp16 inverse and Mqk built in fp32, "
+                       "fp32 state with bf16 dot operands"),
+    "fla": Recipe("fla", 64, "fla", "block16", INPUT, TF32, INPUT, "substitution", FP32, INPUT, INPUT, FP32,
+                  INPUT, INPUT, INPUT, INPUT, FP32,
+                  "fla chunk_kda: C=64, intermediates in the input dtype, tf32 dots, fp32 state"),
+    "moonshot": Recipe("moonshot", 16, "moonshot", "start", BF16, BF16, BF16, "doubling", FP16, BF16, BF16, BF16,
+                       BF16, BF16, BF16, BF16, FP32,
+                       "Moonshot CUTLASS FlashKDA: C=16, no pivot, fp16-accumulated inverse stored bf16, "
+                       "bf16 state"),
+}
+
+NEGATIVE_CONTROLS: dict[str, str] = {
+    "carry_scaled": "the state carried across every chunk boundary is scaled by 0.99",
+    "wrong_L_sign": "INV = (I + L)^{-1} instead of (I - L)^{-1}",
+    "inv_bf16": "INV stored in bf16 instead of fp16",
+    "tail_not_zeroed": "rows past a sequence's end in its last chunk hold stale tokens instead of zeros",
+    "state_transposed": "the final state is returned transposed ([V,K] where [K,V] is due)",
+    "decay_after_update": "S <- (S + kr^T U) * gt: the chunk decay applied after the update",
+    "mqk_no_diag": "Mqk without its diagonal: o_i misses token i's own update",
+}
+
+
+# ----------------------------------------------------------------------------- rounding
+def round_tf32(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to tf32 (fp32 with a 10-bit mantissa, round to nearest even), as float64."""
+    xf = x.to(FP32).contiguous()
+    bits = xf.view(torch.int32)
+    rounded = (bits + 0xFFF + ((bits >> 13) & 1)) & ~0x1FFF
+    out = torch.where(torch.isfinite(xf), rounded.view(FP32), xf)
+    return out.to(F64)
+
+
+def rnd(x: torch.Tensor, dtype) -> torch.Tensor:
+    """x (float64) rounded to ``dtype`` and back to float64."""
+    if dtype is None or dtype == F64:
+        return x
+    if dtype == TF32:
+        return round_tf32(x)
+    return x.to(dtype).to(F64)
+
+
+def mm(a: torch.Tensor, b: torch.Tensor, acc=FP32) -> torch.Tensor:
+    """A dot of already-rounded operands with one rounding of the sum to ``acc`` (fp32)."""
+    return rnd(a @ b, acc)
+
+
+# ------------------------------------------------------------------------- the chunk grid
+def _tiles(x: torch.Tensor, bounds, NC: int, C: int, stale: bool = False) -> torch.Tensor:
+    """Packed [Ttot, HV, D] -> [N, NC, HV, C, D]; rows past a sequence's end are zero, or with
+    ``stale`` the last chunk's tail rows read the tokens that follow in memory (wrapping)."""
+    Ttot = x.shape[0]
+    N = len(bounds)
+    out = x.new_zeros((N, NC * C) + tuple(x.shape[1:]))
+    for n, (bos, eos) in enumerate(bounds):
+        out[n, : eos - bos] = x[bos:eos]
+        if stale and eos > bos and Ttot:
+            end = -(-(eos - bos) // C) * C
+            idx = torch.arange(eos, bos + end, device=x.device) % Ttot
+            out[n, eos - bos:end] = x[idx]
+    return out.reshape((N, NC, C) + tuple(x.shape[1:])).movedim(3, 2)
+
+
+def _untile(x: torch.Tensor, bounds, Ttot: int) -> torch.Tensor:
+    """[N, NC, HV, C, D] -> packed [Ttot, HV, D]."""
+    N, NC, HV, C, D = x.shape
+    rows = x.movedim(2, 3).reshape(N, NC * C, HV, D)
+    out = x.new_zeros(Ttot, HV, D)
+    for n, (bos, eos) in enumerate(bounds):
+        out[bos:eos] = rows[n, : eos - bos]
+    return out
+
+
+# ------------------------------------------------------------------- anchored pair products
+def _anchors(G: torch.Tensor, lens: torch.Tensor, recipe: Recipe):
+    """Anchors [.., NB, K] for rows of each block: (diagonal-block anchor, off-block anchor)."""
+    C = G.shape[-2]
+    if recipe.anchor == "start":
+        z = torch.zeros_like(G[..., :1, :])
+        return z, z, C
+    if recipe.anchor == "pivot":
+        p = torch.clamp(torch.minimum(torch.full_like(lens, C // 2), lens - 1), min=0)     # [N, NC]
+        idx = p[:, :, None, None, None].expand(-1, -1, G.shape[2], 1, G.shape[-1])
+        a = torch.gather(G, 3, idx)
+        return a, a, C
+    BS = 16
+    NB = C // BS
+    starts = torch.arange(NB, device=G.device) * BS
+    mid = torch.minimum(starts[None, None, :] + BS // 2, (lens - 1).clamp(min=0)[:, :, None])   # [N, NC, NB]
+    first = torch.minimum(starts[None, None, :], (lens - 1).clamp(min=0)[:, :, None])
+    def pick(rows):
+        idx = rows[:, :, None, :, None].expand(-1, -1, G.shape[2], -1, G.shape[-1])
+        return torch.gather(G, 3, idx)
+    return pick(mid), pick(first), BS
+
+
+def _pair_products(x: torch.Tensor, k: torch.Tensor, G: torch.Tensor, lens, recipe: Recipe) -> torch.Tensor:
+    """P_ij = sum_d x_id k_jd 2^{G_id - G_jd} through anchored, rounded factors: [.., C, C]."""
+    ad, ao, BS = _anchors(G, lens, recipe)
+    C = G.shape[-2]
+    NB = C // BS
+    sh = G.shape[:-2]
+    blk = torch.arange(C, device=G.device) // BS
+    out = None
+    for anchor, use in ((ad, "diag"), (ao, "off")):
+        a_rows = anchor.repeat_interleave(BS, dim=-2)                                   # [.., C, K]
+        left = rnd(x * torch.exp2(G - a_rows), recipe.factor_dtype)                     # rows i
+        right = rnd(k[..., None, :, :] * torch.exp2(anchor[..., :, None, :] - G[..., None, :, :]),
+                    recipe.factor_dtype)                                                # [.., NB, C(j), K]
+        right = torch.nan_to_num(right, nan=0.0)
+        prod = left.reshape(sh + (NB, BS, -1)) @ right.transpose(-1, -2)                # [.., NB, BS, C]
+        prod = prod.reshape(sh + (C, C))
+        same = blk[:, None] == blk[None, :]
+        sel = same if use == "diag" else ~same
+        out = torch.where(sel, prod, out if out is not None else torch.zeros_like(prod))
+        if NB == 1:
+            break
+    return rnd(out, recipe.acc_dtype)
+
+
+# -------------------------------------------------------------------------- the inverse
+def _eye(C, ref):
+    return torch.eye(C, dtype=F64, device=ref.device)
+
+
+def _doubling(L: torch.Tensor, acc) -> torch.Tensor:
+    """(I - D)^{-1} for D = L restricted to its 16-wide diagonal blocks, by Neumann doubling:
+    (I + D)(I + D^2)(I + D^4)(I + D^8) = sum_{n<16} D^n, each product rounded to ``acc``;
+    then block merges INV <- INV + INV (L_off INV) for widths 16, 32, ..."""
+    C = L.shape[-1]
+    blk = torch.arange(C, device=L.device)
+    BS = min(16, C)
+    D = torch.where((blk[:, None] // BS) == (blk[None, :] // BS), L, torch.zeros_like(L))
+    inv = rnd(_eye(C, L) + D, acc)
+    P = rnd(D @ D, acc)
+    for _ in range(max(BS.bit_length() - 2, 0)):
+        inv = rnd(inv + rnd(inv @ P, acc), acc)
+        P = rnd(P @ P, acc)
+    w = BS
+    while w < C:
+        rb, cb = blk[:, None] // w, blk[None, :] // w
+        off = ((rb // 2) == (cb // 2)) & (rb != cb)
+        L_off = torch.where(off, L, torch.zeros_like(L))
+        inv = rnd(inv + rnd(inv @ rnd(L_off @ inv, acc), acc), acc)
+        w *= 2
+    return inv
+
+
+def _substitution(L: torch.Tensor, op, acc) -> torch.Tensor:
+    """fla's Akk: 16-wide diagonal blocks of (I - L)^{-1} exactly (fp32), then block forward
+    substitution X_rc = X_rr sum_{c<=m<r} L_rm X_mc with ``op``-rounded operands."""
+    C = L.shape[-1]
+    BS = 16
+    NB = C // BS
+    M = _eye(C, L) - L
+    X = torch.zeros_like(L)
+    for b in range(NB):
+        s = slice(b * BS, (b + 1) * BS)
+        Xd = torch.linalg.solve_triangular(M[..., s, s], _eye(BS, L).expand_as(M[..., s, s]), upper=False,
+                                           unitriangular=True)
+        X[..., s, s] = rnd(Xd, acc)
+    for r in range(1, NB):
+        rs = slice(r * BS, (r + 1) * BS)
+        for c in range(r - 1, -1, -1):
+            cs = slice(c * BS, (c + 1) * BS)
+            part = 0
+            for m in range(c, r):
+                ms = slice(m * BS, (m + 1) * BS)
+                part = part + mm(rnd(L[..., rs, ms], op), rnd(X[..., ms, cs], op), acc)
+            X[..., rs, cs] = mm(rnd(X[..., rs, rs], op), rnd(part, op), acc)
+    return X
+
+
+def build_inverse(L: torch.Tensor, recipe: Recipe, op) -> torch.Tensor:
+    if recipe.inverse == "doubling":
+        return _doubling(rnd(L, recipe.inv_build_dtype), recipe.inv_build_dtype)
+    return _substitution(L, op, recipe.inv_build_dtype)
+
+
+# ------------------------------------------------------------------------------ emulate
+def _dtype(d, problem: Problem):
+    return problem.q.dtype if d == INPUT else d
+
+
+def _op_dtype(recipe: Recipe, problem: Problem):
+    """fla's dot operand dtype: the input dtype, or tf32 for fp32 inputs (NVIDIA's default)."""
+    if recipe.operand_dtype != INPUT:
+        return recipe.operand_dtype
+    return TF32 if problem.q.dtype == FP32 else problem.q.dtype
+
+
+def _chunk_work(q, k, v, a, beta, valid, lens, scale, recipe: Recipe, problem: Problem, variant):
+    """K1 of one group of chunks: tiles, INV, Mqk (and fla's w, u); every tensor float64."""
+    C = recipe.chunk
+    qkd = _dtype(recipe.qk_dtype, problem)
+    tile = _dtype(recipe.tile_dtype, problem)
+    q, k = rnd(q, qkd), rnd(k, qkd)
+    acc = recipe.acc_dtype
+    G = rnd(LOG2E * torch.cumsum(a, dim=-2), acc)                     # [N,g,HV,C,K]
+    G_last = G[..., C - 1:C, :]
+    gt = rnd(torch.exp2(G_last), acc)
+    e = rnd(torch.exp2(G), acc)
+    er = rnd(torch.exp2(G_last - G), acc)
+    vm = valid[..., None]
+    zero = torch.zeros((), dtype=F64, device=q.device)
+    Pk = _pair_products(k, k, G, lens, recipe)
+    Pq = _pair_products(scale * q, k, G, lens, recipe)
+    i = torch.arange(C, device=q.device)
+    strict, incl = i[:, None] > i[None, :], i[:, None] >= i[None, :]
+    if variant == "mqk_no_diag":
+        incl = strict
+    L = torch.where(strict, -beta[..., :, None] * Pk, zero)
+    L = rnd(L, acc)
+    op = _op_dtype(recipe, problem)
+    inv = build_inverse(-L if variant == "wrong_L_sign" else L, recipe, op)
+    inv_dtype = BF16 if variant == "inv_bf16" else _dtype(recipe.inv_dtype, problem)
+    inv = rnd(inv, inv_dtype)
+    mqk = rnd(torch.where(incl, Pq, zero), _dtype(recipe.mqk_dtype, problem))
+    out = {"gt": gt[..., 0, :], "inv": inv, "mqk": mqk, "beta": beta, "v": v, "valid": valid}
+    if recipe.form in ("flashkda", "moonshot"):
+        if recipe.form == "moonshot":
+            # every factor rounded: kd = bf16(k bf16(2^G)), qd = bf16(bf16(q bf16(2^G)) bf16(scale)),
+            # kr = bf16(bf16(k bf16(2^-G)) bf16(2^G_last))
+            fd = recipe.factor_dtype
+            ebf = rnd(torch.exp2(G), fd)
+            out["kd"] = torch.where(vm, rnd(k * ebf, tile), zero)
+            out["qd"] = torch.where(vm, rnd(rnd(q * ebf, tile) * rnd(torch.tensor(scale, dtype=F64), fd), tile), zero)
+            ki = rnd(k * rnd(torch.exp2(-G), fd), tile)
+            out["kr"] = torch.where(vm, rnd(ki * rnd(gt, fd), tile), zero)
+        else:
+            out["kd"] = torch.where(vm, rnd(k * e, tile), zero)
+            out["qd"] = torch.where(vm, rnd(scale * q * e, tile), zero)
+            out["kr"] = torch.where(vm, rnd(k * er, tile), zero)
+        if variant == "tail_not_zeroed":   # stale rows reach the tiles and u
+            out["kd"], out["qd"], out["kr"] = rnd(k * e, tile), rnd(scale * q * e, tile), rnd(k * er, tile)
+    else:
+        out["qg"] = torch.where(vm, rnd(q * e, tile), zero)
+        out["kg"] = torch.where(vm, rnd(k * er, tile), zero)
+        bk = torch.where(vm, rnd(beta[..., None] * k * e, tile), zero)
+        bv = torch.where(vm, rnd(beta[..., None] * v, tile), zero)
+        out["w"] = rnd(mm(rnd(inv, op), rnd(bk, op), acc), tile)
+        out["u"] = rnd(mm(rnd(inv, op), rnd(bv, op), acc), tile)
+    return out
+
+
+def _group_size(N, NC, HV, C, K) -> int:
+    per_chunk = max(N * HV * C * max(K, C) * 8, 1)
+    return max(1, min(NC, (1 << 27) // per_chunk))
+
+
+def emulate(problem: Problem, recipe="flashkda", variant: Optional[str] = None, keep_f64: bool = False) -> Outputs:
+    """Run the chunked algorithm with ``recipe``'s precision (a name of RECIPES or a Recipe);
+    ``variant`` selects a negative control (NEGATIVE_CONTROLS).  Outputs are in the Problem's
+    layouts: o in v's dtype, the final state (or the written cache) in fp32; with ``keep_f64``
+    every output stays float64 (for self-tests of the algorithm)."""
+    validate(problem)
+    if isinstance(recipe, str):
+        if recipe not in RECIPES:
+            raise ValueError(f"recipe: expected one of {', '.join(RECIPES)}, got {recipe!r}")
+        recipe = RECIPES[recipe]
+    if variant is not None and variant not in NEGATIVE_CONTROLS:
+        raise ValueError(f"variant: expected one of {', '.join(NEGATIVE_CONTROLS)}, got {variant!r}")
+    pp = prepare(problem)
+    C = recipe.chunk
+    bounds = pp.bounds
+    Ttot, HV, K, V, N = pp.q.shape[0], problem.HV, problem.K, problem.V, problem.N
+    lens_list = [e - b for b, e in bounds]
+    NC = max([-(-n // C) for n in lens_list] + [0])
+    dev = pp.q.device
+    stale = variant == "tail_not_zeroed"
+    beta_p = rnd(pp.beta, recipe.acc_dtype)
+    a_p = rnd(pp.a, recipe.acc_dtype)
+    qt = _tiles(pp.q, bounds, NC, C, stale)
+    kt = _tiles(pp.k, bounds, NC, C, stale)
+    vt = _tiles(pp.v, bounds, NC, C, stale)
+    at = _tiles(a_p, bounds, NC, C, stale)
+    bt = _tiles(beta_p[..., None], bounds, NC, C, stale)[..., 0]
+    seq_len = torch.tensor(lens_list, device=dev, dtype=torch.int64)
+    lens = (seq_len[:, None] - torch.arange(NC, device=dev)[None, :] * C).clamp(0, C)   # [N, NC]
+    valid = torch.arange(C, device=dev)[None, None, None, :] < lens[:, :, None, None]   # [N,NC,1,C]
+    if stale:
+        valid = valid | (lens > 0)[:, :, None, None]
+    valid = valid.expand(N, NC, HV, C)
+    S = rnd(pp.S0, recipe.state_dtype)
+    o_t = torch.zeros(N, NC, HV, C, V, dtype=F64, device=dev)
+    g = _group_size(N, NC, HV, C, K)
+    for c0 in range(0, NC, g):
+        sl = slice(c0, min(c0 + g, NC))
+        w = _chunk_work(qt[:, sl], kt[:, sl], vt[:, sl], at[:, sl], bt[:, sl], valid[:, sl], lens[:, sl],
+                        pp.scale, recipe, problem, variant)
+        if recipe.acc_dtype != F64:   # every stored value is exact in fp32: halve the memory
+            w = {key: val.to(FP32) if val.is_floating_point() else val for key, val in w.items()}
+        for j in range(sl.stop - sl.start):
+            ch = {key: (val[:, j].to(F64) if val.is_floating_point() else val[:, j]) for key, val in w.items()}
+            S, o_c = _step(S, ch, recipe, problem, pp.scale, variant)
+            o_t[:, c0 + j] = o_c
+    out_dt, state_dt = (F64, F64) if keep_f64 else (problem.v.dtype, FP32)
+    o = _untile(o_t, bounds, Ttot).to(out_dt).reshape(problem.B, problem.T, HV, V)
+    final = S.to(state_dt)
+    if variant == "state_transposed":
+        final = final.transpose(-1, -2)
+    return _finish(problem, o, final, recipe.name, variant)
+
+
+def _step(S, ch, recipe: Recipe, problem: Problem, scale: float, variant):
+    """One chunk of the sequential recurrence for every sequence and head at once."""
+    vm = ch["valid"][..., None]
+    zero = torch.zeros((), dtype=F64, device=S.device)
+    gt = ch["gt"][..., :, None]                                     # [N,HV,K,1]
+    acc = recipe.acc_dtype
+    if recipe.form == "fla":
+        op = _op_dtype(recipe, problem)
+        tile = _dtype(recipe.tile_dtype, problem)
+        Sb = rnd(S, op)
+        v_new = torch.where(vm, rnd(ch["u"] - mm(rnd(ch["w"], op), Sb, acc), tile), zero)
+        o = rnd(scale * mm(rnd(ch["qg"], op), Sb, acc), acc) + mm(rnd(ch["mqk"], op), rnd(v_new, op), acc)
+        S_new = rnd(S * gt + mm(rnd(ch["kg"], op).transpose(-1, -2), rnd(v_new, op), acc), recipe.state_dtype)
+        return S_new, rnd(o, acc)
+    beta = ch["beta"][..., None]
+    Sb = rnd(S, recipe.operand_dtype)
+    if recipe.form == "moonshot":
+        ud = recipe.u_dtype
+        tmp = rnd(mm(ch["kd"], Sb, acc), ud)
+        u = rnd(rnd(ch["v"] - tmp, ud) * rnd(beta, ud), ud)
+        U = rnd(mm(ch["inv"], torch.where(vm, u, zero), acc), recipe.U_mqk_dtype)
+    else:
+        tmp = mm(ch["kd"], Sb, acc)
+        u = torch.where(vm, rnd(beta * (ch["v"] - tmp), acc), zero)
+        U = mm(ch["inv"], rnd(u, recipe.u_dtype), acc)
+    o = rnd(mm(ch["qd"], Sb, acc) + mm(ch["mqk"], rnd(U, recipe.U_mqk_dtype), acc), acc)
+    upd = mm(ch["kr"].transpose(-1, -2), rnd(U, recipe.U_kr_dtype), acc)
+    if variant == "decay_after_update":
+        S_new = rnd((S + upd) * gt, recipe.state_dtype)
+    else:
+        S_new = rnd(S * gt + upd, recipe.state_dtype)
+    if variant == "carry_scaled":
+        S_new = rnd(0.99 * S_new, recipe.state_dtype)
+    return S_new, o
+
+
+def _finish(problem: Problem, o: torch.Tensor, final_kfirst: torch.Tensor, recipe: str, variant) -> Outputs:
+    info = {"route_ran": recipe if variant is None else f"{recipe}+{variant}"}
+    if problem.paged:
+        cache = problem.state_cache.detach().clone().to(final_kfirst.dtype)
+        cache[problem.state_indices.long()] = final_kfirst.transpose(-1, -2).to(cache.device)
+        return Outputs(o=o, state_cache=cache, info=info)
+    if not problem.output_final_state:
+        return Outputs(o=o, info=info)
+    fs = final_kfirst if problem.state_layout == "kv" else final_kfirst.transpose(-1, -2)
+    return Outputs(o=o, final_state=fs.contiguous(), info=info)
+
+
+# ------------------------------------------------------------------------------ backends
+class EmulatorBackend:
+    """The emulator as a Backend: one route per recipe (route.recipe = that recipe), or, with
+    ``variant``, the negative control of that name as the single route of ``emulator-bad``."""
+
+    def __init__(self, variant: Optional[str] = None):
+        if variant is not None and variant not in NEGATIVE_CONTROLS:
+            raise ValueError(f"variant: expected one of {', '.join(NEGATIVE_CONTROLS)}, got {variant!r}")
+        self.variant = variant
+        self.name = "emulator" if variant is None else "emulator-bad"
+
+    def available(self):
+        return True, ""
+
+    def version(self) -> str:
+        return "kda-verify emulator 1 (float64 with explicit rounding)"
+
+    def routes(self) -> list[Route]:
+        if self.variant is not None:
+            return [Route(name=self.variant, recipe="flashkda", flags=(("variant", self.variant),),
+                          description=NEGATIVE_CONTROLS[self.variant])]
+        return [Route(name=r.name, recipe=r.name, flags=(("recipe", r.name),), description=r.description)
+                for r in RECIPES.values()]
+
+    def accepts(self, problem: Problem, route: Route):
+        return True, ""
+
+    def run(self, problem: Problem, route: Route) -> Outputs:
+        variant = route.flag("variant")
+        if variant is not None:
+            return emulate(problem, "flashkda", variant=variant)
+        return emulate(problem, route.recipe)
+
+
+class NegativeControlBackend(EmulatorBackend):
+    """``emulator-bad``: every negative control of NEGATIVE_CONTROLS as a route."""
+
+    def __init__(self):
+        super().__init__()
+        self.name = "emulator-bad"
+
+    def routes(self) -> list[Route]:
+        return [Route(name=n, recipe="flashkda", flags=(("variant", n),), description=d)
+                for n, d in NEGATIVE_CONTROLS.items()]
+
+
+def negative_control(variant: Optional[str] = None):
+    """Backend factory (``kda_kernels.emulator:negative_control``): all negative controls as
+    routes of ``emulator-bad``, or only ``variant``."""
+    return NegativeControlBackend() if variant is None else EmulatorBackend(variant=variant)
