@@ -40,15 +40,16 @@ def run_chunk_grid(ws: Workspace, grid: torch.Tensor, S_init: torch.Tensor, v_pr
     inv, mqk, beta, vt = ws.heads("ws_inv"), ws.heads("ws_mqk"), ws.heads("ws_beta"), ws.heads("v")
     S = S_init
     HV, M, K, W = S.shape
-    for j in range(grid.shape[1]):
+    grid_cpu = grid.cpu()                        # validity decided on the host: no device sync per step
+    grid_dev = grid.to(S.device)
+    for j in range(grid_cpu.shape[1]):
         if chunk_states is not None:
             chunk_states.append(S)
-        idx = grid[:, j]
-        valid = idx >= 0
-        all_valid = bool(valid.all())
-        if not all_valid and not bool(valid.any()):
+        valid_cpu = grid_cpu[:, j] >= 0
+        all_valid = bool(valid_cpu.all())
+        if not all_valid and not bool(valid_cpu.any()):
             continue
-        ix = idx.clamp(min=0)
+        ix = grid_dev[:, j].clamp(min=0)
         if use_v:
             v = vt[:, ix]
             if v_prefix:
@@ -62,9 +63,10 @@ def run_chunk_grid(ws: Workspace, grid: torch.Tensor, S_init: torch.Tensor, v_pr
             if o_tiles is not None:
                 o_tiles[:, ix] = o
         else:
+            valid = valid_cpu.to(S.device)
             S = torch.where(valid[None, :, None, None], S_new, S)
             if o_tiles is not None:
-                o_tiles[:, ix[valid]] = o[:, valid]
+                o_tiles[:, grid_dev[:, j][valid]] = o[:, valid]
     return S
 
 

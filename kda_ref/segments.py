@@ -86,7 +86,7 @@ def pass_a(ws: Workspace, plan: SegmentPlan, K: int, V: int):
     dev = ws.ws_kd.device
     X0 = torch.zeros(ws.HV, plan.segs, K, K + V, dtype=F64, device=dev)
     X0[..., :K] = torch.eye(K, dtype=F64, device=dev)
-    X = run_chunk_grid(ws, plan.grid().to(dev), X0, v_prefix=K)
+    X = run_chunk_grid(ws, plan.grid(), X0, v_prefix=K)
     X = X.transpose(0, 1)
     return X[..., :K].contiguous(), X[..., K:].contiguous()
 
@@ -94,13 +94,14 @@ def pass_a(ws: Workspace, plan: SegmentPlan, K: int, V: int):
 def pass_b(plan: SegmentPlan, A_seg: torch.Tensor, b_seg: torch.Tensor, S0: torch.Tensor):
     """h_in [segs,HV,K,V]: the incoming state of every segment, scanned per sequence from S0
     [N,HV,K,V] (sequences side by side); also returns the state after each sequence's last segment."""
-    off = plan.seq_seg_off.to(S0.device)
+    off = plan.seq_seg_off.cpu()
     count = off[1:] - off[:-1]
     h = S0.clone()
     h_in = torch.empty((plan.segs,) + tuple(S0.shape[1:]), dtype=F64, device=S0.device)
     for j in range(int(count.max()) if count.numel() else 0):
         live = torch.nonzero(count > j).flatten()
-        s = off[live] + j
+        s = (off[live] + j).to(S0.device)
+        live = live.to(S0.device)
         h_in[s] = h[live]
         h[live] = A_seg[s] @ h[live] + b_seg[s]
     return h_in, h
@@ -111,7 +112,7 @@ def pass_c(pp: Prepared, ws: Workspace, plan: SegmentPlan, h_in: torch.Tensor):
     dev = ws.ws_kd.device
     HV, V = ws.HV, pp.v.shape[-1]
     o_tiles = pp.v.new_zeros(HV, ws.tiles, ws.C, V)
-    S = run_chunk_grid(ws, plan.grid().to(dev), h_in.transpose(0, 1), o_tiles=o_tiles)
+    S = run_chunk_grid(ws, plan.grid(), h_in.transpose(0, 1), o_tiles=o_tiles)
     final = pp.S0.clone()
     last = plan.is_last.to(dev)
     final[plan.seq.to(dev)[last]] = S.transpose(0, 1)[last]
@@ -135,7 +136,7 @@ class SegmentedResult:
 def segmented(pp: Prepared, ws: Workspace, chunks_per_seg: Optional[int] = None) -> SegmentedResult:
     """Passes A, B, C over the segment plan of ``chunks_per_seg`` chunks per segment."""
     K, V = pp.k.shape[-1], pp.v.shape[-1]
-    plan = segment_plan(pp.bounds, ws.C, chunks_per_seg, device=ws.ws_kd.device)
+    plan = segment_plan(pp.bounds, ws.C, chunks_per_seg)   # index bookkeeping on the host
     A_seg, b_seg = pass_a(ws, plan, K, V)
     h_in, _ = pass_b(plan, A_seg, b_seg, pp.S0)
     o, final = pass_c(pp, ws, plan, h_in)
