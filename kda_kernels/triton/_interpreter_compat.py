@@ -6,10 +6,23 @@
 2. bf16 dots: the interpreter stores bf16 as raw uint16 bits and ``tl.dot`` multiplies those
    bit patterns.  The patched dot widens bf16 operands to fp32 first (bf16 x bf16 products are
    exact in fp32), which is what the hardware's bf16 MMA with fp32 accumulation computes.
+3. fp32 -> bf16 casts: the interpreter truncates the mantissa; GPUs round to nearest even
+   (cvt.rn.bf16.f32).  The patched cast rounds to nearest even, so the interpreter's errors
+   are the GPU's and not twice as large.
 """
 from __future__ import annotations
 
 import os
+
+
+def f32_to_bf16_bits(x):
+    """bf16 bit patterns (uint16) of fp32 values, rounded to nearest even; NaN stays NaN."""
+    import numpy as np
+
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = np.isnan(np.asarray(x, dtype=np.float32))
+    return np.where(nan, ((bits >> 16) | 0x40).astype(np.uint16), rounded)
 
 
 def install() -> None:
@@ -43,4 +56,15 @@ def install() -> None:
         return original_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
 
     builder_cls.create_dot = dot
+
+    original_cast = builder_cls.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        import triton.language as tl
+
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            return interpreter.TensorHandle(f32_to_bf16_bits(src.data), tl.bfloat16)
+        return original_cast(self, src, dst_type)
+
+    builder_cls.cast_impl = cast_impl
     interpreter._kda_index_compat = True

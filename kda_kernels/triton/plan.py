@@ -29,6 +29,7 @@ import torch
 C = 32
 SEG_WAVES = 6          # the heuristic aims at about SEG_WAVES programs per SM in pass C
 SEG_MIN_SEGMENTS = 4   # segmenting triples the chunk steps; fewer segments cannot pay for it
+SEG_MIN_CHUNKS = 16    # shorter sequences: three launches cost more than the chunk walk saves
 SEG_MIN_CPS = 2
 SEG_MAX_CPS = 64
 
@@ -65,12 +66,13 @@ def choose_chunks_per_seg(n_chunks_max: int, N: int, H: int, V: int, bw: int, sm
 
     Pass C alone has ``blocks = N*H*ceil(V/bw)`` programs, each a sequential walk over its
     sequence's chunks.  When that fills the device (blocks >= sms) segmentation only adds
-    work (pass A costs two chunk walks, pass C one).  Otherwise split each sequence into
+    work (pass A costs two chunk walks, pass C one); so does a walk shorter than
+    SEG_MIN_CHUNKS, where the extra launches dominate.  Otherwise split each sequence into
     about ``SEG_WAVES*sms/blocks`` segments, rounded to a power-of-two length in
     [SEG_MIN_CPS, SEG_MAX_CPS]; keep it unsegmented when fewer than SEG_MIN_SEGMENTS result.
     """
     blocks = N * H * max(1, -(-V // bw))
-    if n_chunks_max <= 1 or blocks >= sms:
+    if n_chunks_max < SEG_MIN_CHUNKS or blocks >= sms:
         return None
     target = SEG_WAVES * sms / blocks
     ideal = n_chunks_max / target
