@@ -83,7 +83,7 @@ def chunked_from_workspace(pp: Prepared, ws: Workspace, return_chunk_states: boo
     if not return_chunk_states:
         return o, final
     # state before chunk c of sequence n; past its last chunk a sequence's state stays final
-    st = torch.stack(states + [S], dim=2).transpose(0, 1) if states else S.transpose(0, 1)[:, None]
+    st = torch.stack(states + [S], dim=0).permute(2, 0, 1, 3, 4)        # [N, NCmax+1, HV, K, V]
     return o, final, st.contiguous()
 
 

@@ -43,3 +43,14 @@ def test_bad_cu_seqlens_is_named():
     p = _problem()
     with pytest.raises(ProblemError, match="cu_seqlens: expected non-decreasing"):
         truth(p.replace(cu_seqlens=torch.tensor([0, 20, 10, 50])))
+
+
+def test_chunk_boundary_states_match_the_chunked_form():
+    from kda_ref.chunked import chunked_from_workspace
+    from kda_ref.workspace import workspace_prepared
+    from kda_ref.preprocess import prepare
+    pp = prepare(_problem(seed=5))
+    r = recurrence(_problem(seed=5), chunk_size=16)
+    _, _, states = chunked_from_workspace(pp, workspace_prepared(pp, 16), return_chunk_states=True)
+    assert states.shape == r.chunk_states.shape
+    assert float((states - r.chunk_states).norm() / r.chunk_states.norm()) < 1e-13
