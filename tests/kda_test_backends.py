@@ -1,0 +1,113 @@
+"""Backends for the harness's own tests (loaded as ``kda_test_backends:<factory>``).
+
+    exact        returns the float64 truth rounded to the production dtypes (o bf16, states fp32)
+    zeros        returns all-zero outputs (a mostly-zero output: never a pass)
+    nan          returns the truth with one NaN in o
+    raising      raises inside run()
+    crashing     kills its own process: os.abort() (route "abort") or os._exit(3) (route "exit")
+    unavailable  available() is False with a reason
+    dense_only   accepts only problems without cu_seqlens (varlen: "not applicable")
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kda_kernels.base import Outputs, Route
+from kda_ref.truth import truth
+
+
+class _TestBackend:
+    mode = "exact"
+
+    def __init__(self, mode: str = "exact", routes=("r1",)):
+        self.mode = mode
+        self.name = f"test-{mode}"
+        self._routes = [Route(name=r, recipe="flashkda", description=f"{mode} {r}") for r in routes]
+
+    def available(self):
+        if self.mode == "unavailable":
+            return False, "this test backend is never available"
+        return True, ""
+
+    def version(self):
+        return "test-0"
+
+    def routes(self):
+        return list(self._routes)
+
+    def accepts(self, problem, route):
+        if self.mode == "dense_only" and problem.cu_seqlens is not None:
+            return False, "not applicable: varlen problems are not supported by this test backend"
+        return True, ""
+
+    def run(self, problem, route):
+        if self.mode == "raising":
+            raise RuntimeError("deliberate failure inside run()")
+        if self.mode == "crashing":
+            if route.name == "abort":
+                os.abort()
+            os._exit(3)
+        t = truth(problem)
+        o = t.o.to(torch.bfloat16)
+        fs = None if t.final_state is None else t.final_state.to(torch.float32)
+        sc = None if t.state_cache is None else t.state_cache.to(torch.float32)
+        if self.mode == "zeros":
+            o = torch.zeros_like(o)
+            fs = None if fs is None else torch.zeros_like(fs)
+        if self.mode == "nan":
+            o = o.clone()
+            o.view(-1)[0] = float("nan")
+        return Outputs(o=o, final_state=fs, state_cache=sc, info={"route_ran": route.name})
+
+
+def exact():
+    return _TestBackend("exact", routes=("r1", "r2"))
+
+
+def zeros():
+    return _TestBackend("zeros")
+
+
+def nan():
+    return _TestBackend("nan")
+
+
+def raising():
+    return _TestBackend("raising")
+
+
+def crashing():
+    return _TestBackend("crashing", routes=("abort", "exit"))
+
+
+def unavailable():
+    return _TestBackend("unavailable")
+
+
+def dense_only():
+    return _TestBackend("dense_only")
+
+
+TEST_TOLERANCES = """\
+schema: 1
+entries:
+  - backend: "*"
+    route: "*"
+    dtype: "*"
+    tensor: "*"
+    m: 2.0
+    floor: 1.0e-6
+    cap: 1.0e+3
+    reason: harness tests only - every cell judged by FlashAttention's rule with m = 2, no effective cap
+    calibrated_on: not calibrated (the tests check statuses, not kernels)
+"""
+
+
+def write_tolerances(directory) -> str:
+    """A tolerance file whose one entry matches every cell; returns its path."""
+    import pathlib
+    p = pathlib.Path(directory) / "test-tolerances.yaml"
+    p.write_text(TEST_TOLERANCES)
+    return str(p)

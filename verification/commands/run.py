@@ -1,0 +1,125 @@
+"""`kda-verify run`: the matrix backend x route x case, recorded as it goes, then the report.
+
+Each finished cell is appended to DIR/results.jsonl at once (an interrupted run loses
+nothing; --resume skips the finished cells).  Exit status: 0 when every cell passed or
+was skipped, 1 when any failed, was mistrusted, crashed or errored, 2 on bad input.
+"""
+from __future__ import annotations
+
+import fnmatch
+import sys
+
+NAME = "run"
+HELP = "run every (backend, route, case) cell of the chosen suites and write the report"
+
+
+def split_list(values) -> list[str]:
+    """Repeatable, comma-separable options: ["a,b", "c"] -> ["a", "b", "c"]."""
+    out = []
+    for v in values or []:
+        out.extend(x.strip() for x in str(v).split(",") if x.strip())
+    return out
+
+
+def add_arguments(p):
+    p.add_argument("--backend", action="append", required=True, metavar="B",
+                   help="built-in name (emulator, triton, fla, aiter, moonshot) or package.module:factory; "
+                        "repeatable or comma-separated")
+    p.add_argument("--route", action="append", metavar="R",
+                   help="route name (default: every route of the backend); repeatable or comma-separated")
+    p.add_argument("--suite", action="append", required=True, metavar="S",
+                   help="case suite (smoke, default, k3-prefill, stress, fuzz); repeatable or comma-separated")
+    p.add_argument("--case", action="append", metavar="ID",
+                   help="only cases whose id matches (exact or shell glob, e.g. 'stress/weak-*'); repeatable")
+    p.add_argument("--out", required=True, metavar="DIR", help="results directory (results.jsonl, report.*)")
+    p.add_argument("--resume", action="store_true", help="skip cells already recorded in DIR/results.jsonl")
+    p.add_argument("--isolate", action="store_true",
+                   help="run each cell in a child process: a kernel that kills its process is recorded as crashed")
+    p.add_argument("--timeout", type=float, metavar="SECONDS",
+                   help="with --isolate: a cell running longer is killed and recorded as crashed")
+    p.add_argument("--device", metavar="D", help="torch device for problems, oracle and kernels "
+                                                  "(default: cuda if available, else cpu)")
+    p.add_argument("--max-cells", type=int, metavar="N", help="stop after running N cells (resume later)")
+    p.add_argument("--tolerances", metavar="YAML", help="tolerances file (default: tolerances.yaml of the repo)")
+    p.add_argument("--no-report", action="store_true", help="do not write the report at the end")
+
+
+def select_cases(suites: list[str], patterns: list[str] | None) -> list:
+    """The cases of the suites, in suite order, filtered by --case patterns (each must match)."""
+    from verification.cases import get_suite
+    from verification.cli import UsageError
+
+    cases, seen = [], set()
+    for s in suites:
+        for c in get_suite(s):
+            if c.id not in seen:
+                seen.add(c.id)
+                cases.append(c)
+    if not patterns:
+        return cases
+    chosen = []
+    for pat in patterns:
+        hit = [c for c in cases if c.id == pat or fnmatch.fnmatchcase(c.id, pat)]
+        if not hit:
+            sample = ", ".join(c.id for c in cases[:6]) + (", ..." if len(cases) > 6 else "")
+            raise UsageError(f"--case: expected a case id (or glob) of suite(s) {', '.join(suites)}, "
+                             f"got {pat!r}; ids look like: {sample}")
+        chosen.extend(c for c in hit if c not in chosen)
+    return [c for c in cases if c in chosen]
+
+
+def _check_device(device):
+    import torch
+
+    from verification.cli import UsageError
+    if device is None:
+        return None
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError) as e:
+        raise UsageError(f"--device: expected a torch device such as cpu, cuda, cuda:1, got {device!r}") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device: expected a device present here, got {device!r} (torch sees no CUDA device)")
+    return device
+
+
+def run(args) -> int:
+    from verification import provenance
+    from verification.cli import UsageError
+    from verification.runner import default_device, run_matrix
+
+    if args.max_cells is not None and args.max_cells < 1:
+        raise UsageError(f"--max-cells: expected an integer >= 1, got {args.max_cells}")
+    if args.timeout is not None and not args.timeout > 0:
+        raise UsageError(f"--timeout: expected seconds > 0, got {args.timeout}")
+    device = _check_device(args.device) or default_device()
+    suites = split_list(args.suite)
+    cases = select_cases(suites, split_list(args.case))
+    db = None
+    if args.tolerances:
+        from verification.tolerances import load_tolerances
+        db = load_tolerances(args.tolerances)
+    prov = provenance.collect(device=device, seeds={c.id: c.seed for c in cases})
+    try:
+        summary = run_matrix(split_list(args.backend), cases, args.out, routes=split_list(args.route) or None,
+                             resume=args.resume, isolate=args.isolate, device=device, max_cells=args.max_cells,
+                             db=db, tolerances_path=args.tolerances, timeout_s=args.timeout, provenance=prov)
+    except KeyboardInterrupt:
+        print(f"kda-verify run: interrupted; finished cells are in {args.out}/results.jsonl "
+              f"(continue with --resume)", file=sys.stderr)
+        raise
+    counts = summary.counts()
+    tally = ", ".join(f"{v} {k}" for k, v in sorted(counts.items())) or "no cells"
+    print(f"{summary.ran} cells run, {summary.resumed} already done: {tally}")
+    if summary.stopped_early:
+        print(f"stopped after --max-cells {args.max_cells}; continue with --resume")
+    for r in summary.failed[:20]:
+        print(f"  {r['status'].upper():<10} {r['backend']} {r['route']} {r['case']}: {r.get('reason', '')[:160]}")
+        print(f"             repro: {r.get('repro', '')}")
+    if len(summary.failed) > 20:
+        print(f"  ... and {len(summary.failed) - 20} more (see the report)")
+    if not args.no_report:
+        from verification.report import write_report
+        paths = write_report(args.out)
+        print(f"report: {paths['md']} {paths['html']}")
+    return summary.exit_code

@@ -1,0 +1,766 @@
+"""The runner: every (backend, route, case) cell of a matrix, judged and recorded.
+
+One cell = one route of one backend on one case.  Its record (``run_cell``) is a
+JSON-able dict: who ran (backend, route, recipe), on what (case id, suite, seed,
+shape), the verdict (status in STATUSES, a one-line reason, per-tensor err /
+threshold / margin from ``verification.verdict.judge``), the full metrics, the
+baseline's metrics, timings and a repro command.
+
+The truth of a case (``kda_ref.truth.truth``, float64) is computed once per run and
+shared by every backend and route (``TruthCache``); the baseline, the emulated
+route recipe measured against that truth, once per (case, recipe)
+(``BaselineCache``).  Cells run case-major, so only the current case's truth is
+held in memory.
+
+``run_matrix`` appends each finished record to ``DIR/results.jsonl`` at once (write,
+flush, fsync): an interrupted run loses nothing, and ``resume=True`` skips every
+cell whose key is already there.  With ``isolate=True`` each cell runs in a child
+process (``python -m verification.runner --child``) that is handed the problem, the
+truth and the baseline through a file, so a kernel that kills its process (illegal
+memory access, abort, ``os._exit``) is recorded as ``crashed`` with the tail of its
+stderr, and the run goes on.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Optional
+
+import torch
+
+STATUSES = ("pass", "fail", "mistrusted", "crashed", "skipped", "error")
+FAILING = ("fail", "mistrusted", "crashed", "error")
+RESULTS_FILE = "results.jsonl"
+RUN_FILE = "run.json"
+STDERR_TAIL_CHARS = 4000
+
+
+# ----------------------------------------------------------------------------------------
+# JSON helpers: non-finite floats travel as the strings "NaN", "Infinity", "-Infinity"
+# ----------------------------------------------------------------------------------------
+def jsonable(x):
+    """A copy of x that json.dumps(allow_nan=False) accepts: tensors -> lists / numbers,
+    non-finite floats -> "NaN" / "Infinity" / "-Infinity", tuples -> lists."""
+    if isinstance(x, dict):
+        return {str(k): jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [jsonable(v) for v in x]
+    if isinstance(x, torch.Tensor):
+        return jsonable(x.detach().cpu().tolist()) if x.numel() != 1 else jsonable(x.item())
+    if isinstance(x, bool) or x is None or isinstance(x, str):
+        return x
+    if isinstance(x, int):
+        return int(x)
+    if isinstance(x, float) or hasattr(x, "__float__"):
+        try:
+            f = float(x)
+        except (TypeError, ValueError):
+            return str(x)
+        if math.isnan(f):
+            return "NaN"
+        if math.isinf(f):
+            return "Infinity" if f > 0 else "-Infinity"
+        return f
+    if hasattr(x, "to_dict"):
+        return jsonable(x.to_dict())
+    return str(x)
+
+
+def as_float(x) -> float:
+    """A number from a record field (accepts the strings jsonable writes); NaN if absent."""
+    if x is None:
+        return float("nan")
+    if isinstance(x, str):
+        return {"nan": float("nan"), "infinity": float("inf"), "-infinity": float("-inf"),
+                "inf": float("inf"), "-inf": float("-inf")}.get(x.lower(), float("nan"))
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return float("nan")
+
+
+def cell_key(backend: str, route: str, case_id: str) -> str:
+    """The identity of a cell in results.jsonl (what --resume skips on)."""
+    return f"{backend}|{route}|{case_id}"
+
+
+# ----------------------------------------------------------------------------------------
+# Results file: append + fsync; tolerant reading (an interrupted write leaves at most one
+# partial last line, which is dropped)
+# ----------------------------------------------------------------------------------------
+def append_record(path: Path, record: dict) -> None:
+    """Append one record as one JSON line, and make it durable before returning."""
+    line = json.dumps(jsonable(record), allow_nan=False, sort_keys=True) + "\n"
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(line)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def repair_partial_line(path: Path) -> bool:
+    """Cut a partial last line (a write interrupted mid-line) off the file; True if one was."""
+    if not path.exists() or path.stat().st_size == 0:
+        return False
+    with open(path, "rb+") as f:
+        data = f.read()
+        if data.endswith(b"\n"):
+            return False
+        cut = data.rfind(b"\n") + 1
+        f.truncate(cut)
+        f.flush()
+        os.fsync(f.fileno())
+    return True
+
+
+def read_records(path: Path, *, strict: bool = False) -> list[dict]:
+    """Every record of a results .jsonl file; a line that does not parse is skipped
+    (or, with strict, raises ValueError naming the file and line)."""
+    out = []
+    if not Path(path).exists():
+        return out
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                if strict:
+                    raise ValueError(f"{path}:{n}: expected one JSON record per line, got: {e}") from e
+                continue
+            if isinstance(rec, dict) and "key" in rec:
+                out.append(rec)
+    return out
+
+
+# ----------------------------------------------------------------------------------------
+# Caches shared by every cell of a run
+# ----------------------------------------------------------------------------------------
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda" and torch.cuda.is_available():
+        torch.cuda.synchronize(device)
+
+
+class TruthCache:
+    """The Problem and float64 Truth of each case, computed once per run.
+
+    Holds the ``keep`` most recently used cases (cells run case-major, so 1 suffices);
+    ``computed`` counts truth evaluations per case id (a case computed twice is a bug
+    in the caller's ordering, visible in the record's timings)."""
+
+    def __init__(self, device: str = "cpu", keep: int = 1):
+        self.device = device
+        self.keep = max(1, int(keep))
+        self._problems: OrderedDict = OrderedDict()
+        self._truths: OrderedDict = OrderedDict()
+        self.computed: dict[str, int] = {}
+
+    def _remember(self, store: OrderedDict, key, value):
+        store[key] = value
+        store.move_to_end(key)
+        while len(store) > self.keep:
+            store.popitem(last=False)
+
+    def problem(self, case):
+        if case.id in self._problems:
+            self._problems.move_to_end(case.id)
+            return self._problems[case.id]
+        p = case.build(device=self.device)
+        self._remember(self._problems, case.id, p)
+        return p
+
+    def prime(self, case, problem, truth, seconds: float) -> None:
+        """Install a case computed elsewhere (the isolated child's parent)."""
+        self._remember(self._problems, case.id, problem)
+        self._remember(self._truths, case.id, (truth, float(seconds)))
+
+    def get(self, case) -> tuple:
+        """(problem, truth, oracle seconds, computed_now)."""
+        p = self.problem(case)
+        if case.id in self._truths:
+            self._truths.move_to_end(case.id)
+            t, s = self._truths[case.id]
+            return p, t, s, False
+        from kda_ref.truth import truth as oracle
+        _sync(self.device)
+        t0 = time.perf_counter()
+        t = oracle(p)
+        _sync(self.device)
+        s = time.perf_counter() - t0
+        self.computed[case.id] = self.computed.get(case.id, 0) + 1
+        self._remember(self._truths, case.id, (t, s))
+        return p, t, s, True
+
+
+class BaselineCache:
+    """The baseline metrics of each (case, recipe): the emulated recipe against the truth."""
+
+    def __init__(self):
+        self._store: dict = {}
+        self.computed: dict = {}
+
+    def prime(self, case_id: str, recipe: str, metrics: dict, seconds: float = 0.0) -> None:
+        self._store[(case_id, recipe)] = (metrics, float(seconds))
+
+    def get(self, case, recipe: str, problem, truth) -> tuple[dict, float, bool]:
+        key = (case.id, recipe)
+        if key in self._store:
+            m, s = self._store[key]
+            return m, s, False
+        from verification.verdict import baseline_metrics
+        t0 = time.perf_counter()
+        m = baseline_metrics(problem, recipe, truth)
+        s = time.perf_counter() - t0
+        self.computed[key] = self.computed.get(key, 0) + 1
+        self._store[key] = (m, s)
+        return m, s, True
+
+    def forget_case(self, case_id: str) -> None:
+        for key in [k for k in self._store if k[0] == case_id]:
+            del self._store[key]
+
+
+# ----------------------------------------------------------------------------------------
+# Backends and routes
+# ----------------------------------------------------------------------------------------
+@dataclass
+class LoadedBackend:
+    """A backend object plus the spec it was loaded from (for repro lines and children)."""
+    spec: str
+    backend: object
+    available: bool
+    reason: str
+    version: str
+
+    @property
+    def name(self) -> str:
+        return str(getattr(self.backend, "name", self.spec))
+
+
+def load(spec: str) -> LoadedBackend:
+    """Load a backend by built-in name or package.module:factory and ask where it stands."""
+    from kda_kernels.base import load_backend
+    b = load_backend(spec)
+    try:
+        ok, why = b.available()
+    except Exception as e:  # noqa: BLE001 - an availability probe that raises means "not here"
+        ok, why = False, f"available() raised {type(e).__name__}: {e}"
+    try:
+        ver = str(b.version()) if hasattr(b, "version") else "unknown"
+    except Exception as e:  # noqa: BLE001
+        ver = f"unknown ({type(e).__name__})"
+    return LoadedBackend(spec=spec, backend=b, available=bool(ok), reason=str(why or ""), version=ver)
+
+
+def resolve_routes(lb: LoadedBackend, wanted: Optional[list[str]] = None) -> list:
+    """The Routes of a backend to run: all of them, or the ones named (--route).  A name
+    not among backend.routes() goes to backend.route(name) where the backend parses route
+    specs; otherwise it is a UsageError naming --route and the choices."""
+    from kda_kernels.base import Route
+    from verification.cli import UsageError
+    try:
+        have = list(lb.backend.routes())
+    except Exception as e:  # noqa: BLE001 - an unavailable backend may not list routes
+        if lb.available:
+            raise
+        have = []
+        lb.reason = lb.reason or f"routes() raised {type(e).__name__}: {e}"
+    if not wanted:
+        return have or [Route(name="*", description="backend unavailable: routes unknown")]
+    by_name = {r.name: r for r in have}
+    out = []
+    for name in wanted:
+        if name in by_name:
+            out.append(by_name[name])
+        elif callable(getattr(lb.backend, "route", None)):
+            try:
+                out.append(lb.backend.route(name))
+            except (ValueError, KeyError) as e:
+                raise UsageError(f"--route: backend {lb.name!r} cannot parse {name!r}: {e}") from e
+        elif not have and not lb.available:
+            out.append(Route(name=name))
+        else:
+            raise UsageError(f"--route: backend {lb.name!r} has no route {name!r}; "
+                             f"expected one of: {', '.join(by_name) or '(none)'}")
+    return out
+
+
+# ----------------------------------------------------------------------------------------
+# One cell
+# ----------------------------------------------------------------------------------------
+def repro_command(backend_spec: str, route: str, case, out: str = "DIR", device: Optional[str] = None) -> str:
+    parts = ["kda-verify", "run", "--backend", backend_spec, "--route", route, "--suite", case.suite,
+             "--case", case.id, "--out", out]
+    if device:
+        parts += ["--device", device]
+    return " ".join(shlex.quote(p) for p in parts)
+
+
+def _shape(problem) -> dict:
+    return {"B": problem.B, "T": problem.T, "H": problem.H, "HV": problem.HV, "K": problem.K,
+            "V": problem.V, "N": problem.N}
+
+
+def _fresh_state(problem):
+    """A Problem whose state tensors (which a kernel may write in place: paged caches,
+    donated initial states) are private copies, so the cached Problem stays pristine."""
+    changes = {}
+    for name in ("initial_state", "state_cache"):
+        t = getattr(problem, name)
+        if t is not None:
+            changes[name] = clone_keep_strides(t)
+    return problem.replace(**changes) if changes else problem
+
+
+def clone_keep_strides(t: torch.Tensor) -> torch.Tensor:
+    """A private copy of t with t's exact strides and offset (a padded slot stride, a band of
+    a fused buffer): the whole underlying buffer is copied and viewed the same way."""
+    base = t._base
+    if base is None or t.is_contiguous():
+        return t.clone(memory_format=torch.preserve_format) if base is None else t.contiguous().clone()
+    copy = base.clone(memory_format=torch.contiguous_format)
+    if copy.stride() != base.stride():
+        return t.clone()
+    return copy.as_strided(t.shape, t.stride(), t.storage_offset() - base.storage_offset())
+
+
+def _summ(metrics: Optional[dict]) -> dict:
+    """The scalar part of per-tensor metrics (baselines: no curves)."""
+    out = {}
+    for tname, m in (metrics or {}).items():
+        if isinstance(m, dict):
+            out[tname] = {k: v for k, v in m.items() if not isinstance(v, (list, tuple, torch.Tensor))}
+    return out
+
+
+def _base_record(lb: LoadedBackend, route, case, device) -> dict:
+    return {
+        "key": cell_key(lb.name, route.name, case.id),
+        "backend": lb.name, "backend_spec": lb.spec, "backend_version": lb.version,
+        "route": route.name, "recipe": getattr(route, "recipe", None),
+        "case": case.id, "suite": case.suite, "seed": case.seed,
+        "params": jsonable(dict(getattr(case, "params", {}) or {})),
+        "device": str(device), "status": None, "reason": "",
+        "shape": None, "shape_key": None, "dtype": None,
+        "tensors": {}, "metrics": {}, "baseline": {}, "margin": None,
+        "timings": {}, "repro": repro_command(lb.spec, route.name, case, device=None),
+        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def _error_reason(e: BaseException, where: str) -> tuple[str, str]:
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+    return f"{where} raised {type(e).__name__}: {msg}"[:500], tb[-STDERR_TAIL_CHARS:]
+
+
+def worst_margin(tensors: dict) -> Optional[float]:
+    """The largest margin over a verdict's tensors (margin = err / threshold: > 1 fails)."""
+    vals = [as_float(t.get("margin")) for t in (tensors or {}).values() if isinstance(t, dict)]
+    if not vals:
+        return None
+    if any(math.isnan(v) for v in vals):
+        return float("nan")
+    return max(vals)
+
+
+def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: BaselineCache, db,
+             device: Optional[str] = None) -> dict:
+    """Run one route of one backend on one case and judge it; never raises for a kernel's
+    sake (a kernel exception is status "error" with the traceback's tail).
+
+    backend: a LoadedBackend (or a spec string / Backend object, loaded here)."""
+    if not isinstance(backend, LoadedBackend):
+        backend = load(backend) if isinstance(backend, str) else LoadedBackend(
+            spec=getattr(backend, "name", "?"), backend=backend, available=True, reason="",
+            version=str(getattr(backend, "version", lambda: "unknown")()))
+        if not isinstance(backend.backend, str):
+            try:
+                ok, why = backend.backend.available()
+                backend.available, backend.reason = bool(ok), str(why or "")
+            except Exception as e:  # noqa: BLE001
+                backend.available, backend.reason = False, f"available() raised {type(e).__name__}: {e}"
+    device = device or truth_cache.device
+    rec = _base_record(backend, route, case, device)
+    timings = rec["timings"]
+    if not backend.available:
+        rec.update(status="skipped", reason=f"backend unavailable: {backend.reason or 'no reason given'}")
+        return rec
+    # the problem (cheap) decides applicability before any truth is computed
+    try:
+        problem = truth_cache.problem(case)
+    except Exception as e:  # noqa: BLE001 - a case that cannot build is the harness's error, recorded
+        rec["status"], rec["reason"] = "error", _error_reason(e, f"case {case.id} build")[0]
+        rec["traceback"] = _error_reason(e, "")[1]
+        return rec
+    rec["shape"] = _shape(problem)
+    rec["shape_key"] = list(getattr(case, "shape_key", (problem.B, problem.T, problem.H)))
+    rec["dtype"] = str(problem.q.dtype).replace("torch.", "")
+    try:
+        ok, why = backend.backend.accepts(problem, route)
+    except Exception as e:  # noqa: BLE001
+        ok, why = False, f"accepts() raised {type(e).__name__}: {e}"
+    if not ok:
+        why = str(why or "not applicable")
+        rec.update(status="skipped", reason=why if why.startswith("not applicable") else f"not applicable: {why}")
+        return rec
+    # truth and baseline, shared
+    try:
+        problem, truth, oracle_s, fresh = truth_cache.get(case)
+        timings.update(oracle_s=oracle_s, oracle_cached=not fresh)
+        recipe = getattr(route, "recipe", None) or "flashkda"
+        baseline, base_s, fresh_b = baseline_cache.get(case, recipe, problem, truth)
+        timings.update(baseline_s=base_s, baseline_cached=not fresh_b)
+        rec["baseline"] = _summ(baseline)
+    except Exception as e:  # noqa: BLE001
+        rec["status"], rec["reason"] = "error", _error_reason(e, "oracle/baseline")[0]
+        rec["traceback"] = _error_reason(e, "")[1]
+        return rec
+    # the kernel
+    try:
+        run_problem = _fresh_state(problem)
+        _sync(device)
+        t0 = time.perf_counter()
+        outputs = backend.backend.run(run_problem, route)
+        _sync(device)
+        timings["kernel_s"] = time.perf_counter() - t0
+    except Exception as e:  # noqa: BLE001 - the kernel failing is a result, not a harness crash
+        rec["status"], rec["reason"] = "error", _error_reason(e, f"{backend.name} {route.name} run")[0]
+        rec["traceback"] = _error_reason(e, "")[1]
+        return rec
+    rec["info"] = jsonable(getattr(outputs, "info", {}) or {})
+    # metrics and verdict
+    try:
+        from verification.metrics import compare
+        from verification.verdict import judge
+        t0 = time.perf_counter()
+        verdict = judge(backend.name, route, problem, outputs, truth, baseline, db)
+        metrics = getattr(verdict, "metrics", None) or compare(outputs.tensors(), truth.tensors(), problem)
+        timings["metrics_s"] = time.perf_counter() - t0
+    except Exception as e:  # noqa: BLE001
+        rec["status"], rec["reason"] = "error", _error_reason(e, "judging")[0]
+        rec["traceback"] = _error_reason(e, "")[1]
+        return rec
+    rec["status"] = str(verdict.status)
+    rec["reason"] = str(getattr(verdict, "reason", "") or "")
+    rec["tensors"] = jsonable(getattr(verdict, "tensors", {}) or {})
+    rec["metrics"] = jsonable(metrics)
+    rec["margin"] = jsonable(worst_margin(rec["tensors"]))
+    return rec
+
+
+# ----------------------------------------------------------------------------------------
+# Isolation: one child process per cell
+# ----------------------------------------------------------------------------------------
+def _cpu(x):
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu()
+    if isinstance(x, dict):
+        return {k: _cpu(v) for k, v in x.items()}
+    return x
+
+
+class IsolatedRunner:
+    """Runs cells in child processes.  The parent computes each case's truth and baselines
+    once (TruthCache / BaselineCache) and writes them, with the Problem, to one file per
+    case under a private temporary directory; each child loads that file, runs the kernel
+    and judges it, and writes its record to a file.  A child that dies leaves no record:
+    the cell is "crashed", with its exit signal or code and the tail of its stderr."""
+
+    def __init__(self, truth_cache: TruthCache, baseline_cache: BaselineCache,
+                 tolerances_path: Optional[str] = None, timeout_s: Optional[float] = None):
+        self.truth_cache = truth_cache
+        self.baseline_cache = baseline_cache
+        self.tolerances_path = tolerances_path
+        self.timeout_s = timeout_s
+        self._tmp = tempfile.TemporaryDirectory(prefix="kda-verify-isolate-")
+        self._case_files: dict[str, Path] = {}
+
+    def close(self):
+        self._tmp.cleanup()
+
+    def _case_file(self, case) -> tuple[Path, float]:
+        problem, truth, oracle_s, _ = self.truth_cache.get(case)
+        path = self._case_files.get(case.id)
+        if path is None:
+            for old in self._case_files.values():  # case-major: the previous case is done
+                old.unlink(missing_ok=True)
+            self._case_files.clear()
+            path = Path(self._tmp.name) / f"case-{len(os.listdir(self._tmp.name))}.pt"
+            # the Problem is saved as it is (torch.save keeps views, strides and devices)
+            torch.save({"problem": problem, "truth": _cpu(truth.tensors()), "oracle_s": oracle_s}, path)
+            self._case_files[case.id] = path
+        return path, oracle_s
+
+    def run(self, lb: LoadedBackend, route, case, device: str) -> dict:
+        rec0 = _base_record(lb, route, case, device)
+        if not lb.available:
+            return run_cell(lb, route, case, self.truth_cache, self.baseline_cache, None, device)
+        try:
+            problem = self.truth_cache.problem(case)
+            ok, why = lb.backend.accepts(problem, route)
+        except Exception as e:  # noqa: BLE001
+            ok, why = False, f"accepts() raised {type(e).__name__}: {e}"
+        if not ok:
+            return run_cell(lb, route, case, self.truth_cache, self.baseline_cache, None, device)
+        try:
+            case_file, oracle_s = self._case_file(case)
+            problem, truth, _, _ = self.truth_cache.get(case)
+            recipe = getattr(route, "recipe", None) or "flashkda"
+            baseline, base_s, _ = self.baseline_cache.get(case, recipe, problem, truth)
+        except Exception as e:  # noqa: BLE001
+            rec0["status"], rec0["reason"] = "error", _error_reason(e, "oracle/baseline")[0]
+            return rec0
+        tmp = Path(self._tmp.name)
+        spec_path = tmp / "cell.pt"
+        out_path = tmp / "record.json"
+        out_path.unlink(missing_ok=True)
+        torch.save({"backend_spec": lb.spec, "route": route, "case": case, "case_file": str(case_file),
+                    "baseline": _cpu(baseline), "baseline_s": base_s, "device": device,
+                    "tolerances_path": self.tolerances_path}, spec_path)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        cmd = [sys.executable, "-m", "verification.runner", "--child", str(spec_path), str(out_path)]
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=self.timeout_s,
+                                  errors="replace")
+            rc, err = proc.returncode, proc.stderr
+        except subprocess.TimeoutExpired as e:
+            rc = None
+            err = (e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or ""))
+        wall = time.perf_counter() - t0
+        if rc == 0 and out_path.exists():
+            rec = json.loads(out_path.read_text())
+            rec["timings"]["child_wall_s"] = wall
+            rec["timings"].update(oracle_s=oracle_s, oracle_cached=True)
+            return rec
+        if rc is None:
+            how = f"timed out after {self.timeout_s:g} s (killed)"
+        elif rc < 0:
+            try:
+                how = f"killed by signal {signal.Signals(-rc).name}"
+            except ValueError:
+                how = f"killed by signal {-rc}"
+        else:
+            how = f"exited with code {rc} without a record"
+        tail = (err or "").strip()[-STDERR_TAIL_CHARS:]
+        last = next((ln for ln in reversed(tail.splitlines()) if ln.strip()), "")
+        rec0.update(status="crashed", reason=f"child process {how}" + (f": {last.strip()[:200]}" if last else ""),
+                    stderr_tail=tail, shape=_shape(problem),
+                    shape_key=list(getattr(case, "shape_key", (problem.B, problem.T, problem.H))),
+                    dtype=str(problem.q.dtype).replace("torch.", ""), baseline=_summ(baseline))
+        rec0["timings"] = {"oracle_s": oracle_s, "child_wall_s": wall}
+        return rec0
+
+
+def _child_main(spec_path: str, out_path: str) -> int:
+    """The isolated cell: load what the parent prepared, run, judge, write the record."""
+    spec = torch.load(spec_path, weights_only=False)
+    device = spec["device"]
+    data = torch.load(spec["case_file"], weights_only=False, map_location=device)
+    from kda_ref.truth import Truth
+    from verification.tolerances import load_tolerances
+
+    problem = data["problem"]
+    truth = Truth(**{k: v.to(device) for k, v in data["truth"].items()
+                     if k in ("o", "final_state", "state_cache")})
+    extras = {k: v.to(device) for k, v in data["truth"].items() if k not in ("o", "final_state", "state_cache")}
+    truth.extras.update(extras)
+    case = spec["case"]
+    tc = TruthCache(device=device)
+    tc.prime(case, problem, truth, data["oracle_s"])
+    bc = BaselineCache()
+    bc.prime(case.id, getattr(spec["route"], "recipe", None) or "flashkda", spec["baseline"], spec["baseline_s"])
+    lb = load(spec["backend_spec"])
+    db = load_tolerances(spec["tolerances_path"])
+    rec = run_cell(lb, spec["route"], case, tc, bc, db, device)
+    rec["isolated"] = True
+    Path(out_path).write_text(json.dumps(jsonable(rec), allow_nan=False))
+    return 0
+
+
+# ----------------------------------------------------------------------------------------
+# Progress
+# ----------------------------------------------------------------------------------------
+def _fmt_s(s: float) -> str:
+    if not math.isfinite(s):
+        return "?"
+    s = int(round(s))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else (f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s")
+
+
+class Progress:
+    """A progress bar with ETA on a stream (stderr): redrawn in place on a tty, one plain
+    line per cell otherwise (logs, CI)."""
+
+    def __init__(self, total: int, stream=None, tty: Optional[bool] = None, width: int = 24):
+        self.total, self.done, self.width = int(total), 0, width
+        self.stream = sys.stderr if stream is None else stream
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)()) if tty is None else tty
+        self.t0 = time.perf_counter()
+        self.counts: dict[str, int] = {}
+
+    def eta(self) -> float:
+        if self.done == 0:
+            return float("nan")
+        return (time.perf_counter() - self.t0) / self.done * (self.total - self.done)
+
+    def step(self, rec: dict) -> None:
+        self.done += 1
+        st = rec.get("status", "?")
+        self.counts[st] = self.counts.get(st, 0) + 1
+        label = f"{rec.get('backend')} {rec.get('route')} {rec.get('case')}"
+        frac = self.done / self.total if self.total else 1.0
+        eta = _fmt_s(self.eta())
+        if self.tty:
+            fill = int(round(frac * self.width))
+            bar = "#" * fill + "." * (self.width - fill)
+            tally = " ".join(f"{k}={v}" for k, v in sorted(self.counts.items()))
+            line = f"\r[{bar}] {self.done}/{self.total} {frac:4.0%} ETA {eta} | {tally} | {st}: {label}"
+            self.stream.write(line[:200].ljust(120))
+            if self.done == self.total:
+                self.stream.write("\n")
+        else:
+            self.stream.write(f"[{self.done}/{self.total} {frac:4.0%} ETA {eta}] {st:<10} {label}"
+                              f"{(' - ' + rec['reason'][:160]) if st != 'pass' and rec.get('reason') else ''}\n")
+        self.stream.flush()
+
+
+# ----------------------------------------------------------------------------------------
+# The matrix
+# ----------------------------------------------------------------------------------------
+@dataclass
+class RunSummary:
+    out_dir: Optional[Path]
+    records: list = field(default_factory=list)      # every record of the run (resumed ones included)
+    ran: int = 0                                      # cells executed by this invocation
+    resumed: int = 0                                  # cells found finished and skipped
+    stopped_early: bool = False                       # --max-cells reached
+    oracle_runs: dict = field(default_factory=dict)  # case id -> truth evaluations (1 each)
+    baseline_runs: dict = field(default_factory=dict)  # (case id, recipe) -> baseline evaluations
+
+    def counts(self) -> dict:
+        c: dict[str, int] = {}
+        for r in self.records:
+            c[r.get("status", "?")] = c.get(r.get("status", "?"), 0) + 1
+        return c
+
+    @property
+    def failed(self) -> list:
+        return [r for r in self.records if r.get("status") in FAILING]
+
+    @property
+    def exit_code(self) -> int:
+        """1 if any cell failed, was mistrusted, crashed or errored; 0 if all passed or skipped."""
+        return 1 if self.failed else 0
+
+
+def plan(backends: list[LoadedBackend], routes: Optional[list[str]], cases: list) -> list[tuple]:
+    """The cells, case-major: [(LoadedBackend, Route, Case), ...]."""
+    per_backend = [(lb, resolve_routes(lb, routes)) for lb in backends]
+    return [(lb, r, c) for c in cases for lb, rs in per_backend for r in rs]
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def run_matrix(backends: Iterable, cases: list, out_dir=None, *, routes: Optional[list[str]] = None,
+               resume: bool = False, isolate: bool = False, device: Optional[str] = None,
+               max_cells: Optional[int] = None, db=None, tolerances_path: Optional[str] = None,
+               progress_stream=None, tty: Optional[bool] = None, timeout_s: Optional[float] = None,
+               on_record: Optional[Callable[[dict], None]] = None, provenance: Optional[dict] = None) -> RunSummary:
+    """Run every (backend, route, case) cell; see the module docstring.
+
+    backends: specs (built-in names or package.module:factory) or LoadedBackends.
+    out_dir: where results.jsonl (and run.json, the provenance) go; None keeps records in memory.
+    resume: skip cells already in out_dir/results.jsonl (without it, a non-empty file is an error).
+    max_cells: stop after running this many cells (resumed cells do not count)."""
+    from verification.cli import UsageError
+
+    device = device or default_device()
+    loaded = [b if isinstance(b, LoadedBackend) else load(b) for b in backends]
+    cells = plan(loaded, routes, cases)
+    if db is None:
+        from verification.tolerances import load_tolerances
+        db = load_tolerances(tolerances_path)
+    summary = RunSummary(out_dir=Path(out_dir) if out_dir is not None else None)
+    done_keys: set = set()
+    results = None
+    if out_dir is not None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        results = out / RESULTS_FILE
+        if results.exists() and results.stat().st_size > 0:
+            if not resume:
+                raise UsageError(f"--out: {results} already holds {len(read_records(results))} cells; "
+                                 f"pass --resume to continue that run, or choose an empty directory")
+            repair_partial_line(results)
+            previous = read_records(results)
+            done_keys = {r["key"] for r in previous}
+            wanted = {cell_key(lb.name, r.name, c.id) for lb, r, c in cells}
+            summary.records.extend(r for r in previous if r["key"] in wanted)
+        prov = dict(provenance or {})
+        prov.setdefault("backends", {lb.name: {"spec": lb.spec, "version": lb.version, "available": lb.available,
+                                               "reason": lb.reason} for lb in loaded})
+        prov.setdefault("cases", {c.id: {"suite": c.suite, "seed": c.seed} for c in cases})
+        runs = []
+        if (out / RUN_FILE).exists() and resume:
+            try:
+                runs = json.loads((out / RUN_FILE).read_text()).get("runs", [])
+            except (json.JSONDecodeError, AttributeError):
+                runs = []
+        runs.append(jsonable(prov))
+        (out / RUN_FILE).write_text(json.dumps({"runs": runs}, indent=1, allow_nan=False))
+    todo = [(lb, r, c) for lb, r, c in cells if cell_key(lb.name, r.name, c.id) not in done_keys]
+    summary.resumed = len(cells) - len(todo)
+    if max_cells is not None and len(todo) > max_cells:
+        todo, summary.stopped_early = todo[:max_cells], True
+    truth_cache = TruthCache(device=device)
+    baseline_cache = BaselineCache()
+    iso = IsolatedRunner(truth_cache, baseline_cache, tolerances_path, timeout_s) if isolate else None
+    progress = Progress(len(todo), stream=progress_stream, tty=tty)
+    current_case = None
+    try:
+        for lb, route, case in todo:
+            if current_case is not None and case.id != current_case:
+                baseline_cache.forget_case(current_case)
+            current_case = case.id
+            if iso is not None:
+                rec = iso.run(lb, route, case, device)
+            else:
+                rec = run_cell(lb, route, case, truth_cache, baseline_cache, db, device)
+            if results is not None:
+                append_record(results, rec)
+            summary.records.append(rec)
+            summary.ran += 1
+            progress.step(rec)
+            if on_record is not None:
+                on_record(rec)
+    finally:
+        if iso is not None:
+            iso.close()
+        summary.oracle_runs = dict(truth_cache.computed)
+        summary.baseline_runs = dict(baseline_cache.computed)
+    return summary
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--child":
+        sys.exit(_child_main(sys.argv[2], sys.argv[3]))
+    print("usage: python -m verification.runner --child SPEC.pt RECORD.json (used by kda-verify run --isolate)",
+          file=sys.stderr)
+    sys.exit(2)
