@@ -1,0 +1,156 @@
+"""Every kind of bad input gets a one-line error naming the argument, what was expected and
+what came: from kda_ref.validate (ProblemError) and from the CLI (exit 2, no traceback)."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kda_ref import ProblemError, validate
+from verification.cli import main
+from verification.problem_file import save_problem
+from verification.selfcheck import RECIPES, build
+
+BY_NAME = {r.name: r for r in RECIPES}
+
+
+def base(name="varlen-partial-empty"):
+    return build(BY_NAME[name], 0)
+
+
+def _set(t, index, value):
+    t = t.clone()
+    t[index] = value
+    return t
+
+
+def _cu(values):
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def _dense_b2_varlen():
+    p = base("dense")            # B=2, T=70
+    return p.replace(cu_seqlens=_cu([0, 70]), initial_state=p.initial_state[:1])
+
+
+def _paged_dup():
+    p = base("paged")
+    return p.replace(state_indices=_set(p.state_indices, 1, int(p.state_indices[0])))
+
+
+def _paged_nan_read():
+    p = base("paged")            # sequences 0 and 2 read their slots
+    return p.replace(state_cache=_set(p.state_cache, int(p.state_indices[0]), float("nan")))
+
+
+CASES = [
+    # (id, problem builder, message regex)
+    ("k-shape", lambda p: p.replace(k=p.k[..., :-1]), r"^k: expected the shape of q \[1, 119, 2, 16\], got \[1, 119, 2, 15\]"),
+    ("v-T", lambda p: p.replace(v=p.v[:, :-1]), r"^v: expected \[B=1,T=119,HV,V\], got \[1, 118, 2, 16\]"),
+    ("HV-not-multiple", lambda p: p.replace(v=torch.zeros(1, 119, 3, 16)), r"^v: expected HV a multiple of H=2"),
+    ("g-K", lambda p: p.replace(g=p.g[..., :-1]), r"^g: expected \[1,119,2,16\] \(K must match q\), got"),
+    ("beta-shape", lambda p: p.replace(beta=p.beta[..., :1]), r"^beta: expected \[1,119,2\], got \[1, 119, 1\]"),
+    ("A_log-shape", lambda p: p.replace(A_log=p.A_log[:1]), r"^A_log: expected \[2\] \(one per value head\), got \[1\]"),
+    ("dt_bias-shape", lambda p: p.replace(dt_bias=p.dt_bias[:-1]), r"^dt_bias: expected \[32\] \(HV\*K\)"),
+    ("state-V", lambda p: p.replace(initial_state=p.initial_state[..., :-1]),
+     r"^initial_state: expected \[7, 2, 16, 16\] .*got \[7, 2, 16, 15\]"),
+    ("cu-start", lambda p: p.replace(cu_seqlens=_cu([1, 17, 50, 50, 114, 119, 119, 119])),
+     r"^cu_seqlens: expected to start at 0, got 1"),
+    ("cu-decreasing", lambda p: p.replace(cu_seqlens=_cu([0, 17, 50, 40, 114, 119, 119, 119])),
+     r"^cu_seqlens: expected non-decreasing, got 50 then 40 at index 3"),
+    ("cu-end", lambda p: p.replace(cu_seqlens=_cu([0, 17, 50, 50, 114, 118, 118, 118])),
+     r"^cu_seqlens: expected to end at T=119, got 118"),
+    ("cu-float", lambda p: p.replace(cu_seqlens=p.cu_seqlens.double()), r"^cu_seqlens: expected an integer tensor"),
+    ("cu-B2", lambda p: _dense_b2_varlen(), r"^cu_seqlens: expected B == 1 with varlen, got B=2"),
+    ("nan-q", lambda p: p.replace(q=_set(p.q, (0, 3, 1, 2), float("nan"))),
+     r"^q: expected finite values, got 1 NaN/Inf \(first at index \(0, 3, 1, 2\)\)"),
+    ("inf-k", lambda p: p.replace(k=_set(p.k, (0, 5, 0, 0), float("inf"))), r"^k: expected finite values, got 1"),
+    ("nan-v", lambda p: p.replace(v=_set(p.v, (0, 0, 0, 0), float("nan"))), r"^v: expected finite values"),
+    ("inf-g", lambda p: p.replace(g=_set(p.g, (0, 7, 1, 3), -float("inf"))), r"^g: expected finite values"),
+    ("nan-beta", lambda p: p.replace(beta=_set(p.beta, (0, 7, 1), float("nan"))), r"^beta: expected finite values"),
+    ("nan-A_log", lambda p: p.replace(A_log=_set(p.A_log, 0, float("nan"))), r"^A_log: expected finite values"),
+    ("inf-dt_bias", lambda p: p.replace(dt_bias=_set(p.dt_bias, 4, float("inf"))), r"^dt_bias: expected finite values"),
+    ("nan-state", lambda p: p.replace(initial_state=_set(p.initial_state, (2, 0, 0, 0), float("nan"))),
+     r"^initial_state: expected finite values"),
+    ("nan-read-slot", lambda p: _paged_nan_read(), r"^state_cache \(slots read through has_initial_state\): expected finite"),
+    ("state-N", lambda p: p.replace(initial_state=p.initial_state[:-1]), r"^initial_state: expected \[7, 2, 16, 16\]"),
+    ("state-H", lambda p: p.replace(initial_state=p.initial_state[:, :1]), r"^initial_state: expected \[7, 2, 16, 16\]"),
+    ("state-layout", lambda p: base("gva").replace(state_layout="vk"),
+     r"^initial_state: expected \[2, 4, 32, 16\] \(\[N,HV,V,K\] for layout vk\), got \[2, 4, 16, 32\]"),
+    ("slot-out-of-range", lambda p: base("paged").replace(state_indices=_set(base("paged").state_indices, 2, 7)),
+     r"^state_indices: expected values in \[0, 7\) \(slots\), got \[7\]"),
+    ("slot-negative", lambda p: base("paged").replace(state_indices=_set(base("paged").state_indices, 0, -1)),
+     r"^state_indices: expected values in \[0, 7\)"),
+    ("slot-duplicated", lambda p: _paged_dup(), r"^state_indices: expected distinct slots, got slot \[\d+\] used twice"),
+    ("lb-missing", lambda p: p.replace(lower_bound=None),
+     r"^lower_bound: expected a number < 0 for gate=lower_bound, got none"),
+    ("lb-positive", lambda p: p.replace(lower_bound=2.0), r"^lower_bound: expected a finite number < 0, got 2.0"),
+    ("softplus-no-A_log", lambda p: p.replace(gate="softplus", A_log=None), r"^A_log: expected \[HV\] for gate=softplus"),
+    ("gate-kind", lambda p: p.replace(gate="tanh"), r"^gate: expected one of lower_bound\|softplus\|pregated, got 'tanh'"),
+    ("beta-kind", lambda p: p.replace(beta_kind="relu"), r"^beta_kind: expected one of sigmoid\|sigmoid2\|pregated"),
+    ("layout-kind", lambda p: p.replace(state_layout="kvv"), r"^state_layout: expected one of kv\|vk\|paged"),
+]
+
+
+@pytest.mark.parametrize("case_id,make,pattern", CASES, ids=[c[0] for c in CASES])
+def test_validate_names_the_argument(case_id, make, pattern):
+    p = make(base())
+    with pytest.raises(ProblemError, match=pattern) as e:
+        validate(p)
+    assert "\n" not in str(e.value)
+
+
+CLI_CASES = [c for c in CASES if c[0] not in ("gate-kind", "beta-kind", "layout-kind")]
+
+
+@pytest.mark.parametrize("case_id,make,pattern", CLI_CASES, ids=[c[0] for c in CLI_CASES])
+def test_cli_exits_2_with_one_line(tmp_path, capsys, case_id, make, pattern):
+    path = str(tmp_path / "p.safetensors")
+    save_problem(path, make(base()))
+    rc = main(["oracle", "--inputs", path, "--out", str(tmp_path / "t.safetensors")])
+    err = capsys.readouterr().err
+    assert rc == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kda-verify oracle: error: ")
+    import re
+    assert re.search(pattern.lstrip("^"), lines[0]), lines[0]
+    assert not (tmp_path / "t.safetensors").exists()
+
+
+@pytest.mark.parametrize("key,value,pattern", [
+    ("gate", "tanh", r"gate: expected one of lower_bound\|softplus\|pregated in the metadata of .*, got 'tanh'"),
+    ("beta", "relu", r"beta: expected one of sigmoid\|sigmoid2\|pregated"),
+    ("state_layout", "kvv", r"state_layout: expected one of kv\|vk\|paged"),
+    ("lower_bound", "none", r"lower_bound: expected a number < 0 for gate=lower_bound, got none"),
+])
+def test_cli_bad_metadata(tmp_path, capsys, key, value, pattern):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    path = str(tmp_path / "p.safetensors")
+    save_problem(path, base())
+    with safe_open(path, framework="pt") as f:
+        meta, tensors = dict(f.metadata()), {n: f.get_tensor(n) for n in f.keys()}
+    save_file(tensors, path, metadata=dict(meta, **{key: value}))
+    rc = main(["oracle", "--inputs", path, "--out", str(tmp_path / "t.safetensors")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1
+    import re
+    assert re.search(pattern, err[0]), err[0]
+
+
+def test_cli_missing_file_and_bad_device_without_traceback(tmp_path):
+    save_problem(str(tmp_path / "p.safetensors"), base())
+    for argv, pattern in (
+            (["oracle", "--inputs", str(tmp_path / "missing.safetensors"), "--out", str(tmp_path / "t")],
+             "inputs: expected an existing safetensors file"),
+            (["oracle", "--inputs", str(tmp_path / "p.safetensors"), "--out", str(tmp_path / "t"),
+              "--device", "tpu"], "--device: expected cpu or cuda"),
+            (["oracle-bench", "--shapes", "1x2", "--device", "cpu"], "--shapes: expected BxTxH")):
+        r = subprocess.run([sys.executable, "-m", "verification", *argv], capture_output=True, text=True)
+        assert r.returncode == 2, r.stderr
+        assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+        assert pattern in r.stderr
+    if not torch.cuda.is_available():
+        r = subprocess.run([sys.executable, "-m", "verification", "oracle", "--inputs", str(tmp_path / "p.safetensors"),
+                            "--out", str(tmp_path / "t"), "--device", "cuda"], capture_output=True, text=True)
+        assert r.returncode == 2 and "no CUDA device here" in r.stderr and "Traceback" not in r.stderr
