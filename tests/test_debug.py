@@ -1,0 +1,66 @@
+"""The per-pass debugger names the pass, and the first (sequence, head, chunk|segment, row),
+where a planted error enters; on a correct pipeline it names none."""
+import pytest
+import torch
+
+from kda_kernels.base import Route
+from kda_ref.problem import Problem
+from verification.debug import debug_passes, format_reports, oracle_intermediates
+
+
+def _problem(K=16, V=16, H=2):
+    g = torch.Generator().manual_seed(1)
+    r = lambda *s: torch.randn(*s, generator=g)
+    cu = [0, 40, 40, 170]
+    T = cu[-1]
+    return Problem(q=r(1, T, H, K), k=r(1, T, H, K), v=r(1, T, H, V), g=0.1 * r(1, T, H, K), beta=r(1, T, H),
+                   A_log=0.5 * r(H).abs(), dt_bias=0.1 * r(H * K), lower_bound=-1.0,
+                   cu_seqlens=torch.tensor(cu), initial_state=0.1 * r(3, H, K, V))
+
+
+STORAGE = {"ws_gt": torch.float32, "ws_beta": torch.float32, "ws_inv": torch.float16, "ws_mqk": torch.float16,
+           "b_seg": torch.float32, "h_in": torch.float32, "final_state": torch.float32}
+
+
+class OracleBackend:
+    """A 'kernel' whose every pass is the oracle rounded to the FlashKDA storage dtypes, with an
+    optional planted error."""
+    name = "oracle-bf16"
+
+    def __init__(self, plant=None):
+        self.plant = plant  # (pass, tensor, index tuple, delta)
+
+    def debug_plan(self, p, route):
+        return dict(chunk_size=32, chunks_per_seg=2, passes=["K1", "A", "B", "C"])
+
+    def run_pass(self, p, route, name, feed):
+        ref = oracle_intermediates(p, 32, 2)["tensors"]
+        outs = {"K1": ["ws_kd", "ws_qd", "ws_kr", "ws_gt", "ws_inv", "ws_mqk", "ws_beta"], "A": ["A_seg", "b_seg"],
+                "B": ["h_in"], "C": ["o", "final_state"]}[name]
+        res = {t: ref[t].to(STORAGE.get(t, torch.bfloat16)).double() for t in outs}
+        if self.plant and self.plant[0] == name:
+            _, t, idx, delta = self.plant
+            res[t][idx] += delta * ref[t].norm(dim=-1).max()
+        return res
+
+
+def test_clean_pipeline_names_no_pass():
+    reps = debug_passes(OracleBackend(), _problem(), Route("x"))
+    assert [r.name for r in reps] == ["K1", "A", "B", "C"] and all(r.ok for r in reps), format_reports(reps)
+
+
+@pytest.mark.parametrize("plant,where", [
+    (("A", "A_seg", (3, 1, 5, 2), 1.0), dict(pass_="A", tensor="A_seg", seq=2, segment=1, head=1, row=5)),
+    (("K1", "ws_kr", (5 + 7, 9, 3), 1.0), dict(pass_="K1", tensor="ws_kr", seq=2, chunk=3, head=1, row=9)),
+    (("C", "o", (0, 50, 0, 1), 1.0), dict(pass_="C", tensor="o", seq=2, chunk=0, head=0, row=10)),
+])
+def test_planted_error_is_localised(plant, where):
+    reps = debug_passes(OracleBackend(plant), _problem(), Route("x"))
+    bad = [r for r in reps if not r.ok]
+    assert bad and bad[0].name == where["pass_"], format_reports(reps)
+    t = [t for t in bad[0].tensors if not t.ok][0]
+    assert t.name == where["tensor"]
+    for key in ("seq", "segment", "chunk", "head", "row"):
+        if key in where:
+            assert t.first_over[key] == where[key], (key, t.first_over)
+    assert f"pass {where['pass_']}" in format_reports(reps).splitlines()[-1]

@@ -1,0 +1,68 @@
+"""kda-verify debug: one pass (or every pass) of a route against the oracle, with the first
+(sequence, head, chunk or segment, row) whose error exceeds its threshold."""
+from __future__ import annotations
+
+import json
+
+NAME = "debug"
+HELP = "run one pass of a backend's route on oracle-fed inputs and show where the error enters"
+
+
+def add_arguments(p):
+    p.add_argument("--backend", required=True, help="built-in name or package.module:factory")
+    p.add_argument("--route", required=True, help="route name (see kda-verify backends)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--case", help="case id, e.g. stress/one-chunk-per-segment-lb-0.1")
+    src.add_argument("--inputs", help="a problem file (.safetensors)")
+    p.add_argument("--pass", dest="passes", default="all", help="K1|A|B|C|all (comma list allowed)")
+    p.add_argument("--device", default=None, help="cpu | cuda[:N] (default: cuda if present)")
+    p.add_argument("--threshold", action="append", default=[], metavar="TENSOR=VALUE",
+                   help="override a row-error threshold, e.g. ws_inv=1e-2")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+
+def run(args) -> int:
+    import torch
+
+    from kda_kernels.base import load_backend
+    from verification.cli import UsageError
+    from verification.debug import THRESHOLDS, debug_passes, format_reports, reports_to_json
+
+    thresholds = {}
+    for item in args.threshold:
+        name, _, val = item.partition("=")
+        if name not in THRESHOLDS:
+            raise UsageError(f"--threshold: expected TENSOR=VALUE with TENSOR in {', '.join(THRESHOLDS)}, got {item!r}")
+        try:
+            thresholds[name] = float(val)
+        except ValueError:
+            raise UsageError(f"--threshold: expected a number after {name}=, got {val!r}") from None
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"--device: expected cpu (no CUDA device here), got {device!r}")
+    backend = load_backend(args.backend)
+    ok, why = backend.available()
+    if not ok:
+        raise UsageError(f"--backend: {args.backend} cannot run here: {why}")
+    routes = {r.name: r for r in backend.routes()}
+    route = routes.get(args.route)
+    if route is None and hasattr(backend, "route"):
+        route = backend.route(args.route)   # canonicalises or raises a one-line error
+    if route is None:
+        raise UsageError(f"--route: expected one of {', '.join(routes)}, got {args.route!r}")
+    if args.case:
+        from verification.cases import get_case
+        problem, label = get_case(args.case).build(device=device), args.case
+    else:
+        from verification.problem_file import load_problem
+        problem, label = load_problem(args.inputs).to(device), args.inputs
+    ok, why = backend.accepts(problem, route)
+    if not ok:
+        raise UsageError(f"--case: {why}")
+    passes = [x.strip() for x in args.passes.split(",") if x.strip()]
+    reports = debug_passes(backend, problem, route, passes, thresholds)
+    if args.json:
+        print(json.dumps(reports_to_json(reports), indent=1))
+    else:
+        print(format_reports(reports, header=f"{backend.name} {route.name} on {label}: {problem.describe()}"))
+    return 0 if all(r.ok for r in reports) else 1
