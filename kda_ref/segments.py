@@ -129,8 +129,9 @@ class SegmentedResult:
     h_in: torch.Tensor
 
     def tensors(self) -> dict:
+        dev = self.A_seg.device
         return {"A_seg": self.A_seg, "b_seg": self.b_seg, "h_in": self.h_in,
-                "seg_desc": self.plan.desc(), "seq_seg_off": self.plan.seq_seg_off.to(torch.int32)}
+                "seg_desc": self.plan.desc().to(dev), "seq_seg_off": self.plan.seq_seg_off.to(dev, torch.int32)}
 
 
 def segmented(pp: Prepared, ws: Workspace, chunks_per_seg: Optional[int] = None) -> SegmentedResult:
