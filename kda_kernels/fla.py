@@ -67,6 +67,22 @@ def call_arguments(p: Problem, route: Route) -> tuple[str, dict]:
     return "chunk_kda", kw
 
 
+FLA_PASSES = ("gate", "intra", "h", "o")
+
+
+def _fla_internals():
+    """fla's forward stages (the functions chunk_kda_fwd chains), imported lazily."""
+    _import_fla()
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+    from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
+    from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
+    from fla.ops.kda.gate import kda_gate_chunk_cumsum
+    from fla.ops.utils import chunk_local_cumsum
+    from fla.ops.utils.constant import RCP_LN2
+    return dict(gate=kda_gate_chunk_cumsum, cumsum=chunk_local_cumsum, intra=chunk_kda_fwd_intra,
+                h=chunk_gated_delta_rule_fwd_h, o=chunk_gla_fwd_o_gk, RCP_LN2=RCP_LN2)
+
+
 class FlaBackend:
     name = "fla"
 
@@ -123,6 +139,56 @@ class FlaBackend:
         if p.gate == "softplus" and p.A_log is None:
             return False, "not applicable: fla's softplus gate needs A_log"
         return True, ""
+
+    # ----- per-pass debugging (the stages of fla's chunk_kda_fwd) ------------------------------
+    def debug_plan(self, p: Problem, route: Route) -> dict:
+        if route.name not in CHUNK_ROUTES:
+            raise ValueError(f"--route: {route.name!r} has no passes to debug (fla's chunk routes do)")
+        return dict(form="fla", chunk_size=CHUNK_ROUTES[route.name]["chunk_size"], chunks_per_seg=None,
+                    passes=list(FLA_PASSES))
+
+    def run_pass(self, p: Problem, route: Route, name: str, feed: dict) -> dict:
+        """One stage of fla's chunked forward on oracle-fed inputs (rounded as fla stores them:
+        g_cumsum fp32, everything else in the input dtype), outputs by the oracle's names."""
+        from kda_ref.preprocess import beta_activation, l2norm
+        fn = _fla_internals()
+        kw = CHUNK_ROUTES[route.name]
+        C, dt, dev = kw["chunk_size"], p.q.dtype, p.device
+        cu = None if p.cu_seqlens is None else p.cu_seqlens.to(device=dev, dtype=torch.int64).clone()
+        f32 = lambda n: feed[n].to(device=dev, dtype=torch.float32).contiguous()  # noqa: E731
+        low = lambda n: feed[n].to(device=dev, dtype=dt).contiguous()             # noqa: E731
+        with torch.inference_mode():
+            if name == "gate":
+                if p.gate in ("lower_bound", "softplus"):
+                    g = fn["gate"](g=p.g, A_log=p.A_log, chunk_size=C, scale=fn["RCP_LN2"],
+                                   dt_bias=None if p.dt_bias is None else p.dt_bias.reshape(-1), cu_seqlens=cu,
+                                   lower_bound=float(p.lower_bound) if p.gate == "lower_bound" else None)
+                else:
+                    g = fn["cumsum"](g=p.g, scale=fn["RCP_LN2"], chunk_size=C, cu_seqlens=cu)
+                return {"g_cumsum": g}
+            if name == "intra":
+                q = (l2norm(p.q) if p.qk_l2norm else p.q).to(dt)
+                k = (l2norm(p.k) if p.qk_l2norm else p.k).to(dt)
+                beta = beta_activation(p.beta, p.beta_kind).to(torch.float32)
+                w, u, _qg, kg, Aqk, Akk = fn["intra"](
+                    q=q, k=k, v=p.v, gk=f32("g_cumsum"), beta=beta, scale=p.scale_value, cu_seqlens=cu,
+                    chunk_size=C, safe_gate=kw["safe_gate"], disable_recompute=True,
+                    **({"lower_bound": float(p.lower_bound)} if p.gate == "lower_bound" else {}))
+                return {"Aqk": Aqk, "Akk": Akk, "w": w, "u": u, "kg": kg}
+            if name == "h":
+                h0 = None
+                if p.initial_state is not None:
+                    h0 = p.initial_state.to(torch.float32)
+                    h0 = (h0 if p.state_layout == "kv" else h0.transpose(-1, -2)).contiguous()
+                h, v_new, final = fn["h"](k=low("kg"), w=low("w"), u=low("u"), gk=f32("g_cumsum"), initial_state=h0,
+                                          output_final_state=True, chunk_size=C, cu_seqlens=cu)
+                return {"h": h, "v_new": v_new, "final_state": final}
+            if name == "o":
+                q = (l2norm(p.q) if p.qk_l2norm else p.q).to(dt)
+                o = fn["o"](q=q, v=low("v_new"), g=f32("g_cumsum"), A=low("Aqk"), h=low("h"), scale=p.scale_value,
+                            cu_seqlens=cu, chunk_size=C)
+                return {"o": o}
+        raise ValueError(f"--pass: expected {'|'.join(FLA_PASSES)}, got {name!r}")
 
     def run(self, p: Problem, route: Route, out: Optional[torch.Tensor] = None) -> Outputs:
         ops = self._load()

@@ -38,6 +38,7 @@ from kda_ref.workspace import workspace_prepared
 
 F64 = torch.float64
 
+# ---- the FlashKDA form (ours, aiter, Moonshot) ----
 PASS_INPUTS = {
     "K1": (),
     "A": ("ws_kd", "ws_qd", "ws_kr", "ws_gt", "ws_inv", "ws_mqk", "ws_beta"),
@@ -64,6 +65,29 @@ THRESHOLDS = {
     "h_in": (5e-2, "bf16 dot operands in the scan"),
     "o": (5e-2, "bf16 output of bf16-operand dots against an fp32 state"),
     "final_state": (5e-2, "fp32 state with bf16 dot operands"),
+    # fla form (bf16 inputs: every intermediate but g_cumsum is stored in bf16)
+    "g_cumsum": (1e-4, "fp32 cumsum of the fp32 gate, times fla's fp32 1/ln2"),
+    "Aqk": (3e-2, "bf16 store of tf32/bf16 dots, decayed"),
+    "Akk": (3e-2, "bf16 store of the (I+L)^-1 blocks built with tf32 merges"),
+    "w": (3e-2, "bf16 store; operands rounded to bf16 before the dot"),
+    "u": (3e-2, "bf16 store; operands rounded to bf16 before the dot"),
+    "kg": (1e-2, "bf16 store of k * exp2(g_last - g)"),
+    "v_new": (5e-2, "bf16 store of u - w S with a bf16 state operand"),
+    "h": (5e-2, "bf16 store of the fp32 state at each chunk start"),
+}
+
+# ---- the fla form (flash-linear-attention chunk_kda) ----
+FLA_PASS_INPUTS = {
+    "gate": (),
+    "intra": ("g_cumsum",),
+    "h": ("kg", "w", "u", "g_cumsum"),
+    "o": ("v_new", "g_cumsum", "Aqk", "h"),
+}
+FLA_PASS_OUTPUTS = {
+    "gate": ("g_cumsum",),
+    "intra": ("Aqk", "Akk", "w", "u", "kg"),
+    "h": ("h", "v_new", "final_state"),
+    "o": ("o",),
 }
 
 
@@ -107,6 +131,24 @@ def oracle_intermediates(p: Problem, chunk_size: int, chunks_per_seg: Optional[i
     return {"tensors": out, "grid": ws.grid, "plan": plan, "HV": p.HV}
 
 
+def fla_oracle_intermediates(p: Problem, chunk_size: int) -> dict:
+    """Every fla-form intermediate of a Problem in float64, in fla's layouts."""
+    from kda_ref.fla_form import fla_form
+    from kda_ref.tiles import tile_grid
+    pp = prepare(validate(p))
+    ff = fla_form(pp, chunk_size)
+    out = ff.tensors(p.B, p.T)
+    out.update(o=ff.o.reshape(p.B, p.T, p.HV, p.V), final_state=ff.final_state)
+    grid = tile_grid(pp.bounds, chunk_size, pp.q.shape[0], device=pp.q.device)
+    return {"tensors": out, "grid": grid, "plan": None, "HV": p.HV}
+
+
+FORMS = {
+    "flashkda": (PASS_INPUTS, PASS_OUTPUTS),
+    "fla": (FLA_PASS_INPUTS, FLA_PASS_OUTPUTS),
+}
+
+
 def _row_errors(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """Row errors over the last dim: ||x-ref|| / max(||ref||, rms(||ref||))."""
     x, ref = x.to(F64), ref.to(F64)
@@ -137,7 +179,12 @@ def _locate(name: str, err: torch.Tensor, over: torch.Tensor, ctx: dict) -> Opti
             seq = int(plan.seq[s])
             seg = s - int(plan.seq_seg_off[seq])
             rows.append(((seq, seg, row, head), dict(seq=seq, head=head, segment=seg, row=row, err=e)))
-        elif name == "o":
+        elif name == "h":   # [B, NT, HV, K, V]: global chunk -> (sequence, chunk)
+            tile, head, row = i[0] * (grid.tiles // max(1, ctx["B"])) + i[1], i[2], i[3]
+            seq = int(grid.tile_seq[tile])
+            chunk = tile - int(grid.seq_tile_off[seq])
+            rows.append(((seq, chunk, row, head), dict(seq=seq, head=head, chunk=chunk, row=row, err=e)))
+        elif name in ("o", "g_cumsum", "Aqk", "Akk", "w", "u", "kg", "v_new"):
             b, t, head = i[0], i[1], i[2]
             tok = b * ctx["T"] + t
             seq = int(torch.searchsorted(grid.seq_bos + grid.seq_len, torch.tensor(tok, device=grid.seq_bos.device),
@@ -156,6 +203,13 @@ def _locate(name: str, err: torch.Tensor, over: torch.Tensor, ctx: dict) -> Opti
 def _valid_rows(name: str, x: torch.Tensor, ref: torch.Tensor, ctx: dict):
     """Drop what the kernel contract leaves undefined: tail rows of ws tiles (and the tail
     columns of ws_inv, whose oracle tail block is the identity)."""
+    if name in ("Aqk", "Akk"):   # only the lower triangle (incl. diagonal) of each chunk is defined
+        grid = ctx["grid"]
+        pos = torch.zeros(grid.Ttot + 1, dtype=torch.long, device=x.device)
+        pos[grid.token_index.reshape(-1).to(x.device)] = torch.arange(grid.C, device=x.device).repeat(grid.tiles)
+        rowpos = pos[:grid.Ttot].reshape(x.shape[0], x.shape[1])[:, :, None, None]
+        m = torch.arange(x.shape[-1], device=x.device) <= rowpos
+        return torch.where(m, x.to(F64), 0.0), torch.where(m, ref.to(F64), 0.0)
     if name.startswith("ws_") and name != "ws_gt":
         grid = ctx["grid"]
         lens = grid.tile_len.repeat(ctx["HV"]).to(x.device)                    # per ws_idx
@@ -193,25 +247,30 @@ def debug_passes(backend, p: Problem, route, passes=("all",), thresholds: Option
     if not hasattr(backend, "run_pass") or not hasattr(backend, "debug_plan"):
         raise ValueError(f"--backend: {backend.name!r} exposes no passes (needs run_pass and debug_plan)")
     plan = backend.debug_plan(p, route)
+    form = plan.get("form", "flashkda")
+    pass_inputs, pass_outputs = FORMS[form]
     order = list(plan["passes"])
     want = order if "all" in passes else list(passes)
-    bad = [x for x in want if x not in PASS_OUTPUTS]
+    bad = [x for x in want if x not in pass_outputs]
     if bad:
-        raise ValueError(f"--pass: expected K1|A|B|C|all, got {bad[0]!r}")
-    ref = oracle_intermediates(p, plan["chunk_size"], plan["chunks_per_seg"])
-    ctx = dict(ref, T=p.T)
+        raise ValueError(f"--pass: expected {'|'.join(pass_outputs)}|all, got {bad[0]!r}")
+    if form == "fla":
+        ref = fla_oracle_intermediates(p, plan["chunk_size"])
+    else:
+        ref = oracle_intermediates(p, plan["chunk_size"], plan["chunks_per_seg"])
+    ctx = dict(ref, T=p.T, B=p.B)
     reports = []
     for name in want:
         if name not in order:
             reports.append(PassReport(name, skipped=f"route {route.name} has no pass {name} (unsegmented)"))
             continue
-        feed = {k: ref["tensors"][k] for k in PASS_INPUTS[name]
+        feed = {k: ref["tensors"][k] for k in pass_inputs[name]
                 if not (name == "C" and k == "h_in" and "A" not in order)}
         if progress:
             progress(f"pass {name}: running on oracle-fed inputs")
         out = backend.run_pass(p, route, name, feed)
         rep = PassReport(name)
-        for t in PASS_OUTPUTS[name]:
+        for t in pass_outputs[name]:
             if t in out:
                 x = out[t]
                 r = ref["tensors"][t]
