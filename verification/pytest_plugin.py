@@ -1,5 +1,314 @@
-"""pytest plugin of kda-verify (registered through the pytest11 entry point)."""
+"""pytest plugin of kda-verify (registered through the pytest11 entry point).
+
+``pytest -m verify`` runs the verification matrix: one test per (backend, route, case),
+with ids such as ``verify[triton-seg:cps=4-stress/weak-gate-lb-0.01]``.  A test module
+opts in by importing the matrix marker object (this repository: tests/test_verify_matrix.py)::
+
+    from verification.pytest_plugin import verify  # noqa: F401
+
+Options:
+    --kda-backend B    built-in name or package.module:factory; repeatable or comma list
+                       (default: every built-in backend available here)
+    --kda-route R      only these routes (default: every route); repeatable or comma list
+    --kda-suite S      suites (default: smoke); repeatable or comma list
+    --kda-case ID      only cases whose id matches (exact or glob); repeatable
+    --kda-report DIR   write DIR/results*.jsonl as cells finish and the report at session end
+    --kda-device D     torch device (default: cuda:N for xdist worker gwN, N mod device_count;
+                       cuda without xdist; cpu without CUDA)
+    --kda-tolerances F tolerances file (default: the repository's tolerances.yaml)
+
+A cell that cannot run here (backend unavailable, case not applicable) is skipped with the
+reason.  Each test records its metrics with ``user_properties`` (what ``record_property``
+writes), so ``--junitxml`` carries them.  Under pytest-xdist each worker writes
+DIR/results-gwN.jsonl; the controller merges them into the report at the end.  Every cell
+of one case carries ``xdist_group(case id)``, so ``--dist loadgroup`` computes each truth
+once.  In a run whose ``-m`` expression excludes ``verify`` (the default addopts) the
+matrix yields no items at all: no backend is loaded and no truth computed.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+MARKER = "verify"
+_STATE_KEY = "_kda_verify_state"
+
+
+def verify():  # pragma: no cover - a marker object: expanded into items by the collection hook
+    """The verification matrix (expanded by verification.pytest_plugin into one test per cell)."""
+
+
+verify._kda_verify_matrix = True
+
+
+def pytest_addoption(parser):
+    g = parser.getgroup("kda-verify", "kda-verify matrix (pytest -m verify)")
+    g.addoption("--kda-backend", action="append", default=[], metavar="B",
+                help="backend: built-in name or package.module:factory (repeatable, comma list; "
+                     "default: every available built-in backend)")
+    g.addoption("--kda-route", action="append", default=[], metavar="R",
+                help="route names (repeatable, comma list; default: every route)")
+    g.addoption("--kda-suite", action="append", default=[], metavar="S",
+                help="case suites (repeatable, comma list; default: smoke)")
+    g.addoption("--kda-case", action="append", default=[], metavar="ID",
+                help="only case ids matching (exact or glob; repeatable)")
+    g.addoption("--kda-report", default=None, metavar="DIR",
+                help="write results*.jsonl into DIR as cells finish and the report at session end")
+    g.addoption("--kda-device", default=None, metavar="D",
+                help="torch device (default: cuda:N for xdist worker gwN; cuda; cpu without CUDA)")
+    g.addoption("--kda-tolerances", default=None, metavar="YAML", help="tolerances file")
+
+
+def _worker_id(config) -> str | None:
+    wi = getattr(config, "workerinput", None)
+    return wi.get("workerid") if wi else None
+
+
+def pick_device(config) -> str:
+    """--kda-device, else cuda:(N mod device_count) on xdist worker gwN, cuda, or cpu."""
+    import torch
+    dev = config.getoption("--kda-device")
+    if dev:
+        return dev
+    if not torch.cuda.is_available():
+        return "cpu"
+    wid = _worker_id(config)
+    if wid and wid.startswith("gw") and wid[2:].isdigit():
+        return f"cuda:{int(wid[2:]) % torch.cuda.device_count()}"
+    return "cuda"
+
+
+def _results_path(config) -> Path | None:
+    out = config.getoption("--kda-report")
+    if not out:
+        return None
+    wid = _worker_id(config)
+    return Path(out) / (f"results-{wid}.jsonl" if wid else "results.jsonl")
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "verify: the on-device verification matrix")
+    config.addinivalue_line("markers", "verify: the on-device verification matrix (backend x route x case)")
+    out = config.getoption("--kda-report", default=None)
+    if out and _worker_id(config) is None:
+        # the controller (or a run without xdist) starts the report directory afresh
+        d = Path(out)
+        d.mkdir(parents=True, exist_ok=True)
+        for f in [d / "results.jsonl", *d.glob("results-*.jsonl")]:
+            f.unlink(missing_ok=True)
+
+
+def _selects_verify(config) -> bool:
+    """Whether the -m expression can select an item marked verify (True if unsure)."""
+    expr = config.option.markexpr
+    if not expr:
+        return True
+    try:
+        from _pytest.mark import MarkMatcher
+        from _pytest.mark.expression import Expression
+        return bool(Expression.compile(expr).evaluate(MarkMatcher.from_markers([pytest.mark.verify.mark])))
+    except Exception:  # noqa: BLE001 - private API changed: generate the items and let -m decide
+        return True
+
+
+def _split(values) -> list[str]:
+    out = []
+    for v in values or []:
+        out.extend(x.strip() for x in str(v).split(",") if x.strip())
+    return out
+
+
+class _State:
+    """What every cell of one process shares: backends, truth and baseline caches, tolerances."""
+
+    def __init__(self, config):
+        from verification.runner import BaselineCache, TruthCache
+        self.config = config
+        self.device = pick_device(config)
+        self.truth_cache = TruthCache(device=self.device, keep=2)
+        self.baseline_cache = BaselineCache()
+        self._db = None
+
+    @property
+    def db(self):
+        if self._db is None:
+            from verification.tolerances import load_tolerances
+            self._db = load_tolerances(self.config.getoption("--kda-tolerances"))
+        return self._db
+
+
+def _state(config) -> _State:
+    st = getattr(config, _STATE_KEY, None)
+    if st is None:
+        st = _State(config)
+        setattr(config, _STATE_KEY, st)
+    return st
+
+
+def _backends(config) -> list:
+    from kda_kernels.base import BUILTIN_BACKENDS
+    from verification.runner import load
+    specs = _split(config.getoption("--kda-backend"))
+    if specs:
+        return [load(s) for s in specs]
+    loaded = []
+    for name, target in BUILTIN_BACKENDS.items():
+        from verification.commands.backends import _module_exists
+        if not _module_exists(target.partition(":")[0]):
+            continue
+        try:
+            lb = load(name)
+        except Exception:  # noqa: BLE001 - a broken built-in adapter is just not available here
+            continue
+        if lb.available:
+            loaded.append(lb)
+    return loaded
+
+
+def cell_id(backend: str, route: str, case_id: str) -> str:
+    return f"{backend}-{route}-{case_id}"
+
+
+def _cells(config) -> list:
+    from verification.commands.run import select_cases
+    from verification.runner import plan
+    suites = _split(config.getoption("--kda-suite")) or ["smoke"]
+    long = pick_device(config).startswith("cuda")       # 64k-token and production shapes: on a GPU only
+    cases = select_cases(suites, _split(config.getoption("--kda-case")), long=long)
+    return plan(_backends(config), _split(config.getoption("--kda-route")) or None, cases)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pycollect_makeitem(collector, name, obj):
+    try:
+        is_matrix = getattr(obj, "_kda_verify_matrix", False) is True
+    except Exception:  # noqa: BLE001 - an object whose attribute lookup raises is not ours
+        is_matrix = False
+    if not is_matrix:
+        return None
+    if not _selects_verify(collector.config):
+        return []
+    try:
+        cells = _cells(collector.config)
+    except Exception as e:  # noqa: BLE001 - bad options: one failing item that says why
+        return [VerifyConfigError.from_parent(collector, name=f"{name}[options]", error=e)]
+    items = []
+    for lb, route, case in cells:
+        item = VerifyItem.from_parent(collector, name=f"{name}[{cell_id(lb.name, route.name, case.id)}]",
+                                      cell=(lb, route, case))
+        item.add_marker(MARKER)
+        item.add_marker(pytest.mark.xdist_group(case.id))
+        items.append(item)
+    return items
+
+
+class VerifyFailure(AssertionError):
+    """A judged cell that did not pass (fail, mistrusted, error)."""
+
+    def __init__(self, record: dict):
+        self.record = record
+        super().__init__(f"{record.get('status')}: {record.get('reason')}")
+
+
+class VerifyConfigError(pytest.Item):
+    def __init__(self, *, error, **kw):
+        super().__init__(**kw)
+        self.error = error
+        self.add_marker(MARKER)
+
+    def runtest(self):
+        raise self.error
+
+    def repr_failure(self, excinfo):
+        return f"kda-verify options: {self.error}"
+
+    def reportinfo(self):
+        return self.path, None, self.name
+
+
+def _properties(rec: dict) -> list[tuple[str, str]]:
+    from verification.runner import as_float
+    props = [("status", rec.get("status")), ("reason", rec.get("reason") or ""),
+             ("backend", rec.get("backend")), ("route", rec.get("route")), ("case", rec.get("case")),
+             ("seed", rec.get("seed")), ("device", rec.get("device")), ("margin", rec.get("margin"))]
+    for tname, t in (rec.get("tensors") or {}).items():
+        for k in ("err", "threshold", "baseline_err", "margin", "tolerance_key"):
+            if k in t:
+                props.append((f"{tname}.{k}", t[k]))
+    for tname, m in (rec.get("metrics") or {}).items():
+        for k in ("rel_l2", "tail_rel_l2", "max_abs", "max_ulp", "nan_frac", "zero_frac"):
+            if k in m:
+                props.append((f"{tname}.{k}", m[k]))
+    for k, v in (rec.get("timings") or {}).items():
+        props.append((f"time.{k}", v))
+    props.append(("repro", rec.get("repro", "")))
+    out = []
+    for k, v in props:
+        if isinstance(v, float):
+            v = f"{as_float(v):.6g}"
+        out.append((k, "" if v is None else str(v)))
+    return out
+
+
+class VerifyItem(pytest.Item):
+    """One (backend, route, case) cell."""
+
+    def __init__(self, *, cell, **kw):
+        super().__init__(**kw)
+        self.cell = cell
+        self.record = None
+
+    def runtest(self):
+        from verification.runner import append_record, run_cell
+        lb, route, case = self.cell
+        st = _state(self.config)
+        if not lb.available:
+            pytest.skip(f"backend unavailable: {lb.reason or 'no reason given'}")
+        rec = run_cell(lb, route, case, st.truth_cache, st.baseline_cache, st.db, st.device)
+        self.record = rec
+        self.user_properties.extend(_properties(rec))
+        path = _results_path(self.config)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            append_record(path, rec)
+        if rec["status"] == "skipped":
+            pytest.skip(rec["reason"])
+        if rec["status"] != "pass":
+            raise VerifyFailure(rec)
+
+    def repr_failure(self, excinfo, style=None):
+        if isinstance(excinfo.value, VerifyFailure):
+            r = excinfo.value.record
+            lines = [f"{r['status'].upper()}: {r.get('reason', '')}"]
+            for tname, t in (r.get("tensors") or {}).items():
+                lines.append(f"  {tname:<12} err {t.get('err')}  threshold {t.get('threshold')}  "
+                             f"baseline {t.get('baseline_err')}  margin {t.get('margin')}  [{t.get('tolerance_key')}]")
+            if r.get("traceback"):
+                lines += ["  " + ln for ln in r["traceback"].strip().splitlines()[-15:]]
+            lines.append(f"  repro: {r.get('repro', '')}")
+            return "\n".join(lines)
+        return super().repr_failure(excinfo)
+
+    def reportinfo(self):
+        return self.path, None, self.name
+
+
+def pytest_sessionfinish(session, exitstatus):
+    config = session.config
+    out = config.getoption("--kda-report", default=None)
+    if not out or _worker_id(config) is not None:
+        return
+    from verification import provenance
+    from verification.report import load_results, write_report
+    import json
+    d = Path(out)
+    if not load_results(d):
+        return
+    prov = provenance.collect(device=pick_device(config))
+    prov["runner"] = "pytest -m verify"
+    (d / "run.json").write_text(json.dumps({"runs": [prov]}, indent=1, default=str))
+    paths = write_report(d)
+    tr = config.pluginmanager.get_plugin("terminalreporter")
+    if tr is not None:
+        tr.write_line(f"kda-verify report: {paths['md']} {paths['html']}")

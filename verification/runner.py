@@ -264,10 +264,11 @@ def load(spec: str) -> LoadedBackend:
     return LoadedBackend(spec=spec, backend=b, available=bool(ok), reason=str(why or ""), version=ver)
 
 
-def resolve_routes(lb: LoadedBackend, wanted: Optional[list[str]] = None) -> list:
+def resolve_routes(lb: LoadedBackend, wanted: Optional[list[str]] = None, strict: bool = True) -> list:
     """The Routes of a backend to run: all of them, or the ones named (--route).  A name
     not among backend.routes() goes to backend.route(name) where the backend parses route
-    specs; otherwise it is a UsageError naming --route and the choices."""
+    specs; otherwise it is a UsageError naming --route and the choices (with strict=False
+    it is left out: another backend of the run may have it)."""
     from kda_kernels.base import Route
     from verification.cli import UsageError
     try:
@@ -291,6 +292,8 @@ def resolve_routes(lb: LoadedBackend, wanted: Optional[list[str]] = None) -> lis
                 raise UsageError(f"--route: backend {lb.name!r} cannot parse {name!r}: {e}") from e
         elif not have and not lb.available:
             out.append(Route(name=name))
+        elif not strict:
+            continue
         else:
             raise UsageError(f"--route: backend {lb.name!r} has no route {name!r}; "
                              f"expected one of: {', '.join(by_name) or '(none)'}")
@@ -670,7 +673,17 @@ class RunSummary:
 
 def plan(backends: list[LoadedBackend], routes: Optional[list[str]], cases: list) -> list[tuple]:
     """The cells, case-major: [(LoadedBackend, Route, Case), ...]."""
-    per_backend = [(lb, resolve_routes(lb, routes)) for lb in backends]
+    from verification.cli import UsageError
+    strict = len(backends) == 1
+    per_backend = [(lb, resolve_routes(lb, routes, strict=strict)) for lb in backends]
+    if routes and not strict:
+        found = {r.name for _, rs in per_backend for r in rs}
+        missing = [n for n in routes if n not in found]
+        if missing:
+            have = "; ".join(f"{lb.name}: {', '.join(r.name for r in resolve_routes(lb)) or '(none)'}"
+                             for lb in backends)
+            raise UsageError(f"--route: expected routes of the chosen backends, got {', '.join(map(repr, missing))} "
+                             f"which none has ({have})")
     return [(lb, r, c) for c in cases for lb, rs in per_backend for r in rs]
 
 

@@ -31,6 +31,9 @@ def add_arguments(p):
                    help="case suite (smoke, default, k3-prefill, stress, fuzz); repeatable or comma-separated")
     p.add_argument("--case", action="append", metavar="ID",
                    help="only cases whose id matches (exact or shell glob, e.g. 'stress/weak-*'); repeatable")
+    p.add_argument("--long", choices=("auto", "yes", "no"), default="auto",
+                   help="include the suites' long cases (64k tokens, production shapes): auto = on CUDA only "
+                        "(a case named by --case always runs)")
     p.add_argument("--out", required=True, metavar="DIR", help="results directory (results.jsonl, report.*)")
     p.add_argument("--resume", action="store_true", help="skip cells already recorded in DIR/results.jsonl")
     p.add_argument("--isolate", action="store_true",
@@ -44,14 +47,15 @@ def add_arguments(p):
     p.add_argument("--no-report", action="store_true", help="do not write the report at the end")
 
 
-def select_cases(suites: list[str], patterns: list[str] | None) -> list:
-    """The cases of the suites, in suite order, filtered by --case patterns (each must match)."""
+def select_cases(suites: list[str], patterns: list[str] | None, long: bool = True) -> list:
+    """The cases of the suites, in suite order, filtered by --case patterns (each must match).
+    long=False drops the suites' long cases unless a pattern names them."""
     from verification.cases import get_suite
     from verification.cli import UsageError
 
     cases, seen = [], set()
     for s in suites:
-        for c in get_suite(s):
+        for c in get_suite(s, long=long or bool(patterns)):
             if c.id not in seen:
                 seen.add(c.id)
                 cases.append(c)
@@ -94,7 +98,8 @@ def run(args) -> int:
         raise UsageError(f"--timeout: expected seconds > 0, got {args.timeout}")
     device = _check_device(args.device) or default_device()
     suites = split_list(args.suite)
-    cases = select_cases(suites, split_list(args.case))
+    long = args.long == "yes" or (args.long == "auto" and device.startswith("cuda"))
+    cases = select_cases(suites, split_list(args.case), long=long)
     db = None
     if args.tolerances:
         from verification.tolerances import load_tolerances

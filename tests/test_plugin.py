@@ -1,0 +1,99 @@
+"""The pytest plugin: `pytest -m verify` ids, skips, failures, JUnit properties, report, xdist."""
+import json
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from kda_test_backends import write_tolerances
+
+pytest_plugins = ["pytester"]
+
+ROOT = Path(__file__).resolve().parents[1]
+MATRIX = "tests/test_verify_matrix.py"
+DENSE = "smoke/dense-T64-lb-5"
+
+
+def _pytest(*args, timeout=240):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), env.get("PYTHONPATH", "")])
+    env.pop("PYTEST_XDIST_WORKER", None)
+    cmd = [sys.executable, "-m", "pytest", MATRIX, "-p", "no:cacheprovider", "-q", "-rfs", *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def tol(tmp_path_factory):
+    return write_tolerances(tmp_path_factory.mktemp("tol"))
+
+
+@pytest.fixture
+def matrix(pytester):
+    """An in-process pytest (no interpreter start-up) over a copy of the matrix module."""
+    pytester.makepyfile(test_verify_matrix=(ROOT / MATRIX).read_text())
+
+    def run(*args):
+        res = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-q", "-rfs", *args)
+        return res.ret, "\n".join(res.outlines)
+    return run
+
+
+def test_ids_skips_failures_junit_properties_and_report(tmp_path, tol, matrix):
+    xml, rep = tmp_path / "junit.xml", tmp_path / "rep"
+    rc, out = matrix("-m", "verify", "--kda-backend", "emulator,kda_test_backends:unavailable,kda_test_backends:nan",
+                "--kda-route", "flashkda,r1", "--kda-case", DENSE, "--kda-device", "cpu",
+                "--kda-tolerances", tol, "--junitxml", str(xml), "--kda-report", str(rep))
+    assert rc == 1, out
+    assert "1 failed, 1 passed, 1 skipped" in out
+    assert "backend unavailable: this test backend is never available" in out
+    # the failing cell: its numbers, the rule it broke and its repro line
+    assert f"FAILED test_verify_matrix.py::verify[test-nan-r1-{DENSE}]" in out
+    assert "NaN never passes" in out and "repro: kda-verify run --backend kda_test_backends:nan" in out
+    cases = {c.get("name"): c for c in ET.parse(xml).getroot().iter("testcase")}
+    assert set(cases) == {f"verify[emulator-flashkda-{DENSE}]", f"verify[test-unavailable-r1-{DENSE}]",
+                          f"verify[test-nan-r1-{DENSE}]"}
+    props = {p.get("name"): p.get("value") for p in cases[f"verify[emulator-flashkda-{DENSE}]"].iter("property")}
+    assert props["status"] == "pass" and props["case"] == DENSE
+    assert float(props["o.err"]) > 0 and float(props["o.threshold"]) >= float(props["o.err"])
+    assert props["repro"].startswith("kda-verify run --backend emulator --route flashkda")
+    bad = {p.get("name"): p.get("value") for p in cases[f"verify[test-nan-r1-{DENSE}]"].iter("property")}
+    assert bad["status"] == "fail" and bad["o.nan_frac"] != "0"
+    assert cases[f"verify[test-unavailable-r1-{DENSE}]"].find("skipped") is not None
+    report = json.loads((rep / "report.json").read_text())
+    assert sorted(c["key"] for c in report["cells"]) == [f"emulator|flashkda|{DENSE}", f"test-nan|r1|{DENSE}"]
+    assert report["summary"]["counts"]["fail"] == 1
+    assert (rep / "report.html").exists() and "kda-verify report:" in out
+
+
+def test_plain_run_does_not_expand_the_matrix(matrix):
+    # the pyproject's addopts deselect `verify`; the plugin then yields no item and loads nothing
+    rc, out = matrix("-m", "not verify and not gpu", "--kda-backend", "no_such_module:factory", "--collect-only")
+    assert rc == 5, out          # 5: no tests collected
+    assert "verify[" not in out and "deselected" not in out
+    # and -m verify does expand it (the same bad backend now surfaces as the options item)
+    rc, out = matrix("-m", "verify", "--kda-backend", "no_such_module:factory", "--collect-only")
+    assert "verify[options]" in out
+
+
+def test_bad_option_is_one_failing_item_that_names_it(tol, matrix):
+    rc, out = matrix("-m", "verify", "--kda-backend", "emulator", "--kda-suite", "nope", "--kda-tolerances", tol)
+    assert rc == 1, out
+    assert "--suite: expected one of smoke" in out
+
+
+@pytest.mark.slow
+def test_xdist_workers_write_their_own_files_and_the_report_merges_them(tmp_path, tol):
+    pytest.importorskip("xdist")
+    rep = tmp_path / "rep"
+    r = _pytest("-m", "verify", "-n", "2", "--dist", "loadgroup", "--kda-backend", "emulator",
+                "--kda-route", "flashkda", "--kda-case", "smoke/dense-*", "--kda-case", "smoke/initial-*",
+                "--kda-device", "cpu", "--kda-tolerances", tol, "--kda-report", str(rep))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "2 passed" in r.stdout
+    files = sorted(p.name for p in rep.glob("results*.jsonl"))
+    assert files and all(f.startswith("results-gw") for f in files)
+    report = json.loads((rep / "report.json").read_text())
+    assert sorted(c["case"] for c in report["cells"]) == ["smoke/dense-T64-lb-5", "smoke/initial-state-kv-lb-5"]
