@@ -13,6 +13,15 @@ from verification.selfcheck import RECIPES, build
 
 BY_NAME = {r.name: r for r in RECIPES}
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny problems: one CPU thread is faster than several contending for the cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 
 def base(name="varlen-partial-empty"):
     return build(BY_NAME[name], 0)
@@ -138,18 +147,31 @@ def test_cli_bad_metadata(tmp_path, capsys, key, value, pattern):
     assert re.search(pattern, err[0]), err[0]
 
 
+@pytest.mark.parametrize("argv,pattern", [
+    (["oracle", "--inputs", "P", "--out", "T", "--device", "tpu"], "--device: expected cpu or cuda[:N], got 'tpu'"),
+    (["oracle", "--inputs", "P", "--out", "T", "--chunk-size", "48"], "--chunk-size: expected 16, 32 or 64, got 48"),
+    (["oracle", "--inputs", "P", "--out", "T", "--method", "fla", "--chunk-size", "16"],
+     "--chunk-size: expected 32 or 64 (fla), got 16"),
+    (["oracle-bench", "--shapes", "1x2", "--device", "cpu"], "--shapes: expected BxTxH[,BxTxH...] like 1x16384x96"),
+    (["oracle-bench", "--shapes", "1x0x2", "--device", "cpu"], "--shapes: expected positive B, T, H, got '1x0x2'"),
+    (["oracle-bench", "--recurrence-tokens", "0", "--device", "cpu"], "--recurrence-tokens: expected a positive"),
+])
+def test_cli_bad_flags(tmp_path, capsys, argv, pattern):
+    save_problem(str(tmp_path / "P"), base())
+    argv = [str(tmp_path / a) if a in ("P", "T") else a for a in argv]
+    rc = main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and pattern in err[0], err
+
+
 def test_cli_missing_file_and_bad_device_without_traceback(tmp_path):
     save_problem(str(tmp_path / "p.safetensors"), base())
-    for argv, pattern in (
-            (["oracle", "--inputs", str(tmp_path / "missing.safetensors"), "--out", str(tmp_path / "t")],
-             "inputs: expected an existing safetensors file"),
-            (["oracle", "--inputs", str(tmp_path / "p.safetensors"), "--out", str(tmp_path / "t"),
-              "--device", "tpu"], "--device: expected cpu or cuda"),
-            (["oracle-bench", "--shapes", "1x2", "--device", "cpu"], "--shapes: expected BxTxH")):
-        r = subprocess.run([sys.executable, "-m", "verification", *argv], capture_output=True, text=True)
-        assert r.returncode == 2, r.stderr
-        assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
-        assert pattern in r.stderr
+    r = subprocess.run([sys.executable, "-m", "verification", "oracle", "--inputs",
+                        str(tmp_path / "missing.safetensors"), "--out", str(tmp_path / "t")],
+                       capture_output=True, text=True)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert "oracle: error: inputs: expected an existing safetensors file" in r.stderr
     if not torch.cuda.is_available():
         r = subprocess.run([sys.executable, "-m", "verification", "oracle", "--inputs", str(tmp_path / "p.safetensors"),
                             "--out", str(tmp_path / "t"), "--device", "cuda"], capture_output=True, text=True)

@@ -1,9 +1,19 @@
 """The float64 oracle against a 40-digit mpmath evaluation of the whole forward."""
+import pytest
 import torch
 
 from kda_ref import truth
 from kda_ref.mp_ref import mp_recurrence
 from verification.selfcheck import mp_problems, rel
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny problems: one CPU thread is faster than several contending for the cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
 
 
 def test_float64_oracle_agrees_with_mpmath():
