@@ -316,6 +316,12 @@ def _shape(problem) -> dict:
             "V": problem.V, "N": problem.N}
 
 
+def _tol_dtype(problem) -> str:
+    """The dtype a cell's tolerance is keyed by (the verdict's: the input dtype, bf16 / fp16 / fp32)."""
+    from verification.metrics import dtype_name
+    return dtype_name(problem.v.dtype)
+
+
 def _fresh_state(problem):
     """A Problem whose state tensors (which a kernel may write in place: paged caches,
     donated initial states) are private copies, so the cached Problem stays pristine."""
@@ -410,7 +416,7 @@ def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: Base
         return rec
     rec["shape"] = _shape(problem)
     rec["shape_key"] = list(getattr(case, "shape_key", (problem.B, problem.T, problem.H)))
-    rec["dtype"] = str(problem.q.dtype).replace("torch.", "")
+    rec["dtype"] = _tol_dtype(problem)
     try:
         ok, why = backend.backend.accepts(problem, route)
     except Exception as e:  # noqa: BLE001
@@ -564,7 +570,7 @@ class IsolatedRunner:
         rec0.update(status="crashed", reason=f"child process {how}" + (f": {last.strip()[:200]}" if last else ""),
                     stderr_tail=tail, shape=_shape(problem),
                     shape_key=list(getattr(case, "shape_key", (problem.B, problem.T, problem.H))),
-                    dtype=str(problem.q.dtype).replace("torch.", ""), baseline=_summ(baseline))
+                    dtype=_tol_dtype(problem), baseline=_summ(baseline))
         rec0["timings"] = {"oracle_s": oracle_s, "child_wall_s": wall}
         return rec0
 

@@ -1,0 +1,77 @@
+"""kda-verify calibrate: proposals from measurements, a diff, a valid proposal file, no rewrite."""
+import hashlib
+
+import pytest
+
+from verification.cli import main
+from verification.commands.calibrate import ceil2
+from verification.tolerances import parse_tolerances
+
+TOL = """\
+# a test tolerance file
+schema: 1
+entries:
+  # the emulator
+  - backend: emulator
+    route: "*"
+    dtype: "*"
+    tensor: "*"
+    m: 1.0
+    floor: 0.0
+    cap: 5.0e-2
+    reason: the emulator is its own baseline
+    calibrated_on: by hand
+  - backend: other
+    route: "*"
+    dtype: bf16
+    tensor: o
+    m: 3.0
+    floor: 1.0e-4
+    cap: 5.0e-2
+    reason: untouched by the calibration
+    calibrated_on: by hand
+"""
+CASE = ["--suite", "smoke", "--case", "smoke/dense-T64-lb-5", "--device", "cpu"]
+
+
+def test_ceil2_rounds_up_to_two_significant_digits():
+    assert ceil2(2.26) == 2.3 and ceil2(4.0) == 4.0 and ceil2(0.01231) == 0.013 and ceil2(1.0) == 1.0
+    assert ceil2(9.91) == 10.0 and ceil2(3.0e-7) == 3.0e-7
+
+
+def test_calibrate_proposes_a_diff_and_never_rewrites_the_file(tmp_path, capsys):
+    tol = tmp_path / "tolerances.yaml"
+    tol.write_text(TOL)
+    digest = hashlib.sha256(tol.read_bytes()).hexdigest()
+    out = tmp_path / "proposal.yaml"
+    assert main(["calibrate", "--backend", "emulator", "--route", "flashkda", *CASE, "--tolerances", str(tol),
+                 "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert hashlib.sha256(tol.read_bytes()).hexdigest() == digest
+    # the emulator is its own baseline: worst ratio 1, so m = 2 x 1 (a loosening, flagged for a reason)
+    assert "-    m: 1.0\n+    m: 2.0\n" in text
+    assert '+    note: "LOOSENS m 1 -> 2: write the reason here before accepting"' in text
+    assert "     cap: 5.0e-2\n" in text                 # an unchanged field keeps its text
+    changed = [ln for ln in text.splitlines() if ln.startswith(("+", "-")) and not ln.startswith(("+++", "---"))]
+    assert changed and not any("other" in ln or "untouched" in ln for ln in changed)
+    prop = parse_tolerances(out.read_text(), str(out))
+    (pats, entry), = prop.entries
+    assert pats == ("emulator", "*", "*", "*") and entry.m == 2.0 and entry.cap == 5.0e-2
+    assert "flashkda smoke/dense-T64-lb-5" in entry.reason
+
+
+def test_a_cell_without_an_entry_gets_a_new_entry(tmp_path, capsys):
+    tol = tmp_path / "tolerances.yaml"
+    tol.write_text(TOL)
+    assert main(["calibrate", "--backend", "kda_test_backends:exact", "--route", "r1", *CASE,
+                 "--tolerances", str(tol), "--headroom", "3"]) == 0
+    text = capsys.readouterr().out
+    assert "+  - backend: test-exact\n+    route: r1\n+    dtype: bf16\n+    tensor: o\n" in text
+    assert "+    tensor: final_state\n" in text
+    new = "".join(ln[1:] + "\n" for ln in text.split("+++", 1)[1].splitlines()[1:] if ln.startswith(("+", " ")))
+    assert "3x the worst observed ratio" in new
+
+
+def test_bad_headroom_is_a_usage_error(capsys):
+    assert main(["calibrate", "--backend", "emulator", *CASE, "--headroom", "0.5"]) == 2
+    assert "--headroom: expected a number >= 1, got 0.5" in capsys.readouterr().err
