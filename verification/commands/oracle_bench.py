@@ -129,6 +129,7 @@ def bench_shape(B, T, H, args, dev) -> dict:
             if dev.type == "cuda":
                 best["peak_gib"] = torch.cuda.max_memory_allocated(dev) / 2 ** 30
         agree = float((seg.o - out[0]).norm() / out[0].norm())
+        chunked_o, chunked_final = out
         del pp, ws, seg, out
     res.update(best)
     res["segmented_vs_chunked_rel"] = agree
@@ -139,10 +140,14 @@ def bench_shape(B, T, H, args, dev) -> dict:
         n = T if args.recurrence_tokens is None else min(T, args.recurrence_tokens)
         pr = p if n == T else p.replace(q=p.q[:, :n], k=p.k[:, :n], v=p.v[:, :n], g=p.g[:, :n], beta=p.beta[:, :n])
         pp = prepare(pr)
-        _, t_rec = _timed(lambda: recurrence_prepared(pp), dev)
+        rec, t_rec = _timed(lambda: recurrence_prepared(pp), dev)
         res["recurrence_tokens"] = n
         res["recurrence_s"] = t_rec * T / n
         res["recurrence_extrapolated"] = n != T
+        if n == T:   # the full recurrence ran: hold the chunked truth to it on this device
+            res["chunked_vs_recurrence_rel"] = max(
+                float((chunked_o - rec.o).norm() / rec.o.norm()),
+                float((chunked_final - rec.final_state).norm() / rec.final_state.norm()))
     return res
 
 
@@ -189,4 +194,6 @@ def _print(r):
     if "recurrence_s" in r:
         how = (f"extrapolated from {r['recurrence_tokens']} tokens" if r["recurrence_extrapolated"]
                else "all tokens")
-        print(f"  recurrence: {r['recurrence_s']:.2f} s ({how})")
+        print(f"  recurrence: {r['recurrence_s']:.2f} s ({how})"
+              + (f"; chunked truth vs recurrence (o, state): {r['chunked_vs_recurrence_rel']:.2e}"
+                 if "chunked_vs_recurrence_rel" in r else ""))
