@@ -102,3 +102,19 @@ def test_report_of_only_skipped_cells_writes_no_empty_plots(tmp_path, records):
     paths = write_report(tmp_path, records=skipped, provenance={"git": {"commit": "abc"}})
     assert "error_vs_T" not in paths["plots"] and "worst_chunks" not in paths["plots"]
     assert "abc" in paths["md"].read_text()
+
+
+def test_report_command(tmp_path, records, capsys):
+    from verification.cli import main
+    for r in records:
+        append_record(tmp_path / "results-gw0.jsonl", r)
+    assert main(["report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("7 cells: 3 pass, 2 fail, 1 crashed, 1 skipped")
+    assert (tmp_path / "report.html").exists() and (tmp_path / "plots" / "margin_heatmap.png").exists()
+    assert main(["report", str(tmp_path / "nope")]) == 2
+    assert "DIR: expected a results directory" in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["report", str(empty)]) == 2
+    assert "expected results.jsonl or results-*.jsonl" in capsys.readouterr().err
