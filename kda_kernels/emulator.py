@@ -99,7 +99,7 @@ RECIPES: dict[str, Recipe] = {
 NEGATIVE_CONTROLS: dict[str, str] = {
     "carry_scaled": "the state carried across every chunk boundary is scaled by 0.99",
     "wrong_L_sign": "INV = (I + L)^{-1} instead of (I - L)^{-1}",
-    "inv_bf16": "INV stored in bf16 instead of fp16",
+    "inv_bf16": "the INV/Mqk buffer stored in bf16 instead of fp16 (so the INV.u and Mqk.U dots take bf16 operands)",
     "tail_not_zeroed": "rows past a sequence's end in its last chunk hold stale tokens instead of zeros",
     "state_transposed": "the final state is returned transposed ([V,K] where [K,V] is due)",
     "decay_after_update": "S <- (S + kr^T U) * gt: the chunk decay applied after the update",
@@ -299,7 +299,7 @@ def _chunk_work(q, k, v, a, beta, valid, lens, scale, recipe: Recipe, problem: P
     L = rnd(L, acc)
     op = _op_dtype(recipe, problem)
     inv = build_inverse(-L if variant == "wrong_L_sign" else L, recipe, op)
-    inv_dtype = BF16 if variant == "inv_bf16" else _dtype(recipe.inv_dtype, problem)
+    inv_dtype = _dtype(recipe.inv_dtype, problem)
     inv = rnd(inv, inv_dtype)
     mqk = rnd(torch.where(incl, Pq, zero), _dtype(recipe.mqk_dtype, problem))
     out = {"gt": gt[..., 0, :], "inv": inv, "mqk": mqk, "beta": beta, "v": v, "valid": valid}
@@ -334,11 +334,14 @@ def _group_size(N, NC, HV, C, K) -> int:
     return max(1, min(NC, (1 << 27) // per_chunk))
 
 
-def emulate(problem: Problem, recipe="flashkda", variant: Optional[str] = None, keep_f64: bool = False) -> Outputs:
+def emulate(problem: Problem, recipe="flashkda", variant: Optional[str] = None, keep_f64: bool = False,
+            taps: bool = False) -> Outputs:
     """Run the chunked algorithm with ``recipe``'s precision (a name of RECIPES or a Recipe);
     ``variant`` selects a negative control (NEGATIVE_CONTROLS).  Outputs are in the Problem's
     layouts: o in v's dtype, the final state (or the written cache) in fp32; with ``keep_f64``
-    every output stays float64 (for self-tests of the algorithm)."""
+    every output stays float64 (for self-tests of the algorithm).  With ``taps`` the stored
+    inverse comes back as ``taps["ws_inv"]`` in the oracle's layout: head-major tiles
+    [HV*tiles, C, C] (kda_ref.workspace), in the dtype the recipe stores it in."""
     validate(problem)
     if isinstance(recipe, str):
         if recipe not in RECIPES:
@@ -346,6 +349,8 @@ def emulate(problem: Problem, recipe="flashkda", variant: Optional[str] = None, 
         recipe = RECIPES[recipe]
     if variant is not None and variant not in NEGATIVE_CONTROLS:
         raise ValueError(f"variant: expected one of {', '.join(NEGATIVE_CONTROLS)}, got {variant!r}")
+    if variant == "inv_bf16":   # aiter keeps INV and Mqk in one buffer: both, and their dot operands, go bf16
+        recipe = replace(recipe, inv_dtype=BF16, mqk_dtype=BF16, u_dtype=BF16, U_mqk_dtype=BF16)
     pp = prepare(problem)
     C = recipe.chunk
     bounds = pp.bounds
@@ -370,12 +375,15 @@ def emulate(problem: Problem, recipe="flashkda", variant: Optional[str] = None, 
     S = rnd(pp.S0, recipe.state_dtype)
     o_t = torch.zeros(N, NC, HV, C, V, dtype=F64, device=dev)
     g = _group_size(N, NC, HV, C, K)
+    inv_all = torch.zeros(N, NC, HV, C, C, dtype=FP32, device=dev) if taps else None
     for c0 in range(0, NC, g):
         sl = slice(c0, min(c0 + g, NC))
         w = _chunk_work(qt[:, sl], kt[:, sl], vt[:, sl], at[:, sl], bt[:, sl], valid[:, sl], lens[:, sl],
                         pp.scale, recipe, problem, variant)
         if recipe.acc_dtype != F64:   # every stored value is exact in fp32: halve the memory
             w = {key: val.to(FP32) if val.is_floating_point() else val for key, val in w.items()}
+        if taps:
+            inv_all[:, sl] = w["inv"].to(FP32)
         for j in range(sl.stop - sl.start):
             ch = {key: (val[:, j].to(F64) if val.is_floating_point() else val[:, j]) for key, val in w.items()}
             S, o_c = _step(S, ch, recipe, problem, pp.scale, variant)
@@ -385,7 +393,19 @@ def emulate(problem: Problem, recipe="flashkda", variant: Optional[str] = None, 
     final = S.to(state_dt)
     if variant == "state_transposed":
         final = final.transpose(-1, -2)
-    return _finish(problem, o, final, recipe.name, variant)
+    out = _finish(problem, o, final, recipe.name, variant)
+    if taps:
+        inv_dt = _dtype(recipe.inv_dtype, problem)
+        out.taps["ws_inv"] = _head_major_tiles(inv_all, lens).to(inv_dt if not keep_f64 else F64)
+    return out
+
+
+def _head_major_tiles(x: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """[N, NC, HV, ...] -> [HV*tiles, ...]: the chunks that exist (sequence-major, then chunk),
+    head-major as in the production workspace (ws_idx = hv * tiles + tile)."""
+    keep = (lens > 0).reshape(-1)
+    flat = x.reshape((-1,) + tuple(x.shape[2:]))[keep]          # [tiles, HV, ...]
+    return flat.transpose(0, 1).reshape((-1,) + tuple(x.shape[3:]))
 
 
 def _step(S, ch, recipe: Recipe, problem: Problem, scale: float, variant):
@@ -441,10 +461,11 @@ class EmulatorBackend:
     """The emulator as a Backend: one route per recipe (route.recipe = that recipe), or, with
     ``variant``, the negative control of that name as the single route of ``emulator-bad``."""
 
-    def __init__(self, variant: Optional[str] = None):
+    def __init__(self, variant: Optional[str] = None, taps: bool = False):
         if variant is not None and variant not in NEGATIVE_CONTROLS:
             raise ValueError(f"variant: expected one of {', '.join(NEGATIVE_CONTROLS)}, got {variant!r}")
         self.variant = variant
+        self.taps = bool(taps)
         self.name = "emulator" if variant is None else "emulator-bad"
 
     def available(self):
@@ -461,20 +482,29 @@ class EmulatorBackend:
                 for r in RECIPES.values()]
 
     def accepts(self, problem: Problem, route: Route):
+        """Every valid Problem, except what a recipe's kernel documents it cannot take: Moonshot
+        documents lower_bound in [-5, 0]; the flashkda pivot factors overflow for |lb| >= 5.55."""
+        lb = problem.lower_bound if problem.gate == "lower_bound" else None
+        recipe = route.recipe
+        if recipe == "moonshot" and lb is not None and lb < -5.0:
+            return False, f"not applicable: the moonshot recipe documents lower_bound in [-5, 0], got {lb:g}"
+        if recipe == "flashkda" and lb is not None and lb <= -5.55:
+            return False, f"not applicable: flashkda pivot factors 2^(23.08*|lb|) overflow for lb <= -5.55, got {lb:g}"
         return True, ""
 
     def run(self, problem: Problem, route: Route) -> Outputs:
         variant = route.flag("variant")
         if variant is not None:
-            return emulate(problem, "flashkda", variant=variant)
-        return emulate(problem, route.recipe)
+            return emulate(problem, "flashkda", variant=variant, taps=self.taps)
+        return emulate(problem, route.recipe, taps=self.taps)
 
 
 class NegativeControlBackend(EmulatorBackend):
-    """``emulator-bad``: every negative control of NEGATIVE_CONTROLS as a route."""
+    """``emulator-bad``: every negative control of NEGATIVE_CONTROLS as a route (with the
+    ws_inv tap, so a wrongly stored inverse is visible where the outputs cannot show it)."""
 
-    def __init__(self):
-        super().__init__()
+    def __init__(self, taps: bool = True):
+        super().__init__(taps=taps)
         self.name = "emulator-bad"
 
     def routes(self) -> list[Route]:
@@ -482,7 +512,7 @@ class NegativeControlBackend(EmulatorBackend):
                 for n, d in NEGATIVE_CONTROLS.items()]
 
 
-def negative_control(variant: Optional[str] = None):
+def negative_control(variant: Optional[str] = None, taps: bool = True):
     """Backend factory (``kda_kernels.emulator:negative_control``): all negative controls as
-    routes of ``emulator-bad``, or only ``variant``."""
-    return NegativeControlBackend() if variant is None else EmulatorBackend(variant=variant)
+    routes of ``emulator-bad``, or only ``variant``; with the ws_inv tap unless ``taps=False``."""
+    return NegativeControlBackend(taps=taps) if variant is None else EmulatorBackend(variant=variant, taps=taps)

@@ -17,6 +17,7 @@ Parameters (``Case.params``; every one optional):
     g_scale, g_shift    raw gate = g_scale*N(0,1) + g_shift (g_shift = 12 saturates the sigmoid)
     beta_raw            a constant raw beta (4 -> beta ~ 0.982) instead of N(0,1)
     rho                 correlated keys: k <- rho*k[first token] + (1-rho)*k
+    exact_keys          n: keys are +-1 on n of the first 8 channels (bf16-exact after l2norm)
     state               none | kv | vk | paged;  state_scale (default 0.5) multiplies N(0,1)
     converged           initial state S* and v_t = S*^T khat_t (+ bf16 rounding): S^T k ~ v
     paged_new           indices of sequences that start fresh (has_initial_state False);
@@ -129,6 +130,16 @@ def build_problem(params: dict, seed: int, device="cpu", meta=None) -> Problem:
     beta = randn(B, T, HV)
     if "beta_raw" in p:
         beta = torch.full((B, T, HV), float(p["beta_raw"]))
+    if p.get("exact_keys"):
+        # keys with +-1 on `exact_keys` of the first 8 channels: their l2norm is exact in bf16
+        # (1/sqrt(n)), so with the gate off (g_shift -200: sigmoid underflows, no decay) every
+        # tile is exact and the stored inverse dominates the error budget
+        nnz = int(p["exact_keys"])
+        pick = torch.stack([torch.randperm(8, generator=gen)[:nnz] for _ in range(B * T * H)])
+        sign = torch.randint(0, 2, (B * T * H, nnz), generator=gen).float() * 2 - 1
+        kk = torch.zeros(B * T * H, K)
+        kk.scatter_(1, pick, sign)
+        k = _bf16(kk.reshape(B, T, H, K))
     rho = float(p.get("rho", 0.0))
     if rho:
         # correlated keys within each sequence: every key leans towards the sequence's first key
@@ -272,6 +283,8 @@ def stress_suite() -> list[Case]:
         c.append(_case(s, f"tail{tail}-lb-1", lens=[tail, 64 + tail], H=1, lb=-1.0, state="kv"))
     for where, lens in (("start", [0, 40, 70]), ("middle", [40, 0, 70]), ("end", [40, 70, 0])):
         c.append(_case(s, f"empty-seq-{where}", lens=lens, H=1, lb=-1.0, state="kv"))
+    c.append(_case(s, "exact-keys-gate-off-beta4", B=1, T=96, H=2, lb=-1.0, g_shift=-200.0, exact_keys=4,
+                   beta_raw=4.0))
     c.append(_case(s, "one-chunk-per-segment-lb-0.1", B=1, T=160, H=1, lb=-0.1, state="kv", chunks_per_seg=1))
     c.append(_case(s, "large-state-x100-lb-0.1", B=1, T=96, H=1, lb=-0.1, state="kv", state_scale=100.0))
     c.append(_case(s, "converged-state-lb-0.01", B=1, T=96, H=1, lb=-0.01, converged=True, state_scale=0.1))

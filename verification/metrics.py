@@ -165,3 +165,21 @@ def compare(outputs: dict, truth: dict, problem=None, chunk: int = 32) -> dict:
             continue
         result[name] = tensor_metrics(x, ref, dtype=x.dtype, problem=problem, tensor=name, chunk=chunk)
     return result
+
+
+def inverse_metrics(x: torch.Tensor, ref: torch.Tensor, tile_len: torch.Tensor) -> dict:
+    """Metrics of a stored chunk inverse (tap ``ws_inv`` [HV*tiles, C, C], head-major tiles)
+    against the oracle's exact (I - L)^{-1}, on the entries that carry information: rows
+    i < Lc of each tile, columns j < i (the unit diagonal is exact in every format and would
+    only dilute the error).  ``tile_len`` [tiles] holds Lc per tile."""
+    if tuple(x.shape) != tuple(ref.shape):
+        raise ValueError(f"ws_inv: expected shape {list(ref.shape)} (the oracle's), got {list(x.shape)}")
+    C = ref.shape[-1]
+    reps = ref.shape[0] // max(tile_len.numel(), 1)
+    lc = tile_len.to(ref.device).repeat(reps)
+    i = torch.arange(C, device=ref.device)
+    used = (i[None, :, None] < lc[:, None, None]) & (i[None, None, :] < i[None, :, None])
+    xs, rs = x.detach().to(ref.device)[used], ref[used]
+    m = tensor_metrics(xs, rs, dtype=x.dtype, tensor="ws_inv")
+    m["tail_rel_l2"] = m["rel_l2"]
+    return m

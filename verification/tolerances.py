@@ -1,0 +1,170 @@
+"""Tolerances as data: ``tolerances.yaml`` at the repository root (DESIGN §4).
+
+Schema (version 1)::
+
+    schema: 1
+    entries:
+      - backend: triton          # glob over backend names
+        route: "seg:*"           # glob over route names
+        dtype: bf16              # the problem's input dtype (bf16 | fp16 | fp32) or a glob
+        tensor: o                # o | final_state | state_cache | ws_inv (a tap), or a glob
+        m: 2.0                   # the kernel may be m times worse than its baseline ...
+        floor: 2.0e-4            # ... plus this floor ...
+        cap: 5.0e-2              # ... and never worse than this cap
+        reason: one line: why these numbers
+        calibrated_on: where and on what they were measured
+        note: optional; required in review when an entry is loosened
+
+Rule (verification.verdict): err <= m * baseline_err + floor and err <= cap.  An unknown key
+or field, a missing field, a wrong type, or two entries with the same key is an error that
+names the file, the line and the field.  ``lookup`` takes the most specific matching entry:
+a literal backend beats a glob, then a literal route, then the count of literal dtype/tensor
+fields, then the longest patterns; ties go to the first entry in the file.
+"""
+from __future__ import annotations
+
+import fnmatch
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from verification.cli import UsageError
+
+TOP_KEYS = ("schema", "entries")
+KEY_FIELDS = ("backend", "route", "dtype", "tensor")
+NUM_FIELDS = ("m", "floor", "cap")
+TEXT_FIELDS = ("reason", "calibrated_on")
+OPTIONAL_FIELDS = ("note", "last_observed_margin")
+FIELDS = KEY_FIELDS + NUM_FIELDS + TEXT_FIELDS + OPTIONAL_FIELDS
+DTYPES = ("bf16", "fp16", "fp32")
+TENSORS = ("o", "final_state", "state_cache", "ws_inv")
+DEFAULT_PATH = Path(__file__).resolve().parents[1] / "tolerances.yaml"
+
+
+class ToleranceError(UsageError):
+    """A tolerances.yaml that breaks the schema, or a key no entry matches."""
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    m: float
+    floor: float
+    cap: float
+    reason: str
+    calibrated_on: str
+    key: str                  # "backend/route/dtype/tensor" of the entry (its patterns)
+    line: int = 0
+    note: str = ""
+
+    def threshold(self, baseline_err: float) -> float:
+        """min(m * baseline_err + floor, cap)."""
+        return min(self.m * baseline_err + self.floor, self.cap)
+
+
+def _is_glob(p: str) -> bool:
+    return any(ch in p for ch in "*?[")
+
+
+class ToleranceDB:
+    def __init__(self, entries: list, path: str = "<memory>"):
+        self.entries = list(entries)     # [(patterns tuple, Tolerance)]
+        self.path = path
+
+    def __len__(self):
+        return len(self.entries)
+
+    def lookup(self, backend: str, route: str, dtype: str, tensor: str) -> Tolerance:
+        """The most specific entry matching (backend, route, dtype, tensor)."""
+        want = (backend, route, dtype, tensor)
+        best, best_score = None, None
+        for pats, tol in self.entries:
+            if all(fnmatch.fnmatchcase(str(w), p) for w, p in zip(want, pats)):
+                score = (not _is_glob(pats[0]), not _is_glob(pats[1]), sum(not _is_glob(p) for p in pats[2:]),
+                         sum(len(p.replace("*", "")) for p in pats))
+                if best_score is None or score > best_score:
+                    best, best_score = tol, score
+        if best is None:
+            raise ToleranceError(f"{self.path}: expected an entry matching backend={backend} route={route} "
+                                 f"dtype={dtype} tensor={tensor}, got none (add one with a reason)")
+        return best
+
+
+def _err(path, line, msg):
+    return ToleranceError(f"{path}:{line}: {msg}")
+
+
+def parse_tolerances(text: str, path: str = "<string>") -> ToleranceDB:
+    """Validate and load the YAML text of a tolerance file."""
+    import yaml
+
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = mark.line + 1 if mark else 0
+        raise _err(path, line, f"expected valid YAML, got {getattr(e, 'problem', e)}") from None
+    if root is None or not isinstance(root, yaml.MappingNode):
+        raise _err(path, 1, "expected a mapping with keys schema, entries, got "
+                   f"{'nothing' if root is None else type(root).__name__}")
+    top = {}
+    for k, v in root.value:
+        if k.value not in TOP_KEYS:
+            raise _err(path, k.start_mark.line + 1, f"unknown key {k.value!r}: expected one of {', '.join(TOP_KEYS)}")
+        top[k.value] = (k, v)
+    if "schema" not in top or yaml.safe_load(yaml.serialize(top["schema"][1])) != 1:
+        line = top["schema"][0].start_mark.line + 1 if "schema" in top else 1
+        raise _err(path, line, "schema: expected 1")
+    if "entries" not in top or not isinstance(top["entries"][1], yaml.SequenceNode):
+        raise _err(path, top.get("entries", (root,))[0].start_mark.line + 1, "entries: expected a list of entries")
+    entries, seen = [], {}
+    for node in top["entries"][1].value:
+        line = node.start_mark.line + 1
+        if not isinstance(node, yaml.MappingNode):
+            raise _err(path, line, "entry: expected a mapping of fields")
+        fields = {}
+        for k, v in node.value:
+            if k.value not in FIELDS:
+                raise _err(path, k.start_mark.line + 1, f"unknown field {k.value!r}: expected one of {', '.join(FIELDS)}")
+            if k.value in fields:
+                raise _err(path, k.start_mark.line + 1, f"field {k.value!r}: given twice")
+            fields[k.value] = (yaml.safe_load(yaml.serialize(v)), k.start_mark.line + 1)
+        for f in KEY_FIELDS + NUM_FIELDS + TEXT_FIELDS:
+            if f not in fields:
+                raise _err(path, line, f"entry: missing field {f!r}")
+        for f in KEY_FIELDS + TEXT_FIELDS + ("note",):
+            if f in fields:
+                val, ln = fields[f]
+                if not isinstance(val, str) or not val.strip():
+                    raise _err(path, ln, f"{f}: expected a non-empty string, got {val!r}")
+        for f in NUM_FIELDS + ("last_observed_margin",):
+            if f in fields:
+                val, ln = fields[f]
+                if isinstance(val, bool) or not isinstance(val, (int, float)) or not val >= 0:
+                    raise _err(path, ln, f"{f}: expected a number >= 0, got {val!r}")
+        if fields["cap"][0] <= 0:
+            raise _err(path, fields["cap"][1], f"cap: expected a number > 0, got {fields['cap'][0]!r}")
+        dt, ln = fields["dtype"]
+        if not _is_glob(dt) and dt not in DTYPES:
+            raise _err(path, ln, f"dtype: expected one of {', '.join(DTYPES)} or a glob, got {dt!r}")
+        tn, ln = fields["tensor"]
+        if not _is_glob(tn) and tn not in TENSORS:
+            raise _err(path, ln, f"tensor: expected one of {', '.join(TENSORS)} or a glob, got {tn!r}")
+        pats = tuple(fields[f][0] for f in KEY_FIELDS)
+        if pats in seen:
+            raise _err(path, line, f"entry {'/'.join(pats)}: same key as the entry at line {seen[pats]}")
+        seen[pats] = line
+        tol = Tolerance(m=float(fields["m"][0]), floor=float(fields["floor"][0]), cap=float(fields["cap"][0]),
+                        reason=fields["reason"][0].strip(), calibrated_on=fields["calibrated_on"][0].strip(),
+                        key="/".join(pats), line=line, note=fields.get("note", ("", 0))[0])
+        entries.append((pats, tol))
+    return ToleranceDB(entries, path)
+
+
+def load_tolerances(path: Optional[str] = None) -> ToleranceDB:
+    """Load ``path`` (default: $KDA_TOLERANCES, else tolerances.yaml at the repository root)."""
+    path = path or os.environ.get("KDA_TOLERANCES") or str(DEFAULT_PATH)
+    p = Path(path)
+    if not p.is_file():
+        raise ToleranceError(f"--tolerances: expected a YAML file, got {str(path)!r} (not found)")
+    return parse_tolerances(p.read_text(), str(p))
