@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from .preprocess import F64, Prepared, pad_sequences, prepare, unpad_sequences
+from .preprocess import Prepared, pad_sequences, prepare, unpad_sequences
 from .problem import Problem
 
 

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from kda_ref import Problem, truth
+from kda_ref import truth
 from kda_ref.chunked import chunked_from_workspace
 from kda_ref.fla_form import fla_form
 from kda_ref.preprocess import prepare

@@ -26,8 +26,6 @@ import json
 import math
 import os
 
-import torch
-
 from kda_ref.problem import BETA_KINDS, GATE_KINDS, STATE_LAYOUTS, Problem, ProblemError
 
 PROBLEM_FORMAT = "kda-verify-problem/1"
