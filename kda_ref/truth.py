@@ -3,6 +3,10 @@
     o            [B, T, HV, V]
     final_state  [N, HV, K, V] (kv) or [N, HV, V, K] (vk); None unless output_final_state
     state_cache  [slots, HV, V, K] after the paged write-back (paged problems only)
+    extras       ws_*, ws_pivot, ws_cond1, A_seg, b_seg, h_in, seg_desc, seq_seg_off (workspace=True)
+
+By default the outputs come from the chunked form at C = 64 (kda_ref.chunked), which the
+selfcheck holds to the token recurrence (the definition) to 1e-12 relative.
 """
 from __future__ import annotations
 
