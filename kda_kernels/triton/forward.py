@@ -31,6 +31,17 @@ WORKSPACE_DTYPES = {"ws_kd": torch.bfloat16, "ws_qd": torch.bfloat16, "ws_kr": t
 SEGMENT_DTYPES = {"A_seg": torch.bfloat16, "b_seg": torch.float32, "h_in": torch.float32}
 
 
+_RECORDER: Optional[list] = None     # when a list: launches are recorded there, not run (isa.py)
+
+
+def _launch(kernel, grid, *args, **kwargs):
+    """Launch ``kernel[grid](*args, **kwargs)``, or record it when a recorder is installed."""
+    if _RECORDER is not None:
+        _RECORDER.append((kernel, grid, args, kwargs))
+        return
+    kernel[grid](*args, **kwargs)
+
+
 class FlashKDAError(ValueError):
     """Bad input to the Triton FlashKDA forward; one line naming the argument."""
 
@@ -107,8 +118,8 @@ def resolve_plan(route: RouteSpec, B: int, T: int, H: int, cu_seqlens, device) -
 
 def ran_name(route: RouteSpec, plan: Plan) -> str:
     if not plan.segmented:
-        return RouteSpec(False, bw=route.bw).name
-    return RouteSpec(True, plan.cps, route.pass_a, route.pass_b, route.bw).name
+        return RouteSpec(False, bw=route.bw, warps=route.warps).name
+    return RouteSpec(True, plan.cps, route.pass_a, route.pass_b, route.bw, route.warps).name
 
 
 # ----------------------------------------------------------------------------------- passes
@@ -125,7 +136,7 @@ def run_k1(q, k, g, beta, A_log, dt_bias, scale: float, lower_bound: float, plan
     if plan.total_tiles == 0:
         return ws
     bias = dt_bias.reshape(-1) if dt_bias is not None else A_log
-    kn.k1_prepare_kernel[(plan.total_tiles, H)](
+    _launch(kn.k1_prepare_kernel, (plan.total_tiles, H),
         q, k, g, beta, A_log, bias, plan.tiles,
         ws["ws_kd"], ws["ws_qd"], ws["ws_kr"], ws["ws_gt"], ws["ws_inv"], ws["ws_mqk"], ws["ws_beta"],
         *q.stride(), *k.stride(), *g.stride(), *beta.stride(),
@@ -135,7 +146,7 @@ def run_k1(q, k, g, beta, A_log, dt_bias, scale: float, lower_bound: float, plan
 
 
 def _step(grid, plan, ws, H, mode, v=None, o=None, h0: Optional[StateRef] = None, h0_mode=kn.H0_NONE,
-          final: Optional[StateRef] = None, A_seg=None, b_seg=None, bw=32):
+          final: Optional[StateRef] = None, A_seg=None, b_seg=None, bw=32, warps=STEP_WARPS):
     any_t = ws["ws_gt"] if ws["ws_gt"].numel() else plan.segs
     v_ = v if v is not None else any_t
     o_ = o if o is not None else any_t
@@ -143,7 +154,7 @@ def _step(grid, plan, ws, H, mode, v=None, o=None, h0: Optional[StateRef] = None
     so = o.stride() if o is not None else (0, 0, 0, 0)
     hs = h0 if h0 is not None else StateRef(any_t, (0, 0, 0, 0))
     fs = final if final is not None else StateRef(any_t, (0, 0, 0, 0))
-    kn.segment_kernel[grid](
+    _launch(kn.segment_kernel, grid,
         plan.segs, v_, *sv, o_, *so,
         ws["ws_kd"], ws["ws_qd"], ws["ws_kr"], ws["ws_gt"], ws["ws_inv"], ws["ws_mqk"], ws["ws_beta"],
         hs.tensor, hs.indices if hs.paged else any_t, hs.has if hs.paged else any_t, *hs.strides,
@@ -151,39 +162,40 @@ def _step(grid, plan, ws, H, mode, v=None, o=None, h0: Optional[StateRef] = None
         A_seg if A_seg is not None else any_t, b_seg if b_seg is not None else any_t,
         H, plan.total_tiles,
         MODE=mode, H0=h0_mode, PAGED=hs.paged, STORE_FINAL=final is not None, FINAL_PAGED=fs.paged,
-        C=C, K=D, V=D, BW=bw, num_warps=STEP_WARPS, num_stages=STEP_STAGES)
+        C=C, K=D, V=D, BW=bw, num_warps=warps, num_stages=STEP_STAGES)
 
 
-def run_pass_a(ws: dict, v, plan: Plan, H: int, variant: str = "fused", bw: int = 32):
+def run_pass_a(ws: dict, v, plan: Plan, H: int, variant: str = "fused", bw: int = 32, warps: int = STEP_WARPS):
     """Pass A: (A_seg bf16 [segs,H,K,K], b_seg fp32 [segs,H,K,V]) of every segment."""
     dev = ws["ws_gt"].device
     A_seg = torch.empty(plan.num_segs, H, D, D, dtype=torch.bfloat16, device=dev)
     b_seg = torch.empty(plan.num_segs, H, D, D, dtype=torch.float32, device=dev)
     grid = (plan.num_segs * H, D // bw)
     if variant == "fused":
-        _step(grid, plan, ws, H, kn.MODE_AB, v=v, A_seg=A_seg, b_seg=b_seg, bw=bw)
+        _step(grid, plan, ws, H, kn.MODE_AB, v=v, A_seg=A_seg, b_seg=b_seg, bw=bw, warps=warps)
     elif variant == "two":
-        _step(grid, plan, ws, H, kn.MODE_B, v=v, b_seg=b_seg, bw=bw)
-        _step(grid, plan, ws, H, kn.MODE_A, A_seg=A_seg, bw=bw)
+        _step(grid, plan, ws, H, kn.MODE_B, v=v, b_seg=b_seg, bw=bw, warps=warps)
+        _step(grid, plan, ws, H, kn.MODE_A, A_seg=A_seg, bw=bw, warps=warps)
     else:
         _fail(f"pass A variant: expected two|fused, got {variant!r}")
     return A_seg, b_seg
 
 
-def run_pass_b(A_seg, b_seg, plan: Plan, H: int, h0: Optional[StateRef], prefetch: bool = True, bw: int = 32):
+def run_pass_b(A_seg, b_seg, plan: Plan, H: int, h0: Optional[StateRef], prefetch: bool = True, bw: int = 32,
+               warps: int = SCAN_WARPS):
     """Pass B: h_in fp32 [segs,H,K,V], the true incoming state of every segment."""
     h_in = torch.empty(plan.num_segs, H, D, D, dtype=torch.float32, device=b_seg.device)
     hs = h0 if h0 is not None else StateRef(b_seg, (0, 0, 0, 0))
-    kn.scan_kernel[(plan.N * H, D // bw)](
+    _launch(kn.scan_kernel, (plan.N * H, D // bw),
         plan.seg_off, A_seg, b_seg, h_in,
         hs.tensor, hs.indices if hs.paged else b_seg, hs.has if hs.paged else b_seg, *hs.strides,
         H, H0=kn.H0_NONE if h0 is None else kn.H0_SEQ, PAGED=hs.paged, PREFETCH=bool(prefetch),
-        K=D, V=D, BW=bw, num_warps=SCAN_WARPS)
+        K=D, V=D, BW=bw, num_warps=warps)
     return h_in
 
 
 def run_pass_c(ws: dict, v, o, plan: Plan, H: int, h_in=None, h0: Optional[StateRef] = None,
-               final: Optional[StateRef] = None, bw: int = 32):
+               final: Optional[StateRef] = None, bw: int = 32, warps: int = STEP_WARPS):
     """Pass C: outputs o (written in place) and, from each sequence's last segment, the final
     state into ``final``.  Starts each segment from h_in[s] (segmented) or from h0 (one segment
     per sequence)."""
@@ -192,7 +204,7 @@ def run_pass_c(ws: dict, v, o, plan: Plan, H: int, h_in=None, h0: Optional[State
     else:
         src, mode = h0, (kn.H0_NONE if h0 is None else kn.H0_SEQ)
     _step((plan.num_segs * H, D // bw), plan, ws, H, kn.MODE_C, v=v, o=o, h0=src, h0_mode=mode,
-          final=final, bw=bw)
+          final=final, bw=bw, warps=warps)
     return o
 
 
@@ -249,13 +261,13 @@ def flashkda_forward(q, k, v, g, beta, A_log, dt_bias=None, scale: Optional[floa
     ws = run_k1(q, k, g, beta, A_log, dt_bias, scale, lower_bound, plan, alloc_workspace(H, plan.total_tiles, dev))
     taps = {}
     if plan.segmented:
-        A_seg, b_seg = run_pass_a(ws, v, plan, H, spec.pass_a, spec.bw)
-        h_in = run_pass_b(A_seg, b_seg, plan, H, h0, spec.pass_b == "prefetch", spec.bw)
-        run_pass_c(ws, v, o, plan, H, h_in=h_in, final=final, bw=spec.bw)
+        A_seg, b_seg = run_pass_a(ws, v, plan, H, spec.pass_a, spec.bw, spec.warps)
+        h_in = run_pass_b(A_seg, b_seg, plan, H, h0, spec.pass_b == "prefetch", spec.bw, spec.warps)
+        run_pass_c(ws, v, o, plan, H, h_in=h_in, final=final, bw=spec.bw, warps=spec.warps)
         if return_workspace:
             taps.update(A_seg=A_seg, b_seg=b_seg, h_in=h_in)
     else:
-        run_pass_c(ws, v, o, plan, H, h0=h0, final=final, bw=spec.bw)
+        run_pass_c(ws, v, o, plan, H, h0=h0, final=final, bw=spec.bw, warps=spec.warps)
     if return_workspace:
         taps.update(ws)
     return ForwardResult(o=o, final_state=final_state, plan=plan, route=ran_name(spec, plan), taps=taps)

@@ -2,16 +2,17 @@
 
 A route name is ``MODE[:key=value]...``:
 
-    unseg[:BW=32]                               one segment per sequence: pass C alone
-    seg[:cps=N][:A=two|fused][:B=plain|prefetch][:BW=32]
+    unseg[:BW=32][:nw=4]                             one segment per sequence: pass C alone
+    seg[:cps=N][:A=two|fused][:B=plain|prefetch][:BW=32][:nw=4]
         cps  chunks (of 32 tokens) per segment; absent = the occupancy heuristic, which may
              pick "unsegmented" when the grid already fills the device
         A    pass A as two launches (b_seg, then A_seg) or one fused launch
         B    pass B scan plain, or prefetching the next segment's A_seg / b_seg
         BW   state columns per program in the chunk-step passes (16, 32, 64 or 128)
+        nw   warps per program of the chunk-step and scan kernels (4 or 8; default 4)
 
-Canonical names spell every key of the mode (``seg:cps=4:A=fused:B=prefetch:BW=32``;
-the heuristic's is ``seg:A=fused:B=prefetch:BW=32``).
+Canonical names spell every key of the mode except ``nw`` at its default
+(``seg:cps=4:A=fused:B=prefetch:BW=32``; the heuristic's is ``seg:A=fused:B=prefetch:BW=32``).
 """
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ BW_CHOICES = (16, 32, 64, 128)
 DEFAULT_BW = 32
 DEFAULT_A = "fused"
 DEFAULT_B = "prefetch"
+DEFAULT_WARPS = 4
+WARP_CHOICES = (4, 8)
 
 
 class RouteError(ValueError):
@@ -35,13 +38,15 @@ class RouteSpec:
     pass_a: str = DEFAULT_A         # "two" | "fused"
     pass_b: str = DEFAULT_B         # "plain" | "prefetch"
     bw: int = DEFAULT_BW
+    warps: int = DEFAULT_WARPS
 
     @property
     def name(self) -> str:
+        nw = "" if self.warps == DEFAULT_WARPS else f":nw={self.warps}"
         if not self.segmented:
-            return f"unseg:BW={self.bw}"
+            return f"unseg:BW={self.bw}{nw}"
         cps = "" if self.cps is None else f":cps={self.cps}"
-        return f"seg{cps}:A={self.pass_a}:B={self.pass_b}:BW={self.bw}"
+        return f"seg{cps}:A={self.pass_a}:B={self.pass_b}:BW={self.bw}{nw}"
 
 
 def parse_route(name: str) -> RouteSpec:
@@ -52,7 +57,7 @@ def parse_route(name: str) -> RouteSpec:
     mode, rest = parts[0], parts[1:]
     if mode not in ("unseg", "seg"):
         raise RouteError(f"route {name!r}: expected it to start with 'unseg' or 'seg', got {mode!r}")
-    allowed = ("BW",) if mode == "unseg" else ("cps", "A", "B", "BW")
+    allowed = ("BW", "nw") if mode == "unseg" else ("cps", "A", "B", "BW", "nw")
     vals: dict[str, str] = {}
     for part in rest:
         key, eq, val = part.partition("=")
@@ -65,8 +70,11 @@ def parse_route(name: str) -> RouteSpec:
     bw = _int(name, "BW", vals.get("BW", str(DEFAULT_BW)))
     if bw not in BW_CHOICES:
         raise RouteError(f"route {name!r}: expected BW in {BW_CHOICES}, got {bw}")
+    nw = _int(name, "nw", vals.get("nw", str(DEFAULT_WARPS)))
+    if nw not in WARP_CHOICES:
+        raise RouteError(f"route {name!r}: expected nw in {WARP_CHOICES}, got {nw}")
     if mode == "unseg":
-        return RouteSpec(segmented=False, bw=bw)
+        return RouteSpec(segmented=False, bw=bw, warps=nw)
     cps = None
     if "cps" in vals:
         cps = _int(name, "cps", vals["cps"])
@@ -78,7 +86,7 @@ def parse_route(name: str) -> RouteSpec:
     pass_b = vals.get("B", DEFAULT_B)
     if pass_b not in ("plain", "prefetch"):
         raise RouteError(f"route {name!r}: expected B=plain|prefetch, got B={pass_b}")
-    return RouteSpec(segmented=True, cps=cps, pass_a=pass_a, pass_b=pass_b, bw=bw)
+    return RouteSpec(segmented=True, cps=cps, pass_a=pass_a, pass_b=pass_b, bw=bw, warps=nw)
 
 
 def _int(name: str, key: str, val: str) -> int:
@@ -90,10 +98,11 @@ def _int(name: str, key: str, val: str) -> int:
 
 def route_names() -> list[str]:
     """The pinned routes the backend lists (canonical names)."""
-    names = [RouteSpec(False, bw=bw).name for bw in (32, 64)]
+    names = [RouteSpec(False, bw=bw).name for bw in (32, 64)] + [RouteSpec(False, bw=32, warps=8).name]
     for cps in (None, 1, 4, 16, 32, 64):
         for a in ("two", "fused"):
             for b in ("plain", "prefetch"):
                 names.append(RouteSpec(True, cps, a, b, DEFAULT_BW).name)
     names += [RouteSpec(True, cps, "fused", "prefetch", 64).name for cps in (None, 16, 32)]
+    names += [RouteSpec(True, cps, "fused", "prefetch", 32, 8).name for cps in (None, 32)]
     return names

@@ -1,0 +1,34 @@
+"""`kda-verify isa`: our Triton kernels cross-compile for AMD and NVIDIA targets on a CPU machine."""
+import json
+
+from verification.cli import main
+
+
+def test_isa_gfx950_and_sm90_compile_with_matrix_instructions_and_no_spills(capsys):
+    rc = main(["isa", "--arch", "gfx950,sm90", "--routes", "unseg,seg:cps=4:A=fused:B=prefetch", "--json"])
+    reports = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    assert {r["arch"] for r in reports} == {"gfx950", "sm90"}
+    kernels = {r["kernel"].split("[")[0] for r in reports}
+    assert kernels == {"k1_prepare_kernel", "segment_kernel", "scan_kernel"}
+    for r in reports:
+        assert r["ok"], r
+        assert r["registers"] and r["registers"] > 0 and r["shared_bytes"] is not None
+        assert not any(r["spills"].values()), r                          # nothing spills on either target
+        m = r["matrix"]
+        if r["arch"] == "gfx950":
+            assert m["v_mfma"] > 0, r                                    # every kernel's dots became MFMA
+        else:
+            assert m["mma (PTX)"] + m["wgmma (PTX)"] > 0, r
+            assert m["HMMA (SASS)"] + m["HGMMA (SASS)"] > 0, r
+    routes = {x for r in reports for x in r["routes"]}
+    assert routes == {"unseg:BW=32", "seg:cps=4:A=fused:B=prefetch:BW=32"}
+
+
+def test_isa_bad_arguments_are_one_line_errors(capsys):
+    assert main(["isa", "--arch", "gfx9000"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--arch" in err and "gfx9000" in err
+    assert main(["isa", "--arch", "sm90", "--routes", "seg:cps=0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--routes" in err and "cps >= 1" in err

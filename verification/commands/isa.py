@@ -1,0 +1,76 @@
+"""`kda-verify isa`: compile our Triton FlashKDA kernels for GPUs this machine lacks (cross-compile,
+no device needed) and report per kernel: compiled or the compiler's error, matrix instructions,
+registers / VGPRs, shared memory / LDS, spills.  Exit status 1 if any kernel failed to compile."""
+from __future__ import annotations
+
+import json
+import sys
+
+NAME = "isa"
+HELP = "cross-compile the Triton FlashKDA kernels (sm90, gfx950, gfx1250, ...) and report their ISA"
+
+
+def add_arguments(p):
+    p.add_argument("--arch", default="gfx950,gfx1250,sm90",
+                   help="comma-separated targets: sm90, sm100, gfx942, gfx950, gfx1250 (default gfx950,gfx1250,sm90)")
+    p.add_argument("--routes", default="all",
+                   help="comma-separated route names of the triton backend, or 'all' (default)")
+    p.add_argument("--states", default="kv,paged",
+                   help="initial-state configurations whose kernels to compile: none, kv, vk, paged (default kv,paged)")
+    p.add_argument("--json", action="store_true", help="print the reports as JSON instead of a table")
+
+
+def _split(text: str, arg: str) -> list:
+    from verification.cli import UsageError
+    items = [x.strip() for x in str(text).split(",") if x.strip()]
+    if not items:
+        raise UsageError(f"{arg}: expected a comma-separated list, got {text!r}")
+    return items
+
+
+def run(args) -> int:
+    from verification.cli import UsageError
+    from kda_kernels.triton.isa import STATE_CONFIGS, TARGETS, isa_report
+    from kda_kernels.triton.routes import RouteError, parse_route, route_names
+
+    archs = _split(args.arch, "--arch")
+    bad = [a for a in archs if a not in TARGETS]
+    if bad:
+        raise UsageError(f"--arch: expected values in {','.join(TARGETS)}, got {bad[0]!r}")
+    states = _split(args.states, "--states")
+    bad = [s for s in states if s not in STATE_CONFIGS]
+    if bad:
+        raise UsageError(f"--states: expected values in {','.join(STATE_CONFIGS)}, got {bad[0]!r}")
+    routes = route_names() if args.routes == "all" else _split(args.routes, "--routes")
+    for r in routes:
+        try:
+            parse_route(r)
+        except RouteError as e:
+            raise UsageError(f"--routes: {e}") from None
+    reports = isa_report(archs, routes, tuple(states))
+    if args.json:
+        json.dump([r.as_dict() for r in reports], sys.stdout, indent=1)
+        print()
+    else:
+        _table(reports)
+    failed = [r for r in reports if not r.ok]
+    print(f"{len(reports) - len(failed)}/{len(reports)} kernel variants compiled "
+          f"({', '.join(archs)}; {len(routes)} routes)", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _table(reports) -> None:
+    head = f"{'arch':8} {'ok':3} {'regs':>5} {'agpr':>4} {'smem':>7} {'spills':22} {'matrix instructions':38} kernel"
+    print(head)
+    print("-" * len(head))
+    for r in reports:
+        if not r.ok:
+            print(f"{r.arch:8} NO  {r.kernel}\n         error: {r.error}")
+            continue
+        mat = " ".join(f"{k}={v}" for k, v in r.matrix.items())
+        sp = " ".join(f"{k.replace('_count', '').replace('_bytes', 'B')}={v}" for k, v in r.spills.items() if v)
+        print(f"{r.arch:8} yes {r.registers if r.registers is not None else '-':>5} "
+              f"{r.agprs if r.agprs is not None else '-':>4} {r.shared_bytes if r.shared_bytes is not None else '-':>7} "
+              f"{sp or 'none':22} {mat:38} {r.kernel}")
+        if r.note:
+            print(f"         note: {r.note[:200]}")
