@@ -97,15 +97,20 @@ def summarize(records: list[dict]) -> dict:
 
 
 def _worst(records: list[dict], n: int) -> list[dict]:
+    """The n cells with the largest margin of o that have a finite per-chunk curve, the worst cell
+    of each route first (so one broken route does not fill the plot), NaN margins counted as worst."""
     scored = []
     for r in records:
         curve = (((r.get("metrics") or {}).get("o") or {}).get("chunk_rel_l2")) or []
-        if r.get("status") in ("skipped", "crashed", "error") or not curve:
+        if r.get("status") in ("skipped", "crashed", "error") or not any(_finite_pos(as_float(x)) for x in curve):
             continue
-        m = as_float(r.get("margin"))
-        scored.append((math.inf if math.isnan(m) else m, r))
+        scored.append((_o_margin(r), r))
     scored.sort(key=lambda x: -x[0])
-    return [r for _, r in scored[:n]]
+    first, rest, seen = [], [], set()
+    for _, r in scored:
+        (rest if route_label(r) in seen else first).append(r)
+        seen.add(route_label(r))
+    return (first + rest)[:n]
 
 
 # ----------------------------------------------------------------------------------------
@@ -122,8 +127,44 @@ def _finite_pos(x: float) -> bool:
     return math.isfinite(x) and x > 0
 
 
+def _route_colours(plt, n: int) -> list:
+    """n distinguishable colours (tab20 without its greys, which the baselines use)."""
+    cmap = plt.get_cmap("tab20")
+    pal = [cmap(i) for i in (0, 2, 4, 6, 8, 10, 12, 16, 18, 1, 3, 5, 7, 9, 11, 13, 17, 19)]
+    return [pal[i % len(pal)] for i in range(n)]
+
+
+def _legend_below(fig, ax, n_entries: int, ncol: int = 2) -> None:
+    """A legend under the axes (long route / case labels would squeeze a legend at the side)."""
+    rows = math.ceil(n_entries / ncol)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=ncol, framealpha=0.9)
+    fig.set_size_inches(fig.get_size_inches()[0], 4.6 + 0.2 * rows)
+
+
+def _o_margin(r: dict) -> float:
+    m = as_float(((r.get("tensors") or {}).get("o") or {}).get("margin"))
+    return math.inf if math.isnan(m) else m
+
+
+def _t_axis(ax, Ts: list[int]) -> None:
+    from matplotlib.ticker import FixedLocator, NullFormatter, NullLocator
+    lo, hi = min(Ts), max(Ts)
+    if hi >= 4 * lo:
+        ax.set_xscale("log", base=2)
+    distinct = []
+    for t in sorted(set(Ts)):                   # labels at least 8% apart, so none overlap
+        if not distinct or t >= 1.08 * distinct[-1]:
+            distinct.append(t)
+    if len(distinct) <= 14:
+        ax.xaxis.set_major_locator(FixedLocator(distinct))
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xticks(distinct, [str(t) for t in distinct], rotation=45 if len(distinct) > 7 else 0, fontsize=8)
+
+
 def plot_error_vs_T(records: list[dict], path: Path) -> Optional[Path]:
-    """rel-L2 of o against T (tokens of the forward) per route; baselines (per recipe) in grey."""
+    """rel-L2 of o against T (tokens of the forward) per route: every cell a dot, a line through
+    the worst cell per T; the baselines (per recipe) dashed black; failing cells marked by a red x."""
     plt = _plt()
     series: dict[str, list] = {}
     base: dict[str, list] = {}
@@ -137,37 +178,36 @@ def plot_error_vs_T(records: list[dict], path: Path) -> Optional[Path]:
             series.setdefault(route_label(r), []).append((T, e, r.get("status")))
         b = as_float(((r.get("baseline") or {}).get("o") or {}).get("rel_l2"))
         if _finite_pos(b):
-            base.setdefault(f"baseline {r.get('recipe')}", []).append((T, b))
+            base.setdefault(f"baseline: {r.get('recipe')} recipe", []).append((T, b))
     if not series:
         return None
-    fig, ax = plt.subplots(figsize=(8.5, 5.2), dpi=110)
-    cmap = plt.get_cmap("tab10")
+    fig, ax = plt.subplots(figsize=(11, 5.4), dpi=110)
+    colours = _route_colours(plt, len(series))
     any_bad = False
-    for i, (label, pts) in enumerate(sorted(series.items())):
+    for c, (label, pts) in zip(colours, sorted(series.items())):
         pts.sort()
-        c = cmap(i % 10)
         Ts = sorted({p[0] for p in pts})
         worst = [max(e for t, e, _ in pts if t == T) for T in Ts]
-        ax.plot(Ts, worst, "-", color=c, lw=1.4, alpha=0.85, label=f"{label} (worst per T)")
-        ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=22, color=c, alpha=0.7)
+        ax.plot(Ts, worst, "-", color=c, lw=1.5, alpha=0.9, label=label)
+        ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=20, color=c, alpha=0.75, zorder=3)
         bad = [p for p in pts if p[2] in FAILING]
         if bad:
-            ax.scatter([p[0] for p in bad], [p[1] for p in bad], s=70, marker="x", color="red", linewidths=1.8,
+            ax.scatter([p[0] for p in bad], [p[1] for p in bad], s=60, marker="x", color="red", linewidths=1.6,
                        zorder=5, label="failing cell" if not any_bad else None)
             any_bad = True
+    dashes = [(5, 2), (2, 2), (7, 2, 1, 2), (1, 1)]
     for j, (label, pts) in enumerate(sorted(base.items())):
         pts = sorted(set(pts))
         Ts = sorted({p[0] for p in pts})
         worst = [max(e for t, e in pts if t == T) for T in Ts]
-        ax.plot(Ts, worst, "--", color="0.45", lw=1.1, label=f"{label} (worst per T)",
-                dashes=(4, 2 + 2 * j))
-    ax.set_xscale("log", base=2)
+        ax.plot(Ts, worst, color="black", lw=1.1, dashes=dashes[j % len(dashes)], label=label, zorder=4)
+    _t_axis(ax, [p[0] for pts in series.values() for p in pts])
     ax.set_yscale("log")
-    ax.set_xlabel("T (tokens per forward)")
-    ax.set_ylabel("rel-L2 error of o vs float64 oracle")
-    ax.set_title("Output error vs sequence length (red x: failing cell)")
+    ax.set_xlabel("T (tokens per forward; varlen: all sequences)")
+    ax.set_ylabel("rel-L2 of o vs the float64 oracle (worse of all / tail)")
+    ax.set_title("Output error vs sequence length: a line through the worst cell per T, per route")
     ax.grid(True, which="both", alpha=0.25)
-    ax.legend(fontsize=8, loc="best", framealpha=0.85)
+    _legend_below(fig, ax, len(ax.get_legend_handles_labels()[1]), ncol=3)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -180,23 +220,25 @@ def plot_worst_chunks(records: list[dict], path: Path, n: int = 6) -> Optional[P
     if not worst:
         return None
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(8.5, 5.2), dpi=110)
-    cmap = plt.get_cmap("tab10")
+    from matplotlib.ticker import MaxNLocator
+    fig, ax = plt.subplots(figsize=(11, 5.4), dpi=110)
+    colours = _route_colours(plt, len(worst))
     for i, r in enumerate(worst):
         curve = [as_float(x) for x in r["metrics"]["o"]["chunk_rel_l2"]]
         xs = [k for k, v in enumerate(curve) if _finite_pos(v)]
         ys = [curve[k] for k in xs]
         if not xs:
             continue
-        m = as_float(r.get("margin"))
-        ax.plot(xs, ys, "-o" if len(xs) < 40 else "-", ms=3, lw=1.3, color=cmap(i % 10),
-                label=f"{route_label(r)} {r.get('case')} [{r.get('status')}, margin {m:.2g}]")
+        m = _o_margin(r)
+        ax.plot(xs, ys, "-o" if len(xs) < 40 else "-", ms=3, lw=1.3, color=colours[i],
+                label=f"{route_label(r)}  {r.get('case')}  ({r.get('status')}, o margin {m:.3g})")
     ax.set_yscale("log")
     ax.set_xlabel("chunk index along T (32 tokens per chunk, all sequences and heads pooled)")
     ax.set_ylabel("rel-L2 of o within the chunk")
-    ax.set_title(f"Per-chunk error of the {len(worst)} cells with the largest margin")
+    ax.set_title(f"Per-chunk error of o: the {len(worst)} cells with the largest o margin (worst per route first)")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(True, which="both", alpha=0.25)
-    ax.legend(fontsize=7, loc="best", framealpha=0.85)
+    _legend_below(fig, ax, len(ax.get_legend_handles_labels()[1]), ncol=2)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -261,7 +303,8 @@ def plot_margin_heatmap(records: list[dict], path: Path) -> Optional[Path]:
             for j in range(len(cols)):
                 v = grid[i, j]
                 if np.isfinite(v) and (i, j) not in kind:
-                    ax.text(j, i, f"{10 ** v:.2g}", ha="center", va="center", fontsize=6.5,
+                    mv = 10 ** v
+                    ax.text(j, i, f"{mv:.0f}" if mv >= 100 else f"{mv:.2g}", ha="center", va="center", fontsize=6.5,
                             color="white" if abs(v) > 0.6 * max(abs(lo), hi) else "black")
     ax.set_xticks(range(len(cols)))
     ax.set_xticklabels([_short_case(c) for c in cols], rotation=60, ha="right", fontsize=7)

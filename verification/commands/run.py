@@ -118,11 +118,12 @@ def run(args) -> int:
     print(f"{summary.ran} cells run, {summary.resumed} already done: {tally}")
     if summary.stopped_early:
         print(f"stopped after --max-cells {args.max_cells}; continue with --resume")
-    for r in summary.failed[:20]:
+    shown = 10
+    for r in summary.failed[:shown]:
         print(f"  {r['status'].upper():<10} {r['backend']} {r['route']} {r['case']}: {r.get('reason', '')[:160]}")
-        print(f"             repro: {r.get('repro', '')}")
-    if len(summary.failed) > 20:
-        print(f"  ... and {len(summary.failed) - 20} more (see the report)")
+        print(f"             repro: {r.get('repro', '').replace('--out DIR', f'--out {args.out}/repro')}")
+    if len(summary.failed) > shown:
+        print(f"  ... and {len(summary.failed) - shown} more failing cells (see the report)")
     if not args.no_report:
         from verification.report import write_report
         paths = write_report(args.out)
