@@ -1,0 +1,61 @@
+"""`kda-verify bench`: the arithmetic and the argument checks run anywhere; the timing itself
+needs CUDA (marked gpu)."""
+import json
+import math
+
+import pytest
+import torch
+
+from verification import bench
+from verification.cli import main
+
+
+def test_default_suite_shapes_are_the_design_shapes():
+    assert bench.shapes_of_suite("default") == list(bench.DEFAULT_SHAPES)
+    assert len(bench.DEFAULT_SHAPES) == 13
+
+
+def test_traffic_flops_and_floor():
+    nbytes, flops = bench.traffic(1, 16384, 12)
+    tok = 16384 * 12
+    assert flops == tok * 2 * (32 * 128 + 32 * 128 + 2 * 128 * 128)
+    assert nbytes == tok * (4 * 128 * 2 + 4 + 128 * 2) + 12 * 128 * 128 * 4
+    floor = bench.floor_us(1, 16384, 12)
+    assert 50 < floor < 62                     # GPU.md: the bandwidth floor of 1x16384x12 is "about 60 us"
+    assert floor == pytest.approx(1e6 * nbytes / bench.H200_HBM_BYTES_S)
+
+
+def test_speedups_against_the_best_fla_time_and_geomean():
+    def res(backend, route, shape, t):
+        return bench.BenchResult(backend, route, *shape, time_us=t, p10_us=t, p90_us=t, reps=3, graph=False,
+                                 bytes=1, flops=1, bandwidth_gbs=1, tflops=1, floor_us=1)
+    rs = [res("fla", "chunk:safe_gate", (1, 256, 12), 900.0), res("triton", "seg", (1, 256, 12), 100.0),
+          res("fla", "chunk:safe_gate", (1, 512, 12), 800.0), res("triton", "seg", (1, 512, 12), 200.0),
+          res("triton", "seg", (1, 1024, 12), 50.0)]           # no fla time: not counted
+    sp = bench.speedups(rs)[("triton", "seg")]
+    assert sp["per_shape"] == {(1, 256, 12): 9.0, (1, 512, 12): 4.0}
+    assert sp["geomean"] == pytest.approx(6.0)
+    assert math.isnan(bench.geomean([]))
+
+
+@pytest.mark.parametrize("argv, text", [
+    (["bench", "--backend", "cuda"], "--backend"),
+    (["bench", "--routes", "seg:A=three"], "A=two|fused"),
+    (["bench", "--shapes", "1x0x12"], "--shapes"),
+    (["bench", "--reps", "1"], "--reps"),
+])
+def test_bad_arguments_are_one_line_errors(argv, text, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert text in err and "\n" not in err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bench_runs_on_the_gpu(tmp_path, capsys):
+    out = tmp_path / "b.json"
+    rc = main(["bench", "--backend", "triton", "--shapes", "1x2048x12", "--routes", "seg,unseg", "--reps", "5",
+               "--json", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert len(data["results"]) == 2 and all(r["time_us"] > 0 for r in data["results"])

@@ -1,0 +1,239 @@
+"""Timing of KDA forward routes side by side (``kda-verify bench``).
+
+Method, per (backend, route, shape):
+- inputs: bf16 q, k, v, g (g = 0.1 N(0,1)), fp32 beta, A_log = 0.5|N|, dt_bias = 0.1 N, lb -5,
+  made on the device; ``rotate`` copies are cycled so no repetition reads a warm copy;
+- warm-up calls first (compilation, plan caches), then ``reps`` repetitions, each one preceded by
+  a 256 MB buffer write that flushes the L2, timed by CUDA events around the call alone;
+- optional CUDA-graph replay (``graph=True``): the call is captured once per input copy and
+  the replay is timed, which removes the host's launch cost;
+- the median (and p10 / p90) of the repetitions.
+
+Per shape: time, effective bandwidth (q, k, v, g, beta read and o written once, plus the
+final state written), TFLOP/s with FLOPs = B·T·H·2·(32·K + 32·V + 2·K·V), and the floor
+max(bytes / HBM bandwidth, FLOPs / bf16 peak) for the H200 (4.8 TB/s, 790 TFLOP/s).
+"""
+from __future__ import annotations
+
+import math
+import os
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+# DESIGN §5 default suite (also verification.cases.DEFAULT_SHAPES)
+DEFAULT_SHAPES = ((1, 256, 12), (1, 512, 12), (1, 1664, 12), (1, 2048, 12), (1, 8192, 12), (1, 16384, 12),
+                  (1, 16384, 64), (1, 16384, 96), (1, 8192, 32), (1, 8192, 64), (2, 2664, 12), (4, 4096, 16),
+                  (8, 2048, 16))
+H200_HBM_BYTES_S = 4.8e12
+H200_BF16_FLOPS = 790e12
+FLUSH_BYTES = 256 * 1024 * 1024
+K = V = 128
+C = 32
+
+
+@dataclass
+class BenchResult:
+    backend: str
+    route: str
+    B: int
+    T: int
+    H: int
+    time_us: float
+    p10_us: float
+    p90_us: float
+    reps: int
+    graph: bool
+    bytes: int
+    flops: int
+    bandwidth_gbs: float
+    tflops: float
+    floor_us: float
+    route_ran: str = ""
+    error: str = ""
+    extra: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def shapes_of_suite(suite: str) -> list:
+    """(B, T, H) of every case of a suite (verification.cases when present)."""
+    try:
+        from verification.cases import get_suite
+    except ImportError:
+        get_suite = None
+    if suite == "default" and get_suite is None:
+        return list(DEFAULT_SHAPES)
+    if get_suite is None:
+        raise ValueError(f"--suite: only 'default' is known without verification.cases, got {suite!r}")
+    out = []
+    for c in get_suite(suite):
+        p = c.params
+        if "lens" in p:
+            raise ValueError(f"--suite {suite}: bench times fixed-length shapes; case {c.id} is varlen")
+        out.append((int(p.get("B", 1)), int(p.get("T", 64)), int(p.get("H", 2))))
+    return out
+
+
+def traffic(B: int, T: int, H: int) -> tuple[int, int]:
+    """(bytes, FLOPs) of one forward: q, k, v, g bf16 read, beta fp32 read, o bf16 written,
+    final state fp32 written; FLOPs B·T·H·2·(32·K + 32·V + 2·K·V)."""
+    tok = B * T * H
+    nbytes = tok * (4 * K * 2 + 4 + V * 2) + B * H * K * V * 4
+    flops = tok * 2 * (C * K + C * V + 2 * K * V)
+    return nbytes, flops
+
+
+def floor_us(B: int, T: int, H: int) -> float:
+    nbytes, flops = traffic(B, T, H)
+    return 1e6 * max(nbytes / H200_HBM_BYTES_S, flops / H200_BF16_FLOPS)
+
+
+def make_inputs(B: int, T: int, H: int, device, seed: int) -> dict:
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*s):
+        return torch.randn(*s, generator=gen, device=device, dtype=torch.float32)
+
+    bf = torch.bfloat16
+    return dict(q=randn(B, T, H, K).to(bf), k=randn(B, T, H, K).to(bf), v=randn(B, T, H, V).to(bf),
+                g=(0.1 * randn(B, T, H, K)).to(bf), beta=randn(B, T, H), A_log=0.5 * randn(H).abs(),
+                dt_bias=0.1 * randn(H * K), scale=K ** -0.5, lower_bound=-5.0)
+
+
+# ----------------------------------------------------------------------------------- callables
+def triton_callable(route: str) -> Callable:
+    from kda_kernels.triton.forward import flashkda_forward
+    from kda_kernels.triton.routes import parse_route
+
+    spec = parse_route(route)
+    last = {}
+
+    def call(x):
+        res = flashkda_forward(x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], x["scale"],
+                               x["lower_bound"], output_final_state=True, route=spec)
+        last["route_ran"] = res.route
+        return res.o
+
+    call.info = last
+    return call
+
+
+def fla_callable(route: str = "chunk:safe_gate") -> Callable:
+    os.environ["FLA_FLASH_KDA"] = "0"
+    from fla.ops.kda import chunk_kda
+
+    if route != "chunk:safe_gate":
+        raise ValueError(f"--routes for fla: only chunk:safe_gate is benched, got {route!r}")
+
+    def call(x):
+        o, _ = chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
+                         scale=x["scale"], use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                         use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=x["lower_bound"],
+                         initial_state=None, output_final_state=True)
+        return o
+
+    call.info = {"route_ran": route}
+    return call
+
+
+def fla_available() -> tuple[bool, str]:
+    try:
+        os.environ["FLA_FLASH_KDA"] = "0"
+        import fla.ops.kda  # noqa: F401
+        return True, ""
+    except Exception as e:  # noqa: BLE001
+        return False, f"fla not importable: {type(e).__name__}: {e}"
+
+
+# ----------------------------------------------------------------------------------- timing
+def time_call(fn: Callable, inputs: list, reps: int, warmup: int, graph: bool, device) -> list:
+    """Per-repetition device times (us) of fn(inputs[i % len]) with the L2 flushed before each."""
+    flush = torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device=device)
+    with torch.inference_mode():
+        for i in range(max(1, warmup)):
+            fn(inputs[i % len(inputs)])
+        torch.cuda.synchronize(device)
+        runners = [lambda x=x: fn(x) for x in inputs]
+        if graph:
+            graphs = []
+            stream = torch.cuda.Stream(device=device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                for x in inputs:
+                    fn(x)
+            torch.cuda.current_stream(device).wait_stream(stream)
+            for x in inputs:
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    fn(x)
+                graphs.append(g)
+            runners = [g.replay for g in graphs]
+            for r in runners:
+                r()
+            torch.cuda.synchronize(device)
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        for i in range(reps):
+            flush.fill_(i)
+            starts[i].record()
+            runners[i % len(runners)]()
+            ends[i].record()
+        torch.cuda.synchronize(device)
+    return [1e3 * s.elapsed_time(e) for s, e in zip(starts, ends)]
+
+
+def rotation_count(B: int, T: int, H: int, budget_bytes: int = 2 << 30) -> int:
+    one = traffic(B, T, H)[0]
+    return int(max(1, min(4, budget_bytes // max(one, 1))))
+
+
+def bench_one(backend: str, route: str, shape: tuple, device, reps: int = 50, warmup: int = 5,
+              graph: bool = False, seed: int = 0) -> BenchResult:
+    B, T, H = shape
+    nbytes, flops = traffic(B, T, H)
+    base = dict(backend=backend, route=route, B=B, T=T, H=H, reps=reps, graph=graph, bytes=nbytes, flops=flops,
+                floor_us=floor_us(B, T, H))
+    try:
+        fn = triton_callable(route) if backend == "triton" else fla_callable(route)
+        inputs = [make_inputs(B, T, H, device, seed + i) for i in range(rotation_count(B, T, H))]
+        times = time_call(fn, inputs, reps, warmup, graph, device)
+    except Exception as e:  # noqa: BLE001 - one failing cell is a result, not the end of the bench
+        msg = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+        return BenchResult(**base, time_us=math.nan, p10_us=math.nan, p90_us=math.nan, bandwidth_gbs=math.nan,
+                           tflops=math.nan, error=msg)
+    finally:
+        torch.cuda.empty_cache()
+    t = statistics.median(times)
+    q = statistics.quantiles(times, n=10) if len(times) >= 2 else [t] * 9
+    return BenchResult(**base, time_us=t, p10_us=q[0], p90_us=q[-1], bandwidth_gbs=nbytes / (t * 1e-6) / 1e9,
+                       tflops=flops / (t * 1e-6) / 1e12, route_ran=fn.info.get("route_ran", route))
+
+
+def geomean(xs) -> float:
+    xs = [x for x in xs if x and math.isfinite(x) and x > 0]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else math.nan
+
+
+def speedups(results: list, baseline_backend: str = "fla") -> dict:
+    """{(backend, route): {"per_shape": {shape: speedup}, "geomean": g}} against the baseline's
+    best route per shape."""
+    base = {}
+    for r in results:
+        if r.backend == baseline_backend and math.isfinite(r.time_us):
+            key = (r.B, r.T, r.H)
+            base[key] = min(base.get(key, math.inf), r.time_us)
+    out = {}
+    for r in results:
+        if r.backend == baseline_backend or not math.isfinite(r.time_us):
+            continue
+        key = (r.B, r.T, r.H)
+        if key in base:
+            d = out.setdefault((r.backend, r.route), {"per_shape": {}})
+            d["per_shape"][key] = base[key] / r.time_us
+    for d in out.values():
+        d["geomean"] = geomean(d["per_shape"].values())
+    return out

@@ -1,0 +1,101 @@
+"""`kda-verify bench`: time routes side by side on a CUDA device (see verification/bench.py for
+the method: device events, median of many repetitions, L2 flushed, inputs rotated, optional
+CUDA-graph replay)."""
+from __future__ import annotations
+
+import json
+import sys
+
+NAME = "bench"
+HELP = "time KDA forward routes side by side (CUDA events, median, L2 flushed between repetitions)"
+
+
+def add_arguments(p):
+    p.add_argument("--backend", default="triton,fla", help="comma-separated: triton, fla (default triton,fla)")
+    p.add_argument("--suite", default="default", help="case suite whose (B,T,H) shapes to time (default: default)")
+    p.add_argument("--shapes", help="instead of a suite: semicolon-separated BxTxH, e.g. '1x16384x12;8x2048x16'")
+    p.add_argument("--routes", default="seg,unseg",
+                   help="comma-separated triton routes (default seg,unseg); fla always runs chunk:safe_gate")
+    p.add_argument("--reps", type=int, default=50, help="timed repetitions per cell (default 50)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed calls first (default 5)")
+    p.add_argument("--graph", action="store_true", help="replay CUDA graphs (no host launch cost)")
+    p.add_argument("--device", default="cuda", help="CUDA device (default cuda)")
+    p.add_argument("--json", metavar="OUT", help="also write the results as JSON to OUT")
+
+
+def _shapes(args):
+    from verification.bench import shapes_of_suite
+    from verification.cli import UsageError
+    if args.shapes:
+        out = []
+        for item in args.shapes.split(";"):
+            parts = item.strip().lower().split("x")
+            if len(parts) != 3 or not all(x.isdigit() and int(x) > 0 for x in parts):
+                raise UsageError(f"--shapes: expected BxTxH with positive integers, got {item.strip()!r}")
+            out.append(tuple(int(x) for x in parts))
+        return out
+    try:
+        return shapes_of_suite(args.suite)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def run(args) -> int:
+    import torch
+
+    from kda_kernels.triton.routes import RouteError, parse_route
+    from verification import bench
+    from verification.cli import UsageError
+
+    backends = [b.strip() for b in args.backend.split(",") if b.strip()]
+    bad = [b for b in backends if b not in ("triton", "fla")]
+    if bad or not backends:
+        raise UsageError(f"--backend: expected triton and/or fla, got {args.backend!r}")
+    routes = [r.strip() for r in args.routes.split(",") if r.strip()]
+    for r in routes:
+        try:
+            parse_route(r)
+        except RouteError as e:
+            raise UsageError(f"--routes: {e}") from None
+    if args.reps < 3 or args.warmup < 1:
+        raise UsageError(f"--reps/--warmup: expected reps >= 3 and warmup >= 1, got {args.reps}/{args.warmup}")
+    shapes = _shapes(args)
+    if not torch.cuda.is_available():
+        raise UsageError("--device: bench needs a CUDA device (device-event timing); none is visible here")
+    device = torch.device(args.device)
+    cells = [("triton", r) for r in routes] if "triton" in backends else []
+    if "fla" in backends:
+        ok, why = bench.fla_available()
+        if ok:
+            cells.append(("fla", "chunk:safe_gate"))
+        else:
+            print(f"kda-verify bench: skipping fla ({why})", file=sys.stderr)
+    results = []
+    print(f"{'backend':7} {'route':44} {'shape':>12} {'time us':>9} {'p10':>8} {'p90':>8} {'GB/s':>7} "
+          f"{'TFLOP/s':>8} {'floor us':>8} {'x floor':>7}  ran")
+    for shape in shapes:
+        for backend, route in cells:
+            r = bench.bench_one(backend, route, shape, device, reps=args.reps, warmup=args.warmup, graph=args.graph)
+            results.append(r)
+            sh = "x".join(str(x) for x in shape)
+            if r.error:
+                print(f"{backend:7} {route:44} {sh:>12}  error: {r.error}")
+            else:
+                print(f"{backend:7} {route:44} {sh:>12} {r.time_us:9.1f} {r.p10_us:8.1f} {r.p90_us:8.1f} "
+                      f"{r.bandwidth_gbs:7.0f} {r.tflops:8.1f} {r.floor_us:8.1f} {r.time_us / r.floor_us:7.2f}  "
+                      f"{r.route_ran}", flush=True)
+    sp = bench.speedups(results)
+    for (b, r), d in sp.items():
+        worst = min(d["per_shape"].items(), key=lambda kv: kv[1]) if d["per_shape"] else None
+        print(f"speedup vs fla {b} {r}: geomean {d['geomean']:.2f}x over {len(d['per_shape'])} shapes"
+              + (f", worst {worst[1]:.2f}x at {'x'.join(map(str, worst[0]))}" if worst else ""))
+    if args.json:
+        payload = {"graph": args.graph, "reps": args.reps, "device": torch.cuda.get_device_name(device),
+                   "results": [r.as_dict() for r in results],
+                   "speedup_vs_fla": {f"{b}|{r}": {"geomean": d["geomean"],
+                                                   "per_shape": {"x".join(map(str, k)): v
+                                                                 for k, v in d["per_shape"].items()}}
+                                      for (b, r), d in sp.items()}}
+        with open(args.json, "w") as f:
+            json.dump(payload, f, indent=1)
+    return 1 if any(r.error for r in results) else 0
