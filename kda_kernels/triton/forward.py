@@ -35,11 +35,20 @@ _RECORDER: Optional[list] = None     # when a list: launches are recorded there,
 
 
 def _launch(kernel, grid, *args, **kwargs):
-    """Launch ``kernel[grid](*args, **kwargs)``, or record it when a recorder is installed."""
+    """Launch ``kernel[grid](*args, **kwargs)``, or record it when a recorder is installed.
+    Empty tensors (T = 0) are passed as a 1-element stand-in: their storage may be a null
+    pointer, which the launcher rejects, and the kernels never touch them."""
+    args = tuple(_non_null(a) for a in args)
     if _RECORDER is not None:
         _RECORDER.append((kernel, grid, args, kwargs))
         return
     kernel[grid](*args, **kwargs)
+
+
+def _non_null(a):
+    if isinstance(a, torch.Tensor) and a.numel() == 0:
+        return torch.zeros(1, dtype=a.dtype, device=a.device)
+    return a
 
 
 class FlashKDAError(ValueError):

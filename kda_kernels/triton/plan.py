@@ -18,6 +18,7 @@ same ``cu_seqlens`` tensor reads it back from the host once.
 """
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from collections import OrderedDict
@@ -54,11 +55,17 @@ class Plan:
         return self.cps is not None
 
 
-def num_sms(device: torch.device) -> int:
+def num_sms(device) -> int:
     """Streaming multiprocessors (CUs) of the device; 132 (an H200) when there is no GPU."""
+    device = torch.device(device)
     if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).multi_processor_count)
+        return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     return 132
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
 
 
 def choose_chunks_per_seg(n_chunks_max: int, N: int, H: int, V: int, bw: int, sms: int) -> Optional[int]:
