@@ -97,3 +97,26 @@ def test_xdist_workers_write_their_own_files_and_the_report_merges_them(tmp_path
     assert files and all(f.startswith("results-gw") for f in files)
     report = json.loads((rep / "report.json").read_text())
     assert sorted(c["case"] for c in report["cells"]) == ["smoke/dense-T64-lb-5", "smoke/initial-state-kv-lb-5"]
+
+
+def test_each_xdist_worker_gets_its_own_gpu(monkeypatch):
+    import torch
+
+    from verification.pytest_plugin import pick_device
+
+    class Config:
+        def __init__(self, worker=None, device=None):
+            if worker:
+                self.workerinput = {"workerid": worker}
+            self._device = device
+
+        def getoption(self, name):
+            assert name == "--kda-device"
+            return self._device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    assert pick_device(Config("gw0")) == "cuda:0" and pick_device(Config("gw4")) == "cuda:1"
+    assert pick_device(Config()) == "cuda" and pick_device(Config("gw2", device="cuda:0")) == "cuda:0"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert pick_device(Config("gw1")) == "cpu"

@@ -159,3 +159,23 @@ def test_cli_run_exit_codes_case_filter_and_report(tmp_path, capsys, run_matrix,
     assert main(["run", "--backend", "emulator", "--suite", "smoke", "--case", "smoke/none", "--out",
                  str(tmp_path / "y"), "--device", "cpu"]) == 2
     assert "--case:" in capsys.readouterr().err
+
+
+def test_routes_across_several_backends():
+    from verification.runner import load, plan
+    emu, exact = load("emulator"), load("kda_test_backends:exact")
+    cells = plan([emu, exact], ["flashkda", "r2"], [DENSE])
+    assert [(lb.name, r.name) for lb, r, _ in cells] == [("emulator", "flashkda"), ("test-exact", "r2")]
+    with pytest.raises(UsageError, match=r"--route: expected routes of the chosen backends, got 'nope'.*r1, r2"):
+        plan([emu, exact], ["flashkda", "nope"], [DENSE])
+
+
+def test_progress_bar_on_a_tty_redraws_one_line_with_an_eta():
+    from verification.runner import Progress
+    buf = _quiet()
+    p = Progress(4, stream=buf, tty=True)
+    for st in ("pass", "fail", "pass", "skipped"):
+        p.step({"status": st, "backend": "b", "route": "r", "case": "c", "reason": ""})
+    out = buf.getvalue()
+    assert out.count("\r[") == 4 and out.endswith("\n") and out.count("\n") == 1
+    assert "[##########" in out and "4/4 100% ETA 0s" in out and "fail=1 pass=2 skipped=1" in out

@@ -289,7 +289,8 @@ def resolve_routes(lb: LoadedBackend, wanted: Optional[list[str]] = None, strict
             try:
                 out.append(lb.backend.route(name))
             except (ValueError, KeyError) as e:
-                raise UsageError(f"--route: backend {lb.name!r} cannot parse {name!r}: {e}") from e
+                if strict:
+                    raise UsageError(f"--route: backend {lb.name!r} cannot parse {name!r}: {e}") from e
         elif not have and not lb.available:
             out.append(Route(name=name))
         elif not strict:
@@ -683,8 +684,7 @@ def plan(backends: list[LoadedBackend], routes: Optional[list[str]], cases: list
     strict = len(backends) == 1
     per_backend = [(lb, resolve_routes(lb, routes, strict=strict)) for lb in backends]
     if routes and not strict:
-        found = {r.name for _, rs in per_backend for r in rs}
-        missing = [n for n in routes if n not in found]
+        missing = [n for n in routes if not any(resolve_routes(lb, [n], strict=False) for lb in backends)]
         if missing:
             have = "; ".join(f"{lb.name}: {', '.join(r.name for r in resolve_routes(lb)) or '(none)'}"
                              for lb in backends)
