@@ -162,12 +162,16 @@ def _t_axis(ax, Ts: list[int]) -> None:
         ax.set_xticks(distinct, [str(t) for t in distinct], rotation=45 if len(distinct) > 7 else 0, fontsize=8)
 
 
-def plot_error_vs_T(records: list[dict], path: Path) -> Optional[Path]:
-    """rel-L2 of o against T (tokens of the forward) per route: every cell a dot, a line through
-    the worst cell per T; the baselines (per recipe) dashed black; failing cells marked by a red x."""
-    plt = _plt()
+FACET_ABOVE = 6       # more routes than this: one panel per route
+MAX_PANELS = 24
+
+
+def _error_series(records: list[dict]) -> tuple[dict, dict, dict]:
+    """{route label: [(T, err, status)]}, {route label: [(T, baseline err)]} of o, and
+    {route label: recipe}."""
     series: dict[str, list] = {}
     base: dict[str, list] = {}
+    recipes: dict[str, str] = {}
     for r in records:
         shape = r.get("shape") or {}
         T = shape.get("T")
@@ -176,38 +180,91 @@ def plot_error_vs_T(records: list[dict], path: Path) -> Optional[Path]:
         e = o_err(r)
         if _finite_pos(e):
             series.setdefault(route_label(r), []).append((T, e, r.get("status")))
-        b = as_float(((r.get("baseline") or {}).get("o") or {}).get("rel_l2"))
-        if _finite_pos(b):
-            base.setdefault(f"baseline: {r.get('recipe')} recipe", []).append((T, b))
+            recipes[route_label(r)] = r.get("recipe")
+            b = as_float(((r.get("tensors") or {}).get("o") or {}).get("baseline_err"))
+            if not _finite_pos(b):
+                b = as_float(((r.get("baseline") or {}).get("o") or {}).get("rel_l2"))
+            if _finite_pos(b):
+                base.setdefault(route_label(r), []).append((T, b))
+    return series, base, recipes
+
+
+def _worst_line(pts) -> tuple[list, list]:
+    Ts = sorted({p[0] for p in pts})
+    return Ts, [max(p[1] for p in pts if p[0] == T) for T in Ts]
+
+
+def plot_error_vs_T(records: list[dict], path: Path) -> Optional[Path]:
+    """rel-L2 of o against T (tokens of the forward) per route: every cell a dot, a line through
+    the worst cell per T, the route's baseline (its emulated recipe, same metric) dashed black,
+    failing cells marked by a red x.  Up to FACET_ABOVE routes share one panel; more get one
+    panel each (the MAX_PANELS routes with the largest error; the heatmap shows every route)."""
+    plt = _plt()
+    series, base, recipes = _error_series(records)
     if not series:
         return None
-    fig, ax = plt.subplots(figsize=(11, 5.4), dpi=110)
-    colours = _route_colours(plt, len(series))
+    labels = sorted(series)
+    allT = [p[0] for pts in series.values() for p in pts]
+    if len(labels) <= FACET_ABOVE:
+        fig, ax = plt.subplots(figsize=(11, 5.4), dpi=110)
+        axes = [ax] * len(labels)
+    else:
+        dropped = 0
+        if len(labels) > MAX_PANELS:
+            labels = sorted(labels, key=lambda lab: -max(p[1] for p in series[lab]))[:MAX_PANELS]
+            dropped = len(series) - MAX_PANELS
+            labels.sort()
+        ncol = 4
+        nrow = math.ceil(len(labels) / ncol)
+        fig, grid = plt.subplots(nrow, ncol, figsize=(15, 2.7 * nrow + 1.0), dpi=100, sharex=True, sharey=True,
+                                 squeeze=False)
+        axes = [grid[i // ncol][i % ncol] for i in range(len(labels))]
+        for k in range(len(labels), nrow * ncol):
+            grid[k // ncol][k % ncol].axis("off")
+    colours = _route_colours(plt, len(labels))
+    faceted = len(set(map(id, axes))) > 1
     any_bad = False
-    for c, (label, pts) in zip(colours, sorted(series.items())):
-        pts.sort()
-        Ts = sorted({p[0] for p in pts})
-        worst = [max(e for t, e, _ in pts if t == T) for T in Ts]
-        ax.plot(Ts, worst, "-", color=c, lw=1.5, alpha=0.9, label=label)
-        ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=20, color=c, alpha=0.75, zorder=3)
+    for c, label, ax in zip(colours, labels, axes):
+        pts = sorted(series[label])
+        Ts, worst = _worst_line(pts)
+        ax.plot(Ts, worst, "-", color=c, lw=1.5, alpha=0.9, label=None if faceted else label)
+        ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=16 if faceted else 20, color=c, alpha=0.75, zorder=3)
         bad = [p for p in pts if p[2] in FAILING]
         if bad:
-            ax.scatter([p[0] for p in bad], [p[1] for p in bad], s=60, marker="x", color="red", linewidths=1.6,
-                       zorder=5, label="failing cell" if not any_bad else None)
+            ax.scatter([p[0] for p in bad], [p[1] for p in bad], s=55, marker="x", color="red", linewidths=1.5,
+                       zorder=5, label="failing cell" if not any_bad and not faceted else None)
             any_bad = True
-    dashes = [(5, 2), (2, 2), (7, 2, 1, 2), (1, 1)]
-    for j, (label, pts) in enumerate(sorted(base.items())):
-        pts = sorted(set(pts))
-        Ts = sorted({p[0] for p in pts})
-        worst = [max(e for t, e in pts if t == T) for T in Ts]
-        ax.plot(Ts, worst, color="black", lw=1.1, dashes=dashes[j % len(dashes)], label=label, zorder=4)
-    _t_axis(ax, [p[0] for pts in series.values() for p in pts])
-    ax.set_yscale("log")
-    ax.set_xlabel("T (tokens per forward; varlen: all sequences)")
-    ax.set_ylabel("rel-L2 of o vs the float64 oracle (worse of all / tail)")
-    ax.set_title("Output error vs sequence length: a line through the worst cell per T, per route")
-    ax.grid(True, which="both", alpha=0.25)
-    _legend_below(fig, ax, len(ax.get_legend_handles_labels()[1]), ncol=3)
+        if label in base and faceted:
+            bT, bw = _worst_line(sorted(set(base[label])))
+            ax.plot(bT, bw, color="black", lw=1.0, dashes=(5, 2), zorder=4)
+        if faceted:
+            ax.set_title(label if len(label) <= 44 else label[:43] + "…", fontsize=8)
+            ax.grid(True, which="both", alpha=0.25)
+            _t_axis(ax, allT)
+    ax0 = axes[0]
+    ax0.set_yscale("log")
+    if faceted:
+        fig.supxlabel("T (tokens per forward; varlen: all sequences)", fontsize=10)
+        fig.supylabel("rel-L2 of o vs the float64 oracle", fontsize=10)
+        extra = f"; {dropped} more routes in the heatmap" if dropped else ""
+        fig.suptitle("Output error vs sequence length, one panel per route: worst cell per T (line), every cell "
+                     f"(dots), failing (red x), the route's baseline (dashed){extra}", fontsize=10)
+    else:
+        by_recipe: dict[str, list] = {}
+        for label in labels:
+            by_recipe.setdefault(recipes.get(label) or "?", []).extend(base.get(label, []))
+        dashes = [(5, 2), (2, 2), (7, 2, 1, 2), (1, 1)]
+        for j, (recipe, pts) in enumerate(sorted(by_recipe.items())):
+            if pts:
+                bT, bw = _worst_line(sorted(set(pts)))
+                ax0.plot(bT, bw, color="black", lw=1.0, dashes=dashes[j % len(dashes)], zorder=4,
+                         label=f"baseline: {recipe} recipe")
+        _t_axis(ax0, allT)
+        ax0.set_xlabel("T (tokens per forward; varlen: all sequences)")
+        ax0.set_ylabel("rel-L2 of o vs the float64 oracle (worse of all / tail)")
+        ax0.set_title("Output error vs sequence length: a line through the worst cell per T, per route")
+        ax0.grid(True, which="both", alpha=0.25)
+        _legend_below(fig, ax0, len(ax0.get_legend_handles_labels()[1]), ncol=3)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -245,7 +302,7 @@ def plot_worst_chunks(records: list[dict], path: Path, n: int = 6) -> Optional[P
     return path
 
 
-def _short_case(case_id: str, width: int = 28) -> str:
+def _short_case(case_id: str, width: int = 36) -> str:
     return case_id if len(case_id) <= width else case_id[: width - 1] + "…"
 
 
