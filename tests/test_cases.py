@@ -113,3 +113,13 @@ def test_case_is_the_documented_dataclass():
     assert p.T == 17 and math.isclose(p.lower_bound, -5.0)
     with pytest.raises(UsageError, match="--case: no case named 'nope'"):
         get_case("smoke/nope")
+
+
+def test_moving_a_problem_keeps_strided_views_strided():
+    from verification.cases import _to_device_keep_views
+    p = get_case("stress/fused-projection-bands-lb-1").build()
+    m = _to_device_keep_views(p, "cpu")
+    for name in ("q", "k", "v", "g"):
+        a, b = getattr(p, name), getattr(m, name)
+        assert torch.equal(a, b) and a.stride() == b.stride()
+    assert m.q.untyped_storage().data_ptr() == m.g.untyped_storage().data_ptr()
