@@ -310,7 +310,7 @@ def _chunk_work(q, k, v, a, beta, valid, lens, scale, recipe: Recipe, problem: P
             fd = recipe.factor_dtype
             ebf = rnd(torch.exp2(G), fd)
             out["kd"] = torch.where(vm, rnd(k * ebf, tile), zero)
-            out["qd"] = torch.where(vm, rnd(rnd(q * ebf, tile) * rnd(torch.tensor(scale, dtype=F64), fd), tile), zero)
+            out["qd"] = torch.where(vm, rnd(rnd(q * ebf, tile) * rnd(torch.tensor(scale, dtype=F64, device=q.device), fd), tile), zero)
             ki = rnd(k * rnd(torch.exp2(-G), fd), tile)
             out["kr"] = torch.where(vm, rnd(ki * rnd(gt, fd), tile), zero)
         else:
