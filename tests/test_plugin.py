@@ -120,3 +120,11 @@ def test_each_xdist_worker_gets_its_own_gpu(monkeypatch):
     assert pick_device(Config()) == "cuda" and pick_device(Config("gw2", device="cuda:0")) == "cuda:0"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert pick_device(Config("gw1")) == "cpu"
+
+
+def test_without_the_plugin_the_matrix_module_says_how_to_register_it(matrix):
+    rc, out = matrix("-m", "verify", "-p", "no:kda_verify")
+    assert rc == 1, out
+    assert "test_kda_verify_plugin_is_registered" in out and "1 failed" in out
+    rc, out = matrix("-m", "verify", "--kda-backend", "emulator", "--kda-case", "smoke/dense-*", "--collect-only")
+    assert "test_kda_verify_plugin_is_registered" not in out and "3 tests collected" in out
