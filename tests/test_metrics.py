@@ -88,3 +88,14 @@ def test_compare_reports_missing_tensors_and_shape_errors(varlen):
     assert m["final_state"]["missing"] and math.isnan(m["final_state"]["rel_l2"])
     with pytest.raises(ValueError, match=r"final_state: expected shape \[2, 1, 128, 128\]"):
         compare({"o": ref["o"], "final_state": torch.zeros(2, 1, 128, 64)}, ref, p)
+
+
+def test_flushing_negligible_values_is_not_mistrusted(varlen):
+    # a kernel may flush values far below its precision (fp16 underflow of a decayed inverse)
+    p = varlen
+    ref = torch.randn(p.B, p.T, p.HV, p.V, dtype=F64)
+    ref[0, : p.T // 2] *= 1e-30
+    x = ref.clone()
+    x[0, : p.T // 2] = 0
+    m = tensor_metrics(x, ref, problem=p)
+    assert m["zero_frac"] > ZERO_TRUST and m["spurious_zero_frac"] == 0 and not m["mistrusted"]

@@ -122,7 +122,7 @@ def _judge_tensor(name, met, base, tol) -> tuple[str, str, dict]:
         return "fail", f"{name}: {met['untouched_changed']} values changed in slots the problem does not write", rec
     if met["mistrusted"]:
         return "mistrusted", (f"{name}: {100 * met['zero_frac']:.3g}% exact zeros on non-degenerate input "
-                              f"(the reference has {100 * met['ref_zero_frac']:.3g}%)"), rec
+                              f"({100 * met['spurious_zero_frac']:.3g}% where the reference is not negligible)"), rec
     if rec["margin"] > 1:
         capped = rec["threshold"] == tol.cap
         rule = f"cap {_fmt(tol.cap)}" if capped else f"{_fmt(tol.m)}*{_fmt(rec['baseline_err'])}+{_fmt(tol.floor)}"
