@@ -1,8 +1,6 @@
 """kda-verify calibrate: proposals from measurements, a diff, a valid proposal file, no rewrite."""
 import hashlib
 
-import pytest
-
 from verification.cli import main
 from verification.commands.calibrate import ceil2
 from verification.tolerances import parse_tolerances

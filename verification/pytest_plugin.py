@@ -27,7 +27,6 @@ matrix yields no items at all: no backend is loaded and no truth computed.
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest

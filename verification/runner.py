@@ -243,25 +243,40 @@ class LoadedBackend:
     available: bool
     reason: str
     version: str
+    from_spec: bool = True          # loadable again from spec (what an isolated child needs)
 
     @property
     def name(self) -> str:
         return str(getattr(self.backend, "name", self.spec))
 
 
-def load(spec: str) -> LoadedBackend:
-    """Load a backend by built-in name or package.module:factory and ask where it stands."""
-    from kda_kernels.base import load_backend
-    b = load_backend(spec)
+def probe(backend, spec: str, from_spec: bool) -> LoadedBackend:
+    """Ask a Backend object where it stands (available, reason, version); never raises."""
     try:
-        ok, why = b.available()
+        ok, why = backend.available()
     except Exception as e:  # noqa: BLE001 - an availability probe that raises means "not here"
         ok, why = False, f"available() raised {type(e).__name__}: {e}"
     try:
-        ver = str(b.version()) if hasattr(b, "version") else "unknown"
+        ver = str(backend.version()) if hasattr(backend, "version") else "unknown"
     except Exception as e:  # noqa: BLE001
         ver = f"unknown ({type(e).__name__})"
-    return LoadedBackend(spec=spec, backend=b, available=bool(ok), reason=str(why or ""), version=ver)
+    return LoadedBackend(spec=spec, backend=backend, available=bool(ok), reason=str(why or ""), version=ver,
+                         from_spec=from_spec)
+
+
+def load(spec: str) -> LoadedBackend:
+    """Load a backend by built-in name or package.module:factory and ask where it stands."""
+    from kda_kernels.base import load_backend
+    return probe(load_backend(spec), spec, from_spec=True)
+
+
+def as_loaded(backend) -> LoadedBackend:
+    """A LoadedBackend from a spec string, a Backend object or a LoadedBackend."""
+    if isinstance(backend, LoadedBackend):
+        return backend
+    if isinstance(backend, str):
+        return load(backend)
+    return probe(backend, str(getattr(backend, "name", type(backend).__name__)), from_spec=False)
 
 
 def resolve_routes(lb: LoadedBackend, wanted: Optional[list[str]] = None, strict: bool = True) -> list:
@@ -371,9 +386,16 @@ def _base_record(lb: LoadedBackend, route, case, device) -> dict:
 
 
 def _error_reason(e: BaseException, where: str) -> tuple[str, str]:
+    """(one-line reason naming where and what was raised, the traceback's tail)."""
     msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
     tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
     return f"{where} raised {type(e).__name__}: {msg}"[:500], tb[-STDERR_TAIL_CHARS:]
+
+
+def _errored(rec: dict, e: BaseException, where: str) -> dict:
+    rec["status"] = "error"
+    rec["reason"], rec["traceback"] = _error_reason(e, where)
+    return rec
 
 
 def worst_margin(tensors: dict) -> Optional[float]:
@@ -392,16 +414,7 @@ def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: Base
     sake (a kernel exception is status "error" with the traceback's tail).
 
     backend: a LoadedBackend (or a spec string / Backend object, loaded here)."""
-    if not isinstance(backend, LoadedBackend):
-        backend = load(backend) if isinstance(backend, str) else LoadedBackend(
-            spec=getattr(backend, "name", "?"), backend=backend, available=True, reason="",
-            version=str(getattr(backend, "version", lambda: "unknown")()))
-        if not isinstance(backend.backend, str):
-            try:
-                ok, why = backend.backend.available()
-                backend.available, backend.reason = bool(ok), str(why or "")
-            except Exception as e:  # noqa: BLE001
-                backend.available, backend.reason = False, f"available() raised {type(e).__name__}: {e}"
+    backend = as_loaded(backend)
     device = device or truth_cache.device
     rec = _base_record(backend, route, case, device)
     timings = rec["timings"]
@@ -412,9 +425,7 @@ def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: Base
     try:
         problem = truth_cache.problem(case)
     except Exception as e:  # noqa: BLE001 - a case that cannot build is the harness's error, recorded
-        rec["status"], rec["reason"] = "error", _error_reason(e, f"case {case.id} build")[0]
-        rec["traceback"] = _error_reason(e, "")[1]
-        return rec
+        return _errored(rec, e, f"case {case.id} build")
     rec["shape"] = _shape(problem)
     rec["shape_key"] = list(getattr(case, "shape_key", (problem.B, problem.T, problem.H)))
     rec["dtype"] = _tol_dtype(problem)
@@ -435,9 +446,7 @@ def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: Base
         timings.update(baseline_s=base_s, baseline_cached=not fresh_b)
         rec["baseline"] = _summ(baseline)
     except Exception as e:  # noqa: BLE001
-        rec["status"], rec["reason"] = "error", _error_reason(e, "oracle/baseline")[0]
-        rec["traceback"] = _error_reason(e, "")[1]
-        return rec
+        return _errored(rec, e, "oracle/baseline")
     # the kernel
     try:
         run_problem = _fresh_state(problem)
@@ -447,9 +456,7 @@ def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: Base
         _sync(device)
         timings["kernel_s"] = time.perf_counter() - t0
     except Exception as e:  # noqa: BLE001 - the kernel failing is a result, not a harness crash
-        rec["status"], rec["reason"] = "error", _error_reason(e, f"{backend.name} {route.name} run")[0]
-        rec["traceback"] = _error_reason(e, "")[1]
-        return rec
+        return _errored(rec, e, f"{backend.name} {route.name} run")
     rec["info"] = jsonable(getattr(outputs, "info", {}) or {})
     # metrics and verdict
     try:
@@ -460,9 +467,7 @@ def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: Base
         metrics = getattr(verdict, "metrics", None) or compare(outputs.tensors(), truth.tensors(), problem)
         timings["metrics_s"] = time.perf_counter() - t0
     except Exception as e:  # noqa: BLE001
-        rec["status"], rec["reason"] = "error", _error_reason(e, "judging")[0]
-        rec["traceback"] = _error_reason(e, "")[1]
-        return rec
+        return _errored(rec, e, "judging")
     rec["status"] = str(verdict.status)
     rec["reason"] = str(getattr(verdict, "reason", "") or "")
     rec["tensors"] = jsonable(getattr(verdict, "tensors", {}) or {})
@@ -531,8 +536,7 @@ class IsolatedRunner:
             recipe = getattr(route, "recipe", None) or "flashkda"
             baseline, base_s, _ = self.baseline_cache.get(case, recipe, problem, truth)
         except Exception as e:  # noqa: BLE001
-            rec0["status"], rec0["reason"] = "error", _error_reason(e, "oracle/baseline")[0]
-            return rec0
+            return _errored(rec0, e, "oracle/baseline")
         tmp = Path(self._tmp.name)
         spec_path = tmp / "cell.pt"
         out_path = tmp / "record.json"
@@ -711,7 +715,12 @@ def run_matrix(backends: Iterable, cases: list, out_dir=None, *, routes: Optiona
     from verification.cli import UsageError
 
     device = device or default_device()
-    loaded = [b if isinstance(b, LoadedBackend) else load(b) for b in backends]
+    loaded = [as_loaded(b) for b in backends]
+    if isolate:
+        bad = [lb.name for lb in loaded if not lb.from_spec]
+        if bad:
+            raise UsageError(f"--isolate: expected backends given by name or package.module:factory (a child "
+                             f"process loads them again), got Backend objects {', '.join(bad)}")
     cells = plan(loaded, routes, cases)
     if db is None:
         from verification.tolerances import load_tolerances

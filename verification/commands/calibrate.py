@@ -17,7 +17,6 @@ reason: the diff marks it, and the proposed entry carries a ``note`` to fill in.
 """
 from __future__ import annotations
 
-import datetime as _dt
 import difflib
 import io
 import math
