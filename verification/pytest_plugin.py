@@ -122,9 +122,10 @@ class _State:
     """What every cell of one process shares: backends, truth and baseline caches, tolerances."""
 
     def __init__(self, config):
-        from verification.runner import BaselineCache, TruthCache
+        from verification.runner import BaselineCache, TruthCache, use_device
         self.config = config
         self.device = pick_device(config)
+        use_device(self.device)
         self.truth_cache = TruthCache(device=self.device, keep=2)
         self.baseline_cache = BaselineCache()
         self._db = None

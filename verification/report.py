@@ -453,9 +453,10 @@ def render_markdown(summary: dict, records: list[dict], prov: dict, plots: dict,
         for r in failing:
             L.append(f"- **{r['status']}** `{r['backend']} {r['route']} {r['case']}` — {_md_escape(r.get('reason', ''))}")
             L.append(f"  - repro: `{_repro(r, out_dir)}`")
-            if r.get("stderr_tail"):
-                tail = "\n".join(r["stderr_tail"].strip().splitlines()[-8:])
-                L += ["  - stderr tail:", "", "```", tail, "```", ""]
+            if r.get("stderr_tail") or r.get("traceback"):
+                what = "stderr tail" if r.get("stderr_tail") else "traceback tail"
+                tail = "\n".join((r.get("stderr_tail") or r.get("traceback")).strip().splitlines()[-8:])
+                L += [f"  - {what}:", "", "```", tail, "```", ""]
     if plots:
         L += ["", "## Plots", ""]
         for name, p in plots.items():
@@ -521,8 +522,9 @@ def render_html(summary: dict, records: list[dict], prov: dict, plots: dict, out
         for r in failing:
             H.append(f"<li>{badge(r['status'])} <code>{e(r['backend'])} {e(r['route'])} {e(r['case'])}</code>: "
                      f"{e(r.get('reason', ''))}<br>repro: <code>{e(_repro(r, out_dir))}</code>")
-            if r.get("stderr_tail"):
-                H.append("<pre>" + e("\n".join(r["stderr_tail"].strip().splitlines()[-12:])) + "</pre>")
+            tail = r.get("stderr_tail") or r.get("traceback")
+            if tail:
+                H.append("<pre>" + e("\n".join(tail.strip().splitlines()[-12:])) + "</pre>")
             H.append("</li>")
         H.append("</ul>")
     if plots:

@@ -584,6 +584,7 @@ def _child_main(spec_path: str, out_path: str) -> int:
     """The isolated cell: load what the parent prepared, run, judge, write the record."""
     spec = torch.load(spec_path, weights_only=False)
     device = spec["device"]
+    use_device(device)
     data = torch.load(spec["case_file"], weights_only=False, map_location=device)
     from kda_ref.truth import Truth
     from verification.tolerances import load_tolerances
@@ -701,6 +702,14 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def use_device(device: str) -> None:
+    """Make a CUDA device the current one (kernels that launch on the current device, as
+    Triton's do, then run where the problem's tensors are)."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is not None and torch.cuda.is_available():
+        torch.cuda.set_device(dev.index)
+
+
 def run_matrix(backends: Iterable, cases: list, out_dir=None, *, routes: Optional[list[str]] = None,
                resume: bool = False, isolate: bool = False, device: Optional[str] = None,
                max_cells: Optional[int] = None, db=None, tolerances_path: Optional[str] = None,
@@ -715,6 +724,7 @@ def run_matrix(backends: Iterable, cases: list, out_dir=None, *, routes: Optiona
     from verification.cli import UsageError
 
     device = device or default_device()
+    use_device(device)
     loaded = [as_loaded(b) for b in backends]
     if isolate:
         bad = [lb.name for lb in loaded if not lb.from_spec]
