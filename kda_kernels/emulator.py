@@ -21,7 +21,9 @@ Recipes (research/flashkda.md §3, §11; research/fla_kda.md §7):
               block merge) and stored fp16; Mqk fp16; fp32 state; per chunk
                   Sb = bf16(S); tmp = kd.Sb; u = beta(v - tmp); U = INV.fp16(u)
                   o = qd.Sb + Mqk.fp16(U);  S <- S*gt + kr^T.bf16(U)
-    fla       C=64, 16-row anchored factors (tf32), diagonal blocks by exact substitution,
+    fla       C=64, 16-row anchored factors (tf32; the safe_gate anchors of fla 0.5.2: middle
+              row of a diagonal block, first row of the later block off the diagonal),
+              diagonal blocks by exact substitution,
               block merges with tf32 operands; q, k (after l2norm), Akk, Aqk, w, u, kg, v_new
               stored in the input dtype; fp32 state; per chunk
                   v_new = in(u - w.in(S)); o = scale qg.in(S) + Aqk.v_new; S <- S*gt + kg^T.v_new
