@@ -166,6 +166,7 @@ def test_workspace_taps_and_segment_tensors_returned_when_asked():
     assert {"ws_kd", "ws_inv", "A_seg", "b_seg", "h_in"} <= set(out.taps)
     assert out.info["route_ran"] == "seg:cps=1:A=fused:B=prefetch:BW=32" and out.info["segments"] == 2
     assert run(p, "unseg").taps == {}
+    assert "ws_inv" in TritonBackend(taps=True).run(p, BACKEND.route("unseg")).taps
 
 
 # ----------------------------------------------------------------------------------- passes

@@ -43,7 +43,12 @@ def copy_with_padding(t: torch.Tensor) -> torch.Tensor:
 
 
 class TritonBackend:
+    """``TritonBackend(taps=True)`` returns the workspace (ws_*) and, when segmented, A_seg,
+    b_seg and h_in as ``Outputs.taps`` on every run; ``run(..., taps=True)`` asks for one run."""
     name = "triton"
+
+    def __init__(self, taps: bool = False):
+        self.taps = bool(taps)
 
     def available(self) -> tuple[bool, str]:
         try:
@@ -125,8 +130,9 @@ class TritonBackend:
                     scale=p.scale_value, lower_bound=float(p.lower_bound))
 
     # ------------------------------------------------------------------------------ run
-    def run(self, problem: Problem, route, taps: bool = False) -> Outputs:
+    def run(self, problem: Problem, route, taps: Optional[bool] = None) -> Outputs:
         p = problem
+        taps = self.taps if taps is None else bool(taps)
         dev = self._device(p)
         spec = self._spec(p, route)
         kw = self._kernel_inputs(p, dev)
