@@ -308,7 +308,7 @@ def _short_case(case_id: str, width: int = 36) -> str:
 
 def plot_margin_heatmap(records: list[dict], path: Path) -> Optional[Path]:
     """route x case grid; colour = log10(margin) (green: headroom, red: over the tolerance);
-    grey: skipped; black with a cross: crashed or error; a dot: NaN margin."""
+    grey: skipped; black with a cross: crashed or error; purple: a NaN / infinite margin."""
     rows = sorted({route_label(r) for r in records})
     cols = list(dict.fromkeys(r.get("case") for r in records))
     if not rows or not cols:
@@ -326,12 +326,12 @@ def plot_margin_heatmap(records: list[dict], path: Path) -> Optional[Path]:
         m = as_float(r.get("margin"))
         if st in ("skipped", "crashed", "error") or r.get("margin") is None:
             kind[(i, j)] = st
-        elif math.isnan(m) or m <= 0 or math.isinf(m):
-            kind[(i, j)] = "nan" if not (m == 0) else st
-            if m == 0:
-                grid[i, j] = -6.0
-            elif math.isinf(m):
-                grid[i, j] = 3.0
+        elif math.isnan(m):
+            kind[(i, j)] = "nan"
+        elif math.isinf(m):
+            kind[(i, j)] = "inf"          # the judged error itself is NaN / Inf, or nothing could pass
+        elif m <= 0:
+            grid[i, j] = -6.0             # exact: no error at all
         else:
             grid[i, j] = math.log10(m)
         if st in ("fail", "mistrusted"):
@@ -350,9 +350,9 @@ def plot_margin_heatmap(records: list[dict], path: Path) -> Optional[Path]:
         if k in ("crashed", "error"):
             ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, color="black"))
             ax.text(j, i, "✕" if k == "crashed" else "E", ha="center", va="center", color="white", fontsize=8)
-        elif k == "nan":
+        elif k in ("nan", "inf"):
             ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, color="#6a1b9a"))
-            ax.text(j, i, "NaN", ha="center", va="center", color="white", fontsize=6)
+            ax.text(j, i, "NaN" if k == "nan" else "∞", ha="center", va="center", color="white", fontsize=7)
     for i, j in failing:
         ax.add_patch(plt.Rectangle((j - 0.46, i - 0.46), 0.92, 0.92, fill=False, edgecolor="#b71c1c", lw=2.2))
     if len(cols) <= 40 and len(rows) <= 30:
@@ -369,7 +369,8 @@ def plot_margin_heatmap(records: list[dict], path: Path) -> Optional[Path]:
     ax.set_yticklabels(rows, fontsize=8)
     cb = fig.colorbar(im, ax=ax, fraction=0.03, pad=0.02)
     cb.set_label("log10(margin) = log10(err / threshold); > 0 fails", fontsize=8)
-    ax.set_title("Margin per route and case (red frame: fail / mistrusted; grey: skipped; black: crashed ✕ / error E)",
+    ax.set_title("Margin per route and case (red frame: fail / mistrusted; purple: NaN or Inf error; grey: skipped; "
+                 "black: crashed ✕ / error E)",
                  fontsize=9)
     fig.tight_layout()
     fig.savefig(path)
