@@ -277,6 +277,8 @@ class VerifyItem(pytest.Item):
             append_record(path, rec)
         if rec["status"] == "skipped":
             pytest.skip(rec["reason"])
+        if rec["status"] == "known-fail":
+            pytest.xfail(rec["reason"])
         if rec["status"] != "pass":
             raise VerifyFailure(rec)
 

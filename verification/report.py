@@ -26,7 +26,7 @@ from .runner import FAILING, RESULTS_FILE, RUN_FILE, STATUSES, as_float, jsonabl
 
 PLOTS = ("error_vs_T", "worst_chunks", "margin_heatmap")
 STATUS_COLOURS = {"pass": "#2e7d32", "fail": "#c62828", "mistrusted": "#ef6c00", "crashed": "#6a1b9a",
-                  "error": "#4e342e", "skipped": "#757575"}
+                  "error": "#4e342e", "skipped": "#757575", "known-fail": "#f9a825"}
 
 
 # ----------------------------------------------------------------------------------------
@@ -443,11 +443,16 @@ def render_markdown(summary: dict, records: list[dict], prov: dict, plots: dict,
     c = summary["counts"]
     verdict = "ALL PASS" if summary["ok"] else f"{summary['failing']} FAILING"
     L.append(f"**{verdict}** — {summary['cells']} cells: " + ", ".join(f"{v} {k}" for k, v in c.items() if v))
-    L += ["", "## Routes", "", "| route | pass | fail | mistrusted | crashed | error | skipped | worst margin |",
-          "|---|---|---|---|---|---|---|---|"]
+    L += ["", "## Routes", "", "| route | " + " | ".join(STATUSES) + " | worst margin |",
+          "|---" * (len(STATUSES) + 2) + "|"]
     for route, pr in sorted(summary["per_route"].items()):
-        L.append(f"| {_md_escape(route)} | {pr['pass']} | {pr['fail']} | {pr['mistrusted']} | {pr['crashed']} | "
-                 f"{pr['error']} | {pr['skipped']} | {_g(pr['worst_margin'])} |")
+        L.append(f"| {_md_escape(route)} | " + " | ".join(str(pr[s]) for s in STATUSES)
+                 + f" | {_g(pr['worst_margin'])} |")
+    known = [r for r in records if r.get("status") == "known-fail"]
+    if known:
+        L += ["", "## Known failures (listed in tolerances.yaml with their reason; they do not fail the run)", ""]
+        for r in known:
+            L.append(f"- `{r['backend']} {r['route']} {r['case']}` — {_md_escape(r.get('reason', ''))}")
     failing = [r for r in records if r.get("status") in FAILING]
     if failing:
         L += ["", "## Failing cells", ""]

@@ -39,7 +39,7 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-STATUSES = ("pass", "fail", "mistrusted", "crashed", "skipped", "error")
+STATUSES = ("pass", "fail", "mistrusted", "crashed", "skipped", "error", "known-fail")
 FAILING = ("fail", "mistrusted", "crashed", "error")
 RESULTS_FILE = "results.jsonl"
 RUN_FILE = "run.json"
@@ -473,6 +473,25 @@ def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: Base
     rec["tensors"] = jsonable(getattr(verdict, "tensors", {}) or {})
     rec["metrics"] = jsonable(metrics)
     rec["margin"] = jsonable(worst_margin(rec["tensors"]))
+    apply_known_failure(rec, db)
+    return rec
+
+
+def apply_known_failure(rec: dict, db) -> dict:
+    """Mark a failing cell that tolerances.yaml lists as a known failure ``known-fail`` (with the
+    entry's reason); note on a passing one that the entry may be stale."""
+    finder = getattr(db, "known_failure", None)
+    kf = finder(rec["backend"], rec["route"], rec["case"]) if finder else None
+    if kf is None:
+        return rec
+    where = f"tolerances.yaml line {kf.line}" if kf.line else "tolerances.yaml"
+    if rec["status"] in ("fail", "mistrusted"):
+        rec["known_failure"] = {"reason": kf.reason, "evidence": kf.evidence, "line": kf.line,
+                                "status": rec["status"]}
+        rec["status"] = "known-fail"
+        rec["reason"] = f"known failure ({where}: {kf.reason}): {rec['reason']}"
+    elif rec["status"] == "pass":
+        rec["reason"] = f"{rec['reason']} [passes although listed as a known failure at {where}: remove the entry?]"
     return rec
 
 

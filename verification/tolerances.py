@@ -14,6 +14,17 @@ Schema (version 1)::
         reason: one line: why these numbers
         calibrated_on: where and on what they were measured
         note: optional; required in review when an entry is loosened
+    known_failures:              # optional: failures the project knows and explains
+      - backend: emulator        # glob
+        route: moonshot          # glob
+        case: "*/correlated-*"   # glob over case ids
+        reason: one line: why it fails (a property of the algorithm, a library bug, ...)
+        evidence: what was measured, where
+
+A failing or mistrusted cell that matches a known failure is reported as ``known-fail``
+(it does not fail the run, and the report lists it with its reason); a matching cell that
+passes is reported as a pass with a note that the entry may be stale.  Only a failure the
+project can explain belongs here: it is a record, not a way to go green.
 
 Rule (verification.verdict): err <= m * baseline_err + floor and err <= cap.  An unknown key
 or field, a missing field, a wrong type, or two entries with the same key is an error that
@@ -31,7 +42,8 @@ from typing import Optional
 
 from verification.cli import UsageError
 
-TOP_KEYS = ("schema", "entries")
+TOP_KEYS = ("schema", "entries", "known_failures")
+KNOWN_FIELDS = ("backend", "route", "case", "reason", "evidence")
 KEY_FIELDS = ("backend", "route", "dtype", "tensor")
 NUM_FIELDS = ("m", "floor", "cap")
 TEXT_FIELDS = ("reason", "calibrated_on")
@@ -66,10 +78,32 @@ def _is_glob(p: str) -> bool:
     return any(ch in p for ch in "*?[")
 
 
+@dataclass(frozen=True)
+class KnownFailure:
+    backend: str
+    route: str
+    case: str
+    reason: str
+    evidence: str
+    line: int = 0
+
+    def matches(self, backend: str, route: str, case_id: str) -> bool:
+        return (fnmatch.fnmatchcase(backend, self.backend) and fnmatch.fnmatchcase(route, self.route)
+                and fnmatch.fnmatchcase(case_id, self.case))
+
+
 class ToleranceDB:
-    def __init__(self, entries: list, path: str = "<memory>"):
+    def __init__(self, entries: list, path: str = "<memory>", known_failures: Optional[list] = None):
         self.entries = list(entries)     # [(patterns tuple, Tolerance)]
         self.path = path
+        self.known_failures = list(known_failures or [])
+
+    def known_failure(self, backend: str, route: str, case_id: str) -> Optional[KnownFailure]:
+        """The first known-failure entry matching this cell, or None."""
+        for kf in self.known_failures:
+            if kf.matches(str(backend), str(route), str(case_id)):
+                return kf
+        return None
 
     def __len__(self):
         return len(self.entries)
@@ -158,7 +192,29 @@ def parse_tolerances(text: str, path: str = "<string>") -> ToleranceDB:
                         reason=fields["reason"][0].strip(), calibrated_on=fields["calibrated_on"][0].strip(),
                         key="/".join(pats), line=line, note=fields.get("note", ("", 0))[0])
         entries.append((pats, tol))
-    return ToleranceDB(entries, path)
+    known = []
+    if "known_failures" in top:
+        node_list = top["known_failures"][1]
+        if not isinstance(node_list, yaml.SequenceNode):
+            raise _err(path, top["known_failures"][0].start_mark.line + 1, "known_failures: expected a list")
+        for node in node_list.value:
+            line = node.start_mark.line + 1
+            if not isinstance(node, yaml.MappingNode):
+                raise _err(path, line, "known failure: expected a mapping of fields")
+            fields = {}
+            for k, v in node.value:
+                if k.value not in KNOWN_FIELDS:
+                    raise _err(path, k.start_mark.line + 1,
+                               f"unknown field {k.value!r}: expected one of {', '.join(KNOWN_FIELDS)}")
+                val = yaml.safe_load(yaml.serialize(v))
+                if not isinstance(val, str) or not val.strip():
+                    raise _err(path, k.start_mark.line + 1, f"{k.value}: expected a non-empty string, got {val!r}")
+                fields[k.value] = val.strip()
+            missing = [f for f in KNOWN_FIELDS if f not in fields]
+            if missing:
+                raise _err(path, line, f"known failure: missing field {missing[0]!r}")
+            known.append(KnownFailure(line=line, **fields))
+    return ToleranceDB(entries, path, known)
 
 
 def load_tolerances(path: Optional[str] = None) -> ToleranceDB:
