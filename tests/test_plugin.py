@@ -33,7 +33,7 @@ def tol(tmp_path_factory):
 @pytest.fixture
 def matrix(pytester):
     """An in-process pytest (no interpreter start-up) over a copy of the matrix module."""
-    pytester.makepyfile(test_verify_matrix=(ROOT / MATRIX).read_text())
+    pytester.makepyfile(test_matrix_copy=(ROOT / MATRIX).read_text())  # a basename of its own: the real module may be imported already
 
     def run(*args):
         res = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-q", "-rfs", *args)
@@ -50,7 +50,7 @@ def test_ids_skips_failures_junit_properties_and_report(tmp_path, tol, matrix):
     assert "1 failed, 1 passed, 1 skipped" in out
     assert "backend unavailable: this test backend is never available" in out
     # the failing cell: its numbers, the rule it broke and its repro line
-    assert f"FAILED test_verify_matrix.py::verify[test-nan-r1-{DENSE}]" in out
+    assert f"FAILED test_matrix_copy.py::verify[test-nan-r1-{DENSE}]" in out
     assert "NaN never passes" in out and "repro: kda-verify run --backend kda_test_backends:nan" in out
     cases = {c.get("name"): c for c in ET.parse(xml).getroot().iter("testcase")}
     assert set(cases) == {f"verify[emulator-flashkda-{DENSE}]", f"verify[test-unavailable-r1-{DENSE}]",
