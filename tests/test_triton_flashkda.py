@@ -15,21 +15,24 @@ fp16 u16 = 2^-11 = 4.9e-4):
 - segmented vs unsegmented: A_seg and the scan's operands are bf16 (aiter's bound):    <= 5e-3.
 Paged vs dense and strided vs packed views run the same arithmetic: bitwise equal.
 """
+import importlib
 import math
 import os
+import warnings
 
-os.environ["TRITON_INTERPRET"] = "1"
+import pytest
+import torch
 
-import importlib  # noqa: E402
-import warnings  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
+_saved_interpret = os.environ.get("TRITON_INTERPRET")
+os.environ["TRITON_INTERPRET"] = "1"            # the kernels are built as interpreted functions at import
 import kda_kernels.triton.kernels as _kernels  # noqa: E402
 
 if not type(_kernels.segment_kernel).__name__.startswith("Interpreted"):
     importlib.reload(_kernels)  # imported earlier without the interpreter: rebuild the kernels under it
+if _saved_interpret is None:                    # leave the environment of later test modules as it was
+    del os.environ["TRITON_INTERPRET"]
+else:
+    os.environ["TRITON_INTERPRET"] = _saved_interpret
 
 from kda_kernels.triton import FlashKDAError, RouteError, flashkda_forward, parse_route, route_names  # noqa: E402
 from kda_kernels.triton.backend import TritonBackend  # noqa: E402
@@ -72,6 +75,11 @@ def make(lens=None, B=1, T=64, H=2, lb=-1.0, state=None, seed=0, rho=0.0, beta_r
 
 
 BACKEND = TritonBackend()
+
+
+@pytest.fixture(autouse=True)
+def _interpreting(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")   # TritonBackend.available() reads it
 
 
 def run(p, route, **kw):

@@ -59,7 +59,8 @@ class Variant:
     def label(self) -> str:
         c = {k: v for k, v in self.constexprs.items() if k in self.kernel_constexpr_names}
         short = ",".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in sorted(c.items()))
-        return f"{self.kernel.__name__}[{short}]"
+        launch = ",".join(f"{k}={v}" for k, v in sorted(self.options.items()))
+        return f"{self.kernel.__name__}[{short}]({launch})"
 
     @property
     def kernel_constexpr_names(self) -> set:
@@ -313,8 +314,18 @@ class _no_kernarg_preload:
         return False
 
 
+class IsaError(ValueError):
+    """isa cannot run here; the message says why."""
+
+
 def isa_report(archs: list, route_names: list, states=("kv", "paged")) -> list:
     """KernelReports for every (arch, unique kernel variant of the routes)."""
+    from triton.runtime.jit import JITFunction
+
+    from . import kernels
+    if not isinstance(kernels.segment_kernel, JITFunction):
+        raise IsaError("TRITON_INTERPRET: expected it unset (the interpreter replaced the kernels, so there is "
+                       f"nothing to compile), got TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r}")
     bad = [a for a in archs if a not in TARGETS]
     if bad:
         raise ValueError(f"--arch: expected values in {','.join(TARGETS)}, got {bad[0]!r}")

@@ -47,7 +47,11 @@ def run(args) -> int:
             parse_route(r)
         except RouteError as e:
             raise UsageError(f"--routes: {e}") from None
-    reports = isa_report(archs, routes, tuple(states))
+    from kda_kernels.triton.isa import IsaError
+    try:
+        reports = isa_report(archs, routes, tuple(states))
+    except IsaError as e:
+        raise UsageError(str(e)) from None
     if args.json:
         json.dump([r.as_dict() for r in reports], sys.stdout, indent=1)
         print()
