@@ -202,6 +202,17 @@ def test_each_pass_on_oracle_inputs():
         BACKEND.run_pass(p, "unseg", "A", feed)
 
 
+def test_per_pass_debugger_finds_no_divergence():
+    from verification.debug import debug_passes
+    p = make(lens=[40, 70], H=1, lb=-0.3, state="kv", seed=14)
+    for route, passes in (("seg:cps=1", ["K1", "A", "B", "C"]), ("unseg", ["K1", "C"])):
+        r = BACKEND.route(route)
+        assert BACKEND.debug_plan(p, r)["passes"] == passes
+        reports = debug_passes(BACKEND, p, r)
+        assert [x.name for x in reports] == passes
+        assert all(x.ok for x in reports), [(x.name, [(t.name, t.rel_l2) for t in x.tensors]) for x in reports]
+
+
 # ----------------------------------------------------------------------------------- states and views
 def _paged_pair(seed=9):
     """A paged problem (NaN in every slot not read, padded slot stride) and its dense twin."""

@@ -159,10 +159,21 @@ class TritonBackend:
                              "chunks_per_seg": res.plan.cps, "device": str(dev)})
 
     # ------------------------------------------------------------------------------ passes
+    def debug_plan(self, problem: Problem, route) -> dict:
+        """What ``verification.debug`` needs: chunk size, the resolved chunks per segment (None:
+        unsegmented) and the passes this route runs."""
+        p = problem
+        spec = self._spec(p, route)
+        dev = self._device(p)
+        plan = fw.resolve_plan(spec, p.B, p.T, p.H, None if p.cu_seqlens is None else p.cu_seqlens.to(dev), dev)
+        return dict(form="flashkda", chunk_size=fw.C, chunks_per_seg=plan.cps,
+                    passes=["K1", "A", "B", "C"] if plan.segmented else ["K1", "C"])
+
     def run_pass(self, problem: Problem, route, pass_name: str, feed: Optional[dict] = None) -> dict:
         """One pass alone (see the module docstring); returns its outputs by the oracle's names."""
-        if pass_name not in PASSES:
+        if str(pass_name).upper() not in PASSES:
             raise ValueError(f"pass_name: expected one of {'|'.join(PASSES)}, got {pass_name!r}")
+        pass_name = str(pass_name).upper()
         p = problem
         feed = feed or {}
         dev = self._device(p)
