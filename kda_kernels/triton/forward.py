@@ -34,11 +34,13 @@ SEGMENT_DTYPES = {"A_seg": torch.bfloat16, "b_seg": torch.float32, "h_in": torch
 _RECORDER: Optional[list] = None     # when a list: launches are recorded there, not run (isa.py)
 
 
-def _launch(kernel, grid, *args, **kwargs):
+def _launch(kernel, grid, *args, no_tokens: bool = False, **kwargs):
     """Launch ``kernel[grid](*args, **kwargs)``, or record it when a recorder is installed.
-    Empty tensors (T = 0) are passed as a 1-element stand-in: their storage may be a null
-    pointer, which the launcher rejects, and the kernels never touch them."""
-    args = tuple(_non_null(a) for a in args)
+    With ``no_tokens`` (a forward without a single chunk) empty tensors are passed as a 1-element
+    stand-in: their storage may be a null pointer, which the launcher rejects, and the kernels
+    never touch them."""
+    if no_tokens:
+        args = tuple(_non_null(a) for a in args)
     if _RECORDER is not None:
         _RECORDER.append((kernel, grid, args, kwargs))
         return
@@ -169,7 +171,7 @@ def _step(grid, plan, ws, H, mode, v=None, o=None, h0: Optional[StateRef] = None
         hs.tensor, hs.indices if hs.paged else any_t, hs.has if hs.paged else any_t, *hs.strides,
         fs.tensor, fs.indices if fs.paged else any_t, *fs.strides,
         A_seg if A_seg is not None else any_t, b_seg if b_seg is not None else any_t,
-        H, plan.total_tiles,
+        H, plan.total_tiles, no_tokens=plan.total_tiles == 0,
         MODE=mode, H0=h0_mode, PAGED=hs.paged, STORE_FINAL=final is not None, FINAL_PAGED=fs.paged,
         C=C, K=D, V=D, BW=bw, num_warps=warps, num_stages=STEP_STAGES)
 
@@ -198,7 +200,8 @@ def run_pass_b(A_seg, b_seg, plan: Plan, H: int, h0: Optional[StateRef], prefetc
     _launch(kn.scan_kernel, (plan.N * H, D // bw),
         plan.seg_off, A_seg, b_seg, h_in,
         hs.tensor, hs.indices if hs.paged else b_seg, hs.has if hs.paged else b_seg, *hs.strides,
-        H, H0=kn.H0_NONE if h0 is None else kn.H0_SEQ, PAGED=hs.paged, PREFETCH=bool(prefetch),
+        H, no_tokens=plan.total_tiles == 0, H0=kn.H0_NONE if h0 is None else kn.H0_SEQ, PAGED=hs.paged,
+        PREFETCH=bool(prefetch),
         K=D, V=D, BW=bw, num_warps=warps)
     return h_in
 
