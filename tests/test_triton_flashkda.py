@@ -107,16 +107,24 @@ def test_workspace_matches_oracle_with_tails_1_31_32_33():
         assert rel(ws["ws_inv"][t], W.ws_inv[t]) <= U_BF16
 
 
-def test_strong_decay_upper_triangle_overflow_stays_masked():
-    """lb = -5.5 with saturated gates: 2^(G~) spans ~2^127 across the pivot, the upper-triangle
-    products overflow to inf and must be selected away, never multiplied by 0."""
-    p = make(T=32, H=1, lb=-5.5, seed=2)
-    p = p.replace(g=torch.full_like(p.g, 30.0), A_log=torch.zeros(1))
+def test_saturated_gate_at_lb_minus_5_5():
+    """lb = -5.5 with saturated gates (7.93 log2 units per token): the upper-triangle products
+    overflow to inf and must be selected away, never multiplied by 0; and a single pivot for the
+    whole chunk would put the first rows' factors at 2^(+-127), bf16 subnormals, and lose the
+    diagonal of Mqk, which here carries almost all of o (the state decays away in a token)."""
+    p = make(T=70, H=1, lb=-5.5, seed=2)
+    p = p.replace(g=(torch.randn(p.g.shape, generator=torch.Generator().manual_seed(2)) + 12).to(torch.bfloat16))
     ws = BACKEND.run_pass(p, "unseg", "K1")
     for name, t in ws.items():
         assert torch.isfinite(t.float()).all(), name
     W = workspace(p, C=32)
     assert rel(ws["ws_inv"], W.ws_inv) <= U_BF16
+    assert rel(ws["ws_mqk"], W.ws_mqk) <= 2 * U_BF16 + U_F16
+    tr = truth(p)
+    for route in ("unseg", "seg:cps=1"):
+        out = run(p, route)
+        assert rel(out.o, tr.o) <= TOL_OUT, route
+        assert rel(out.final_state, tr.final_state) <= TOL_OUT, route
 
 
 # ----------------------------------------------------------------------------------- routes

@@ -6,7 +6,8 @@ K1, one program per (tile, head), C = 32 rows x D = 128 channels, all in fp32:
     a      = lb * sigmoid(exp(A_log[h]) * (g + dt_bias[h]))        (0 on tail rows)
     G_i    = log2(e) * sum_{s<=i} a_s,   G_last = G_{Lc-1}
     ws_kd  = k^ 2^G,  ws_qd = scale q^ 2^G,  ws_kr = k^ 2^(G_last - G),  ws_gt = 2^G_last
-    pivot p = min(C/2, Lc-1), G~ = G - G_p:
+    pivots (C = 32, BC = 16): rows of 16-block b pivot on p_b = min(16b + 8, Lc-1) for the
+    diagonal blocks, on p = min(16, Lc-1) for the off-diagonal block; with G~ = G - G_p:
         kp = bf16(k^ 2^G~), qp = bf16(scale q^ 2^G~), ki = bf16(k^ 2^-G~)
     L   = -beta_i (kp ki^T)_ij  for i > j   (selected with tl.where: the upper triangle may be inf)
     Mqk = (qp ki^T)_ij           for i >= j
@@ -89,20 +90,36 @@ def k1_prepare_kernel(
     tl.store(gt_ptr + ws * D + cols, tl.exp2(G_last))
     tl.store(wsb_ptr + ws * C + rows, beta)
 
-    pivot = tl.minimum(C // 2, Lc - 1)
-    Gc = G - tl.sum(tl.where(ri == pivot, G, 0.0), 0)[None, :]
-    up = tl.exp2(Gc)
+    # Pivoted factors.  Diagonal 16-row blocks pivot on their middle row (b*16 + 8), so a factor
+    # spans at most 8 rows of decay (2^{+-63.5} at lb = -5.5); the off-diagonal block (rows >= 16,
+    # columns < 16) pivots on row 16, where a factor only reaches 2^{-127} in column 0, whose
+    # entries are below 2^{-127} themselves.  One pivot for the whole chunk (row 16) would put the
+    # factors of the first rows at 2^{+-127} (bf16 subnormals) and lose the diagonal of Mqk.
+    cj = tl.arange(0, C)[None, :]
+    same_block = (ri // BC) == (cj // BC)
+    p0 = tl.minimum(BC // 2, Lc - 1)
+    p1 = tl.minimum(BC + BC // 2, Lc - 1)
+    G_p0 = tl.sum(tl.where(ri == p0, G, 0.0), 0)[None, :]
+    G_p1 = tl.sum(tl.where(ri == p1, G, 0.0), 0)[None, :]
+    Gd = G - tl.where(ri < BC, G_p0, G_p1)
+    up = tl.exp2(Gd)
     kp = tl.where(m2, k * up, 0.0).to(tl.bfloat16)
     qp = tl.where(m2, (scale * q) * up, 0.0).to(tl.bfloat16)
-    ki = tl.where(m2, k * tl.exp2(-Gc), 0.0).to(tl.bfloat16)
-    kiT = tl.trans(ki)
-    cj = tl.arange(0, C)[None, :]
-    L = tl.where(ri > cj, -beta[:, None] * tl.dot(kp, kiT), 0.0)
-    mqk = tl.where(ri >= cj, tl.dot(qp, kiT), 0.0)
+    kiT = tl.trans(tl.where(m2, k * tl.exp2(-Gd), 0.0).to(tl.bfloat16))
+    kk_diag = tl.dot(kp, kiT)
+    qk_diag = tl.dot(qp, kiT)
+    Go = G - tl.sum(tl.where(ri == tl.minimum(BC, Lc - 1), G, 0.0), 0)[None, :]
+    up = tl.exp2(Go)
+    kp = tl.where(m2, k * up, 0.0).to(tl.bfloat16)
+    qp = tl.where(m2, (scale * q) * up, 0.0).to(tl.bfloat16)
+    kiT = tl.trans(tl.where(m2, k * tl.exp2(-Go), 0.0).to(tl.bfloat16))
+    kk = tl.where(same_block, kk_diag, tl.dot(kp, kiT))
+    qk = tl.where(same_block, qk_diag, tl.dot(qp, kiT))
+    L = tl.where(ri > cj, -beta[:, None] * kk, 0.0)
+    mqk = tl.where(ri >= cj, qk, 0.0)
     sq_off = ws * (C * C) + ri * C + cj
     tl.store(mqk_ptr + sq_off, mqk.to(tl.float16))
 
-    same_block = (ri // BC) == (cj // BC)
     Dm = tl.where(same_block, L, 0.0)
     inv = tl.where(ri == cj, 1.0, 0.0) + Dm
     P = tl.dot(Dm, Dm, input_precision="ieee")
