@@ -176,6 +176,20 @@ def test_segmented_agrees_with_unsegmented():
     assert not torch.equal(a.o, b.o)                                  # the segmented path really ran
 
 
+def test_split_scan_keeps_a_large_state_as_accurate_as_unsegmented():
+    """One chunk per segment puts the whole carry through pass B.  With the production scan
+    (A_seg and h as bf16 MMA operands) the final state of a large state drifts to ~2x the
+    unsegmented error; the split scan (fp32 A_seg, hi/lo bf16 parts) must stay within 1.25x."""
+    p = make(T=96, H=1, lb=-0.1, state="kv", seed=15)
+    p = p.replace(initial_state=p.initial_state * 100)
+    tr = truth(p)
+    unseg = rel(run(p, "unseg").final_state, tr.final_state)
+    split = rel(run(p, "seg:cps=1").final_state, tr.final_state)
+    bf16 = rel(run(p, "seg:cps=1:scan=bf16").final_state, tr.final_state)
+    assert split <= 1.25 * unseg, (split, unseg)
+    assert bf16 <= TOL_OUT, bf16
+
+
 def test_workspace_taps_and_segment_tensors_returned_when_asked():
     p = make(T=40, H=1, seed=7)
     out = run(p, "seg:cps=1", taps=True)
@@ -307,7 +321,9 @@ def test_route_names_parse_and_bad_names_are_named():
         assert parse_route(name).name == name
     assert parse_route("seg").name == "seg:A=fused:B=prefetch:BW=32"
     assert parse_route("seg:cps=4:A=two").name == "seg:cps=4:A=two:B=prefetch:BW=32"
+    assert parse_route("seg:cps=2:scan=bf16").name == "seg:cps=2:A=fused:B=prefetch:BW=32:scan=bf16"
     for bad, msg in (("segg", "start with"), ("seg:cps=0", "cps >= 1"), ("seg:A=three", "A=two|fused"),
+                     ("seg:scan=fp8", "scan=split|bf16"), ("unseg:scan=bf16", "key=value"),
                      ("unseg:cps=4", "key=value"), ("seg:BW=48", "BW in"), ("seg:cps=x", "integer cps")):
         with pytest.raises(RouteError, match=msg) as e:
             parse_route(bad)

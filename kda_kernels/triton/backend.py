@@ -71,7 +71,8 @@ class TritonBackend:
     def route(self, name: str) -> Route:
         spec = parse_route(name)
         flags = (("segmented", spec.segmented), ("cps", spec.cps), ("A", spec.pass_a if spec.segmented else None),
-                 ("B", spec.pass_b if spec.segmented else None), ("BW", spec.bw), ("nw", spec.warps))
+                 ("B", spec.pass_b if spec.segmented else None), ("BW", spec.bw), ("nw", spec.warps),
+                 ("scan", spec.scan if spec.segmented else None))
         desc = ("one segment per sequence (pass C alone)" if not spec.segmented else
                 f"segmented, {'heuristic cps' if spec.cps is None else f'{spec.cps} chunks per segment'}, "
                 f"pass A {spec.pass_a}, pass B {spec.pass_b}")
@@ -110,7 +111,8 @@ class TritonBackend:
         spec = parse_route(route.name if isinstance(route, Route) else route)
         if spec.segmented and spec.cps is None and "chunks_per_seg" in problem.meta:
             cps = int(problem.meta["chunks_per_seg"])
-            spec = RouteSpec(cps > 0, cps if cps > 0 else None, spec.pass_a, spec.pass_b, spec.bw, spec.warps)
+            spec = RouteSpec(cps > 0, cps if cps > 0 else None, spec.pass_a, spec.pass_b, spec.bw, spec.warps,
+                             spec.scan)
         return spec
 
     @staticmethod
@@ -206,14 +208,15 @@ class TritonBackend:
         if pass_name in ("A", "B") and not plan.segmented:
             raise ValueError(f"route {spec.name!r}: pass {pass_name} needs a segmented route (seg:cps=N)")
         if pass_name == "A":
-            A_seg, b_seg = fw.run_pass_a(ws_from_feed(), kw["v"], plan, H, spec.pass_a, spec.bw, spec.warps)
+            A_seg, b_seg = fw.run_pass_a(ws_from_feed(), kw["v"], plan, H, spec.pass_a, spec.bw, spec.warps,
+                                         spec.scan)
             return {"A_seg": A_seg, "b_seg": b_seg}
         if pass_name == "B":
             need("A_seg", "b_seg")
-            A_seg = feed["A_seg"].to(device=dev, dtype=torch.bfloat16).contiguous()
+            A_seg = feed["A_seg"].to(device=dev, dtype=fw.A_SEG_DTYPE[spec.scan]).contiguous()
             b_seg = feed["b_seg"].to(device=dev, dtype=torch.float32).contiguous()
             return {"h_in": fw.run_pass_b(A_seg, b_seg, plan, H, h0_ref(), spec.pass_b == "prefetch", spec.bw,
-                                          spec.warps)}
+                                          spec.warps, spec.scan)}
         ws = ws_from_feed()
         o = torch.empty(p.B * p.T, H, p.V, dtype=torch.bfloat16, device=dev)
         o4 = o.view(p.B, p.T, H, p.V)

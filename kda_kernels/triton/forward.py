@@ -24,11 +24,20 @@ K1_WARPS = 4
 STEP_WARPS = 4
 STEP_STAGES = 2
 SCAN_WARPS = 4
+SPLIT_SCAN_WARPS = 8     # CUDA: the split scan holds an fp32 [128,128] A_seg tile (prefetched: two)
+_TARGET_IS_HIP: Optional[bool] = None    # None: this torch's platform; isa.py sets it per target
+
+
+def scan_warps(warps: int, scan: str) -> int:
+    """Warps of the scan kernel.  The split scan needs 8 warps of 32 on NVIDIA (4 spill on sm90);
+    on AMD 4 wave64 warps already hold it in 512 VGPRs + AGPRs (8 spill on gfx950)."""
+    hip = torch.version.hip is not None if _TARGET_IS_HIP is None else _TARGET_IS_HIP
+    return max(warps, SPLIT_SCAN_WARPS) if scan == "split" and not hip else warps
 
 WORKSPACE_DTYPES = {"ws_kd": torch.bfloat16, "ws_qd": torch.bfloat16, "ws_kr": torch.bfloat16,
                     "ws_gt": torch.float32, "ws_inv": torch.float16, "ws_mqk": torch.float16,
                     "ws_beta": torch.float32}
-SEGMENT_DTYPES = {"A_seg": torch.bfloat16, "b_seg": torch.float32, "h_in": torch.float32}
+A_SEG_DTYPE = {"split": torch.float32, "bf16": torch.bfloat16}     # by the route's scan precision
 
 
 _RECORDER: Optional[list] = None     # when a list: launches are recorded there, not run (isa.py)
@@ -130,7 +139,7 @@ def resolve_plan(route: RouteSpec, B: int, T: int, H: int, cu_seqlens, device) -
 def ran_name(route: RouteSpec, plan: Plan) -> str:
     if not plan.segmented:
         return RouteSpec(False, bw=route.bw, warps=route.warps).name
-    return RouteSpec(True, plan.cps, route.pass_a, route.pass_b, route.bw, route.warps).name
+    return RouteSpec(True, plan.cps, route.pass_a, route.pass_b, route.bw, route.warps, route.scan).name
 
 
 # ----------------------------------------------------------------------------------- passes
@@ -176,10 +185,11 @@ def _step(grid, plan, ws, H, mode, v=None, o=None, h0: Optional[StateRef] = None
         C=C, K=D, V=D, BW=bw, num_warps=warps, num_stages=STEP_STAGES)
 
 
-def run_pass_a(ws: dict, v, plan: Plan, H: int, variant: str = "fused", bw: int = 32, warps: int = STEP_WARPS):
-    """Pass A: (A_seg bf16 [segs,H,K,K], b_seg fp32 [segs,H,K,V]) of every segment."""
+def run_pass_a(ws: dict, v, plan: Plan, H: int, variant: str = "fused", bw: int = 32, warps: int = STEP_WARPS,
+               scan: str = "split"):
+    """Pass A: (A_seg [segs,H,K,K] fp32 for the split scan / bf16, b_seg fp32 [segs,H,K,V])."""
     dev = ws["ws_gt"].device
-    A_seg = torch.empty(plan.num_segs, H, D, D, dtype=torch.bfloat16, device=dev)
+    A_seg = torch.empty(plan.num_segs, H, D, D, dtype=A_SEG_DTYPE[scan], device=dev)
     b_seg = torch.empty(plan.num_segs, H, D, D, dtype=torch.float32, device=dev)
     grid = (plan.num_segs * H, D // bw)
     if variant == "fused":
@@ -193,16 +203,18 @@ def run_pass_a(ws: dict, v, plan: Plan, H: int, variant: str = "fused", bw: int 
 
 
 def run_pass_b(A_seg, b_seg, plan: Plan, H: int, h0: Optional[StateRef], prefetch: bool = True, bw: int = 32,
-               warps: int = SCAN_WARPS):
-    """Pass B: h_in fp32 [segs,H,K,V], the true incoming state of every segment."""
+               warps: int = SCAN_WARPS, scan: str = "split"):
+    """Pass B: h_in fp32 [segs,H,K,V], the true incoming state of every segment (``scan``:
+    "split" = three-MMA hi/lo products of an fp32 A_seg, "bf16" = one bf16 MMA)."""
+    A_seg = A_seg.to(A_SEG_DTYPE[scan])
     h_in = torch.empty(plan.num_segs, H, D, D, dtype=torch.float32, device=b_seg.device)
     hs = h0 if h0 is not None else StateRef(b_seg, (0, 0, 0, 0))
     _launch(kn.scan_kernel, (plan.N * H, D // bw),
         plan.seg_off, A_seg, b_seg, h_in,
         hs.tensor, hs.indices if hs.paged else b_seg, hs.has if hs.paged else b_seg, *hs.strides,
         H, no_tokens=plan.total_tiles == 0, H0=kn.H0_NONE if h0 is None else kn.H0_SEQ, PAGED=hs.paged,
-        PREFETCH=bool(prefetch),
-        K=D, V=D, BW=bw, num_warps=warps)
+        PREFETCH=bool(prefetch), SPLIT=scan == "split",
+        K=D, V=D, BW=bw, num_warps=scan_warps(warps, scan))
     return h_in
 
 
@@ -273,8 +285,8 @@ def flashkda_forward(q, k, v, g, beta, A_log, dt_bias=None, scale: Optional[floa
     ws = run_k1(q, k, g, beta, A_log, dt_bias, scale, lower_bound, plan, alloc_workspace(H, plan.total_tiles, dev))
     taps = {}
     if plan.segmented:
-        A_seg, b_seg = run_pass_a(ws, v, plan, H, spec.pass_a, spec.bw, spec.warps)
-        h_in = run_pass_b(A_seg, b_seg, plan, H, h0, spec.pass_b == "prefetch", spec.bw, spec.warps)
+        A_seg, b_seg = run_pass_a(ws, v, plan, H, spec.pass_a, spec.bw, spec.warps, spec.scan)
+        h_in = run_pass_b(A_seg, b_seg, plan, H, h0, spec.pass_b == "prefetch", spec.bw, spec.warps, spec.scan)
         run_pass_c(ws, v, o, plan, H, h_in=h_in, final=final, bw=spec.bw, warps=spec.warps)
         if return_workspace:
             taps.update(A_seg=A_seg, b_seg=b_seg, h_in=h_in)

@@ -108,7 +108,7 @@ def _small_problem(state: str):
 
 def _spec_for_recording(spec: RouteSpec) -> RouteSpec:
     if spec.segmented and spec.cps is None:   # the heuristic's segmented pipeline (or unseg's kernels)
-        return RouteSpec(True, 1, spec.pass_a, spec.pass_b, spec.bw, spec.warps)
+        return RouteSpec(True, 1, spec.pass_a, spec.pass_b, spec.bw, spec.warps, spec.scan)
     return spec
 
 
@@ -140,20 +140,21 @@ def _signature(kernel, args, kwargs):
     return sig, cons, attrs, opts
 
 
-def route_variants(route_names: list, states=("kv", "paged")) -> list:
-    """Unique kernel variants launched by the given routes over the given state configs."""
+def route_variants(route_names: list, states=("kv", "paged"), hip: bool = False) -> list:
+    """Unique kernel variants launched by the given routes over the given state configs, as the
+    forward would launch them on an AMD (``hip``) or an NVIDIA device."""
     found: dict = {}
     for rname in route_names:
         spec = _spec_for_recording(parse_route(rname))
         for state in states:
             if state not in STATE_CONFIGS:
                 raise ValueError(f"--states: expected values in {'|'.join(STATE_CONFIGS)}, got {state!r}")
-            fw._RECORDER = []
+            fw._RECORDER, fw._TARGET_IS_HIP = [], hip
             try:
                 fw.flashkda_forward(**_small_problem(state), route=spec)
                 launches = fw._RECORDER
             finally:
-                fw._RECORDER = None
+                fw._RECORDER, fw._TARGET_IS_HIP = None, None
             for kernel, _grid, args, kwargs in launches:
                 sig, cons, attrs, opts = _signature(kernel, args, kwargs)
                 v = Variant(kernel, sig, cons, attrs, opts)
@@ -329,5 +330,5 @@ def isa_report(archs: list, route_names: list, states=("kv", "paged")) -> list:
     bad = [a for a in archs if a not in TARGETS]
     if bad:
         raise ValueError(f"--arch: expected values in {','.join(TARGETS)}, got {bad[0]!r}")
-    variants = route_variants(route_names, states)
-    return [compile_variant(v, arch) for arch in archs for v in variants]
+    variants = {hip: route_variants(route_names, states, hip) for hip in {TARGETS[a][0] == "hip" for a in archs}}
+    return [compile_variant(v, arch) for arch in archs for v in variants[TARGETS[arch][0] == "hip"]]

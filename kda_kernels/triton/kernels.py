@@ -239,10 +239,10 @@ def segment_kernel(
     elif MODE == 1:
         tl.store(bseg_ptr + seg_off, S)
     elif MODE == 2:
-        tl.store(aseg_ptr + (s * H + h).to(tl.int64) * K * K + kk[:, None] * K + cols[None, :], S.to(tl.bfloat16))
+        tl.store(aseg_ptr + (s * H + h).to(tl.int64) * K * K + kk[:, None] * K + cols[None, :], S.to(aseg_ptr.dtype.element_ty))
     else:
         tl.store(bseg_ptr + seg_off, S)
-        tl.store(aseg_ptr + (s * H + h).to(tl.int64) * K * K + kk[:, None] * K + cols[None, :], SA.to(tl.bfloat16))
+        tl.store(aseg_ptr + (s * H + h).to(tl.int64) * K * K + kk[:, None] * K + cols[None, :], SA.to(aseg_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -251,10 +251,14 @@ def scan_kernel(
     h0_ptr, idx_ptr, has_ptr, shn, shh, shk, shv,
     H,
     H0: tl.constexpr, PAGED: tl.constexpr, PREFETCH: tl.constexpr,
-    K: tl.constexpr, V: tl.constexpr, BW: tl.constexpr,
+    K: tl.constexpr, V: tl.constexpr, BW: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """Pass B, one program = (sequence n, head h) x BW columns:
-    h = h0;  for each segment s of n in order: h_in[s] = h;  h <- bf16(A_seg[s]) bf16(h) + b_seg[s]."""
+    h = h0;  for each segment s of n in order: h_in[s] = h;  h <- A_seg[s] h + b_seg[s], with
+    SPLIT = False: bf16(A_seg) bf16(h) (one bf16 MMA; A_seg stored bf16, the production recipe);
+    SPLIT = True:  A_seg stored fp32, A = A_hi + A_lo and h = h_hi + h_lo in bf16 parts,
+                   A h ~ A_hi h_hi + A_hi h_lo + A_lo h_hi (three bf16 MMAs, ~16 significant bits),
+                   which keeps the scan's rounding below the chunk steps' own."""
     pid = tl.program_id(0)
     n = pid // H
     h = pid % H
@@ -283,4 +287,12 @@ def scan_kernel(
         else:
             A = tl.load(aseg_ptr + cur * K * K + a_tile)
             bb = tl.load(bseg_ptr + cur * K * V + v_tile)
-        S = tl.dot(A, S.to(tl.bfloat16)) + bb
+        if not SPLIT:
+            S = tl.dot(A.to(tl.bfloat16), S.to(tl.bfloat16)) + bb
+        else:
+            hi = S.to(tl.bfloat16)
+            lo = (S - hi.to(tl.float32)).to(tl.bfloat16)
+            Af = A.to(tl.float32)
+            Ahi = Af.to(tl.bfloat16)
+            Alo = (Af - Ahi.to(tl.float32)).to(tl.bfloat16)
+            S = tl.dot(Alo, hi, tl.dot(Ahi, lo, tl.dot(Ahi, hi, bb)))

@@ -3,15 +3,18 @@
 A route name is ``MODE[:key=value]...``:
 
     unseg[:BW=32][:nw=4]                             one segment per sequence: pass C alone
-    seg[:cps=N][:A=two|fused][:B=plain|prefetch][:BW=32][:nw=4]
+    seg[:cps=N][:A=two|fused][:B=plain|prefetch][:BW=32][:nw=4][:scan=split|bf16]
         cps  chunks (of 32 tokens) per segment; absent = the occupancy heuristic, which may
              pick "unsegmented" when the grid already fills the device
         A    pass A as two launches (b_seg, then A_seg) or one fused launch
         B    pass B scan plain, or prefetching the next segment's A_seg / b_seg
         BW   state columns per program in the chunk-step passes (16, 32, 64 or 128)
         nw   warps per program of the chunk-step and scan kernels (4 or 8; default 4)
+        scan precision of pass B: "split" (default: A_seg stored fp32, A_seg and h split into
+             bf16 hi + lo parts, three MMAs) or "bf16" (A_seg stored bf16, bf16(A_seg) bf16(h):
+             the production recipe, which drifts ~2x the unsegmented error on large states)
 
-Canonical names spell every key of the mode except ``nw`` at its default
+Canonical names spell every key of the mode except ``nw`` and ``scan`` at their defaults
 (``seg:cps=4:A=fused:B=prefetch:BW=32``; the heuristic's is ``seg:A=fused:B=prefetch:BW=32``).
 """
 from __future__ import annotations
@@ -24,6 +27,7 @@ DEFAULT_BW = 32
 DEFAULT_A = "fused"
 DEFAULT_B = "prefetch"
 DEFAULT_WARPS = 4
+DEFAULT_SCAN = "split"
 WARP_CHOICES = (4, 8)
 
 
@@ -39,6 +43,7 @@ class RouteSpec:
     pass_b: str = DEFAULT_B         # "plain" | "prefetch"
     bw: int = DEFAULT_BW
     warps: int = DEFAULT_WARPS
+    scan: str = DEFAULT_SCAN
 
     @property
     def name(self) -> str:
@@ -46,7 +51,8 @@ class RouteSpec:
         if not self.segmented:
             return f"unseg:BW={self.bw}{nw}"
         cps = "" if self.cps is None else f":cps={self.cps}"
-        return f"seg{cps}:A={self.pass_a}:B={self.pass_b}:BW={self.bw}{nw}"
+        scan = "" if self.scan == DEFAULT_SCAN else f":scan={self.scan}"
+        return f"seg{cps}:A={self.pass_a}:B={self.pass_b}:BW={self.bw}{nw}{scan}"
 
 
 def parse_route(name: str) -> RouteSpec:
@@ -57,7 +63,7 @@ def parse_route(name: str) -> RouteSpec:
     mode, rest = parts[0], parts[1:]
     if mode not in ("unseg", "seg"):
         raise RouteError(f"route {name!r}: expected it to start with 'unseg' or 'seg', got {mode!r}")
-    allowed = ("BW", "nw") if mode == "unseg" else ("cps", "A", "B", "BW", "nw")
+    allowed = ("BW", "nw") if mode == "unseg" else ("cps", "A", "B", "BW", "nw", "scan")
     vals: dict[str, str] = {}
     for part in rest:
         key, eq, val = part.partition("=")
@@ -86,7 +92,10 @@ def parse_route(name: str) -> RouteSpec:
     pass_b = vals.get("B", DEFAULT_B)
     if pass_b not in ("plain", "prefetch"):
         raise RouteError(f"route {name!r}: expected B=plain|prefetch, got B={pass_b}")
-    return RouteSpec(segmented=True, cps=cps, pass_a=pass_a, pass_b=pass_b, bw=bw, warps=nw)
+    scan = vals.get("scan", DEFAULT_SCAN)
+    if scan not in ("split", "bf16"):
+        raise RouteError(f"route {name!r}: expected scan=split|bf16, got scan={scan}")
+    return RouteSpec(segmented=True, cps=cps, pass_a=pass_a, pass_b=pass_b, bw=bw, warps=nw, scan=scan)
 
 
 def _int(name: str, key: str, val: str) -> int:
@@ -98,12 +107,13 @@ def _int(name: str, key: str, val: str) -> int:
 
 def route_names() -> list[str]:
     """The pinned routes the backend lists (canonical names): unsegmented at BW 32 / 64 / 8 warps;
-    the heuristic, cps=1 and cps=4 crossed with both pass-A and both pass-B variants; cps=32, BW=64
-    and 8 warps on the default variants.  Any other well-formed name also runs (``parse_route``)."""
+    the heuristic, cps=1 and cps=4 crossed with both pass-A and both pass-B variants; cps=32, BW=64,
+    8 warps and the bf16 scan on the default variants.  Any other well-formed name also runs (``parse_route``)."""
     names = [RouteSpec(False, bw=32).name, RouteSpec(False, bw=64).name, RouteSpec(False, bw=32, warps=8).name]
     for cps in (None, 1, 4):
         for a in ("two", "fused"):
             for b in ("plain", "prefetch"):
                 names.append(RouteSpec(True, cps, a, b, DEFAULT_BW).name)
-    names += [RouteSpec(True, 32).name, RouteSpec(True, None, bw=64).name, RouteSpec(True, None, warps=8).name]
+    names += [RouteSpec(True, 32).name, RouteSpec(True, None, bw=64).name, RouteSpec(True, None, warps=8).name,
+              RouteSpec(True, None, scan="bf16").name, RouteSpec(True, 1, scan="bf16").name]
     return names
