@@ -25,9 +25,13 @@ def test_cuda_gives_the_cpu_numbers(cid):
         a, b = emulate(pc, r, taps=True), emulate(pg, r, taps=True)
         for name, x in a.tensors().items():
             y = b.tensors()[name].cpu()
+            # the paged case's unread slots hold NaN on purpose: they must stay NaN in both places
+            nan = torch.isnan(x)
+            assert torch.equal(nan, torch.isnan(y)), (cid, r, name)
+            x, y = x.double()[~nan], y.double()[~nan]
             # float64 sums may associate differently on the device: at most a last-bit flip
             # of a few rounded values, never a different error level
-            assert (x.double() - y.double()).abs().max() <= 2 * x.double().abs().max() * 2.0 ** -8, (cid, r, name)
+            assert (x - y).abs().max() <= 2 * x.abs().max() * 2.0 ** -8, (cid, r, name)
         ea = compare(a.tensors(), truth(pc).tensors(), pc)["o"]["rel_l2"]
         eb = compare(b.tensors(), truth(pg).tensors(), pg)["o"]["rel_l2"]
         assert abs(ea - eb) <= 1e-3 * ea, (cid, r, ea, eb)
