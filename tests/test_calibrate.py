@@ -73,3 +73,16 @@ def test_a_cell_without_an_entry_gets_a_new_entry(tmp_path, capsys):
 def test_bad_headroom_is_a_usage_error(capsys):
     assert main(["calibrate", "--backend", "emulator", *CASE, "--headroom", "0.5"]) == 2
     assert "--headroom: expected a number >= 1, got 0.5" in capsys.readouterr().err
+
+
+def test_from_results_reuses_an_earlier_run_and_leaves_known_failures_out(tmp_path, capsys):
+    from verification.cli import main
+    out = tmp_path / "run"
+    assert main(["run", "--backend", "emulator", "--suite", "smoke", "--case", "smoke/correlated-weak-lb-0.01",
+                 "--out", str(out), "--device", "cpu"]) == 0        # the moonshot cell is a known failure
+    capsys.readouterr()
+    assert main(["calibrate", "--backend", "emulator", "--from-results", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "3 cells (1 known-fail, 2 pass)" in text
+    assert "moonshot smoke/correlated" not in text                  # its error is not the level to expect
+    assert main(["calibrate", "--backend", "fla", "--from-results", str(out)]) == 2

@@ -60,8 +60,8 @@ def collect_groups(records: list[dict], db) -> dict[tuple, Group]:
 
     groups: dict[tuple, Group] = {}
     for r in records:
-        if r.get("status") in ("skipped", "crashed", "error"):
-            continue
+        if r.get("status") in ("skipped", "crashed", "error", "known-fail"):
+            continue          # known failures are explained in tolerances.yaml, not the error level to expect
         for tname, met in (r.get("metrics") or {}).items():
             base = (r.get("baseline") or {}).get(tname) or {}
             try:
@@ -227,9 +227,44 @@ def proposal_yaml(proposals: list[dict], header: str) -> str:
     return "".join(lines)
 
 
+def _earlier_records(out_dir: str, backend: str, routes: list, cases: list) -> list[dict]:
+    """The records of an earlier run's directory, of one backend (optionally some routes / cases)."""
+    import fnmatch
+
+    from verification.cli import UsageError
+    from verification.runner import read_records
+
+    d = Path(out_dir)
+    files = sorted(d.glob("results*.jsonl")) if d.is_dir() else []
+    if not files:
+        raise UsageError(f"--from-results: expected a directory with results.jsonl, got {out_dir!r}")
+    recs = [r for f in files for r in read_records(f)]
+    recs = [r for r in recs if r.get("backend") == backend
+            and (not routes or r.get("route") in routes)
+            and (not cases or any(fnmatch.fnmatchcase(r.get("case", ""), c) for c in cases))]
+    if not recs:
+        raise UsageError(f"--from-results: expected records of backend {backend!r} in {out_dir}, got none")
+    return recs
+
+
+def _earlier_device(out_dir: str):
+    """The GPU name an earlier run recorded in its run.json, if any."""
+    import json
+    p = Path(out_dir) / "run.json"
+    try:
+        prov = json.loads(p.read_text())
+        prov = (prov.get("runs") or [prov])[-1]
+        gpu = prov.get("device", {}).get("gpu")
+        return None if gpu in (None, "none") else gpu
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def add_arguments(p):
     p.add_argument("--backend", required=True, metavar="B", help="built-in name or package.module:factory")
-    p.add_argument("--suite", action="append", required=True, metavar="S", help="suite(s); repeatable or comma list")
+    p.add_argument("--suite", action="append", metavar="S", help="suite(s); repeatable or comma list")
+    p.add_argument("--from-results", metavar="DIR", help="propose from the results.jsonl of an earlier run "
+                   "(kda-verify run / pytest -m verify --kda-report DIR) instead of measuring again")
     p.add_argument("--route", action="append", metavar="R", help="routes (default: all); repeatable or comma list")
     p.add_argument("--case", action="append", metavar="ID", help="only cases matching (exact or glob)")
     p.add_argument("--device", metavar="D", help="torch device (default: cuda if available, else cpu)")
@@ -254,17 +289,26 @@ def run(args) -> int:
     db = load_tolerances(str(tol_path))
     long = args.long == "yes" or (args.long == "auto" and device.startswith("cuda"))
     suites = split_list(args.suite)
-    cases = select_cases(suites, split_list(args.case), long=long)
-    # measure with a catch-all entry: calibration needs every cell's numbers, whatever the current file says
-    measure_db = ToleranceDB([(("*", "*", "*", "*"), Tolerance(m=math.inf, floor=math.inf, cap=math.inf,
-                              reason="calibration: measure only", calibrated_on="-", key="*/*/*/*"))], "<calibrate>")
-    summary = run_matrix([args.backend], cases, None, routes=split_list(args.route) or None, device=device,
-                         db=measure_db)
-    groups = collect_groups(summary.records, db)
-    counts = summary.counts()
-    print(f"calibrate: {len(summary.records)} cells ({', '.join(f'{v} {k}' for k, v in sorted(counts.items()))}); "
+    if args.from_results:
+        records = _earlier_records(args.from_results, args.backend, split_list(args.route), split_list(args.case))
+        suites = sorted({r.get("suite", "?") for r in records}) or ["?"]
+    else:
+        if not suites:
+            raise UsageError("--suite: expected at least one suite (or --from-results DIR), got none")
+        cases = select_cases(suites, split_list(args.case), long=long)
+        # measure with a catch-all entry: calibration needs every cell's numbers, whatever the file says
+        measure_db = ToleranceDB([(("*", "*", "*", "*"), Tolerance(m=math.inf, floor=math.inf, cap=math.inf,
+                                  reason="calibration: measure only", calibrated_on="-", key="*/*/*/*"))],
+                                 "<calibrate>")
+        records = run_matrix([args.backend], cases, None, routes=split_list(args.route) or None, device=device,
+                             db=measure_db).records
+    groups = collect_groups(records, db)
+    counts: dict = {}
+    for r in records:
+        counts[r["status"]] = counts.get(r["status"], 0) + 1
+    print(f"calibrate: {len(records)} cells ({', '.join(f'{v} {k}' for k, v in sorted(counts.items()))}); "
           f"headroom {args.headroom:g}")
-    for r in summary.records:
+    for r in records:
         if r["status"] in ("error", "crashed"):
             print(f"  not measured: {r['backend']} {r['route']} {r['case']}: {r['reason'][:160]}")
     if not groups:
@@ -272,6 +316,8 @@ def run(args) -> int:
                          "(every cell was skipped, crashed or errored; see above)")
     prov = provenance.collect(device=device)
     gpu = prov["device"].get("gpu") if prov["device"].get("gpu") not in (None, "none") else f"CPU ({device})"
+    if args.from_results:
+        gpu = _earlier_device(args.from_results) or gpu
     where = (f"{gpu}, {prov['time_utc'][:10]}, commit {str(prov['git']['commit'])[:10]}, "
              f"suite {'+'.join(suites)}{'' if long else ' (no long cases)'}")
     proposals = []
