@@ -64,3 +64,12 @@ def test_planted_error_is_localised(plant, where):
         if key in where:
             assert t.first_over[key] == where[key], (key, t.first_over)
     assert f"pass {where['pass_']}" in format_reports(reps).splitlines()[-1]
+
+
+def test_values_below_fp32_range_are_no_error():
+    """A decay of 2^-254 stored as fp32 is 0: that must not be named as an error."""
+    from verification.debug import compare_tensor
+    ref = torch.full((4, 128), 2.0 ** -254, dtype=torch.float64)
+    ctx = {"grid": None, "plan": None, "HV": 1}
+    rep = compare_tensor("final_state_like", torch.zeros(4, 128), ref, ctx, thresholds={"final_state_like": 1e-4})
+    assert rep.rows_over == 0
