@@ -77,3 +77,18 @@ def test_bad_input_is_one_line_and_exit_two(files, capsys, tmp_path):
     assert main(["capture", "--backend", "emulator", "--route", "nope", "--inputs", inputs,
                  "--out", str(tmp_path / "x.safetensors")]) == 2
     assert "--route: expected one of flashkda, fla, moonshot, got 'nope'" in capsys.readouterr().err
+
+
+def test_export_then_oracle_then_check_from_the_command_line(tmp_path):
+    """The cross-machine workflow: export a case, compute its truth, judge outputs made elsewhere."""
+    from verification.cli import main
+    from verification.problem_file import load_outputs, save_outputs
+    p, t, o = tmp_path / "p.safetensors", tmp_path / "t.safetensors", tmp_path / "o.safetensors"
+    assert main(["export", "--case", "smoke/varlen-tail33-lb-5", "--out", str(p)]) == 0
+    assert main(["oracle", "--inputs", str(p), "--out", str(t)]) == 0
+    truth = load_outputs(str(t))
+    save_outputs(str(o), {"o": truth["o"].bfloat16(), "final_state": truth["final_state"].float()}, {})
+    assert main(["check", "--inputs", str(p), "--outputs", str(o), "--recipe", "flashkda"]) == 0
+    save_outputs(str(o), {"o": truth["o"].bfloat16(), "final_state": truth["final_state"].float().transpose(-1, -2)}, {})
+    assert main(["check", "--inputs", str(p), "--outputs", str(o), "--recipe", "flashkda"]) == 1
+    assert main(["export", "--case", "smoke/no-such-case", "--out", str(p)]) == 2

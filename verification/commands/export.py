@@ -1,0 +1,31 @@
+"""kda-verify export: write a case's inputs as a problem file, to run a kernel on another
+machine (a gfx950 or gfx1250 box, say) and judge its outputs here with `kda-verify check`."""
+from __future__ import annotations
+
+NAME = "export"
+HELP = "write the inputs of a case (e.g. stress/weak-gate-lb-0.01) as a problem file (.safetensors)"
+
+
+def add_arguments(p):
+    p.add_argument("--case", required=True, action="append", metavar="ID",
+                   help="case id (repeatable; with several, --out is a directory)")
+    p.add_argument("--out", required=True, metavar="PATH", help="output file, or directory for several cases")
+
+
+def run(args) -> int:
+    from pathlib import Path
+
+    from verification.cases import get_case
+    from verification.problem_file import save_problem
+
+    cases = [get_case(cid) for cid in args.case]     # an unknown id is a one-line error naming --case
+    out = Path(args.out)
+    if len(cases) == 1 and not out.is_dir():
+        targets = [out]
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        targets = [out / (c.id.replace("/", "__") + ".safetensors") for c in cases]
+    for c, path in zip(cases, targets):
+        save_problem(str(path), c.build(device="cpu"))
+        print(f"{c.id} -> {path}")
+    return 0
