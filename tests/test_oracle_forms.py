@@ -17,13 +17,7 @@ from verification.selfcheck import RECIPES, Recipe, build, rel
 F64 = torch.float64
 BY_NAME = {r.name: r for r in RECIPES}
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny problems: one CPU thread is faster than several contending for the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
 
 
 

@@ -6,13 +6,7 @@ from kda_ref import truth
 from kda_ref.mp_ref import mp_recurrence
 from verification.selfcheck import mp_problems, rel
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny problems: one CPU thread is faster than several contending for the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
 
 
 

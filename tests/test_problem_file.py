@@ -11,13 +11,7 @@ from verification.problem_file import (load_outputs, load_outputs_metadata, load
                                        save_problem)
 from verification.selfcheck import RECIPES, build
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny problems: one CPU thread is faster than several contending for the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
 
 
 
