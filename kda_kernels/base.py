@@ -13,6 +13,7 @@ from typing import Callable, Optional, Protocol, runtime_checkable
 import torch
 
 from kda_ref.problem import Problem
+from kda_ref.truth import output_tensors
 
 
 @dataclass(frozen=True)
@@ -36,12 +37,7 @@ class Outputs:
     info: dict = field(default_factory=dict)   # e.g. {"route_ran": "..."}: what actually ran
 
     def tensors(self) -> dict:
-        out = {"o": self.o}
-        if self.final_state is not None:
-            out["final_state"] = self.final_state
-        if self.state_cache is not None:
-            out["state_cache"] = self.state_cache
-        return out
+        return output_tensors(self.o, self.final_state, self.state_cache)
 
 
 @runtime_checkable

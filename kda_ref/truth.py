@@ -19,6 +19,16 @@ from .paged import paged_write
 from .problem import Problem, validate
 
 
+def output_tensors(o, final_state=None, state_cache=None) -> dict:
+    """The outputs of one forward by name: o, and final_state or state_cache where present."""
+    out = {"o": o}
+    if final_state is not None:
+        out["final_state"] = final_state
+    if state_cache is not None:
+        out["state_cache"] = state_cache
+    return out
+
+
 @dataclass
 class Truth:
     o: torch.Tensor
@@ -27,11 +37,7 @@ class Truth:
     extras: dict = field(default_factory=dict)  # workspace / segment tensors on request
 
     def tensors(self) -> dict:
-        out = {"o": self.o}
-        if self.final_state is not None:
-            out["final_state"] = self.final_state
-        if self.state_cache is not None:
-            out["state_cache"] = self.state_cache
+        out = output_tensors(self.o, self.final_state, self.state_cache)
         out.update(self.extras)
         return out
 
