@@ -46,6 +46,7 @@ class TritonBackend:
     """``TritonBackend(taps=True)`` returns the workspace (ws_*) and, when segmented, A_seg,
     b_seg and h_in as ``Outputs.taps`` on every run; ``run(..., taps=True)`` asks for one run."""
     name = "triton"
+    accepts_buffers = True      # run(..., buffers=GuardedBuffers): caller-owned buffers (verification.guards)
 
     def __init__(self, taps: bool = False):
         self.taps = bool(taps)
@@ -132,7 +133,10 @@ class TritonBackend:
                     scale=p.scale_value, lower_bound=float(p.lower_bound))
 
     # ------------------------------------------------------------------------------ run
-    def run(self, problem: Problem, route, taps: Optional[bool] = None) -> Outputs:
+    def run(self, problem: Problem, route, taps: Optional[bool] = None, buffers=None) -> Outputs:
+        """``buffers`` (verification.guards.GuardedBuffers): every buffer of the forward (o,
+        final_state, workspace, segment tensors) comes from ``buffers.allocate`` and the paged
+        cache is written in place when it is already on the kernel's device (else adopted there)."""
         p = problem
         taps = self.taps if taps is None else bool(taps)
         dev = self._device(p)
@@ -142,7 +146,11 @@ class TritonBackend:
         state_kw = {}
         cache = None
         if p.paged:
-            cache = copy_with_padding(p.state_cache.to(dev) if p.state_cache.device != dev else p.state_cache)
+            src = p.state_cache.to(dev) if p.state_cache.device != dev else p.state_cache
+            if buffers is None:
+                cache = copy_with_padding(src)
+            else:
+                cache = src if src is p.state_cache else buffers.adopt("state_cache", src)
             if cache.dtype != torch.float32:
                 raise fw.FlashKDAError(f"state_cache: expected float32, got {cache.dtype}")
             state_kw = dict(state_cache=cache, state_indices=p.state_indices.to(dev),
@@ -151,8 +159,9 @@ class TritonBackend:
             state_kw = dict(initial_state=p.initial_state.to(dev), state_layout=p.state_layout)
         else:
             state_kw = dict(state_layout=p.state_layout)
-        res = fw.flashkda_forward(**kw, cu_seqlens=cu, output_final_state=p.output_final_state and not p.paged,
-                                  route=spec, return_workspace=taps, **state_kw)
+        with fw.use_allocator(None if buffers is None else buffers.allocate):
+            res = fw.flashkda_forward(**kw, cu_seqlens=cu, output_final_state=p.output_final_state and not p.paged,
+                                      route=spec, return_workspace=taps, **state_kw)
         back = p.device
         return Outputs(o=res.o.to(back), final_state=None if res.final_state is None else res.final_state.to(back),
                        state_cache=None if cache is None else cache.to(back),

@@ -41,6 +41,33 @@ A_SEG_DTYPE = {"split": torch.float32, "bf16": torch.bfloat16}     # by the rout
 
 
 _RECORDER: Optional[list] = None     # when a list: launches are recorded there, not run (isa.py)
+_ALLOCATOR = None    # when set: allocator(name, shape, dtype, device) makes every buffer (verification.guards)
+
+
+def _empty(name: str, shape, dtype, device) -> torch.Tensor:
+    """A new buffer named ``name`` (o, final_state, ws_*, A_seg, b_seg, h_in): torch.empty, or the
+    installed allocator's (see ``use_allocator``)."""
+    if _ALLOCATOR is not None:
+        return _ALLOCATOR(name, tuple(shape), dtype, device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+class use_allocator:
+    """``with use_allocator(fn):`` every buffer the forward allocates comes from ``fn(name, shape,
+    dtype, device)`` (guard-banded buffers, say); the previous allocator is restored on exit."""
+
+    def __init__(self, fn):
+        self.fn, self.prev = fn, None
+
+    def __enter__(self):
+        global _ALLOCATOR
+        self.prev, _ALLOCATOR = _ALLOCATOR, self.fn
+        return self
+
+    def __exit__(self, *exc):
+        global _ALLOCATOR
+        _ALLOCATOR = self.prev
+        return False
 
 
 def _launch(kernel, grid, *args, no_tokens: bool = False, **kwargs):
@@ -147,7 +174,7 @@ def alloc_workspace(H: int, tiles: int, device) -> dict:
     rows = H * tiles
     shapes = {"ws_kd": (rows, C, D), "ws_qd": (rows, C, D), "ws_kr": (rows, C, D), "ws_gt": (rows, D),
               "ws_inv": (rows, C, C), "ws_mqk": (rows, C, C), "ws_beta": (rows, C)}
-    return {n: torch.empty(s, dtype=WORKSPACE_DTYPES[n], device=device) for n, s in shapes.items()}
+    return {n: _empty(n, s, WORKSPACE_DTYPES[n], device) for n, s in shapes.items()}
 
 
 def run_k1(q, k, g, beta, A_log, dt_bias, scale: float, lower_bound: float, plan: Plan, ws: dict) -> dict:
@@ -189,8 +216,8 @@ def run_pass_a(ws: dict, v, plan: Plan, H: int, variant: str = "fused", bw: int 
                scan: str = "split"):
     """Pass A: (A_seg [segs,H,K,K] fp32 for the split scan / bf16, b_seg fp32 [segs,H,K,V])."""
     dev = ws["ws_gt"].device
-    A_seg = torch.empty(plan.num_segs, H, D, D, dtype=A_SEG_DTYPE[scan], device=dev)
-    b_seg = torch.empty(plan.num_segs, H, D, D, dtype=torch.float32, device=dev)
+    A_seg = _empty("A_seg", (plan.num_segs, H, D, D), A_SEG_DTYPE[scan], dev)
+    b_seg = _empty("b_seg", (plan.num_segs, H, D, D), torch.float32, dev)
     grid = (plan.num_segs * H, D // bw)
     if variant == "fused":
         _step(grid, plan, ws, H, kn.MODE_AB, v=v, A_seg=A_seg, b_seg=b_seg, bw=bw, warps=warps)
@@ -207,7 +234,7 @@ def run_pass_b(A_seg, b_seg, plan: Plan, H: int, h0: Optional[StateRef], prefetc
     """Pass B: h_in fp32 [segs,H,K,V], the true incoming state of every segment (``scan``:
     "split" = three-MMA hi/lo products of an fp32 A_seg, "bf16" = one bf16 MMA)."""
     A_seg = A_seg.to(A_SEG_DTYPE[scan])
-    h_in = torch.empty(plan.num_segs, H, D, D, dtype=torch.float32, device=b_seg.device)
+    h_in = _empty("h_in", (plan.num_segs, H, D, D), torch.float32, b_seg.device)
     hs = h0 if h0 is not None else StateRef(b_seg, (0, 0, 0, 0))
     _launch(kn.scan_kernel, (plan.N * H, D // bw),
         plan.seg_off, A_seg, b_seg, h_in,
@@ -256,7 +283,7 @@ def flashkda_forward(q, k, v, g, beta, A_log, dt_bias=None, scale: Optional[floa
             _fail(f"out: expected shape {list(v.shape)} on {dev}, got {list(out.shape)} on {out.device}")
         o = out
     else:
-        o = torch.empty(v.shape, dtype=v.dtype, device=dev)
+        o = _empty("o", v.shape, v.dtype, dev)
 
     if state_cache is not None:
         if state_cache.dim() != 4 or tuple(state_cache.shape[1:]) != (H, D, D) or state_cache.dtype != torch.float32:
@@ -279,7 +306,7 @@ def flashkda_forward(q, k, v, g, beta, A_log, dt_bias=None, scale: Optional[floa
             h0 = dense_state(initial_state, state_layout)
         final_state, final = None, None
         if output_final_state:
-            final_state = torch.empty(N, H, D, D, dtype=torch.float32, device=dev)
+            final_state = _empty("final_state", (N, H, D, D), torch.float32, dev)
             final = dense_state(final_state, state_layout)
 
     ws = run_k1(q, k, g, beta, A_log, dt_bias, scale, lower_bound, plan, alloc_workspace(H, plan.total_tiles, dev))
