@@ -1,0 +1,76 @@
+"""kda-verify mutate: run the mutants of our Triton FlashKDA (verification/mutants.py) through
+the harness and report, per mutant, killed or survived, by which metric and case, and whether
+the per-pass debugger names the patched pass."""
+from __future__ import annotations
+
+import json
+
+NAME = "mutate"
+HELP = "mutation testing: run each mutant of our Triton FlashKDA through the harness (killed? localized?)"
+
+
+def add_arguments(p):
+    p.add_argument("--mutant", action="append", default=[], metavar="NAME",
+                   help="a mutant of the catalogue (repeatable or a comma list; default: all); --list shows them")
+    p.add_argument("--list", action="store_true", help="list the catalogue and exit")
+    p.add_argument("--suite", default="smoke,stress", help="comma list of suites (default smoke,stress)")
+    p.add_argument("--case", action="append", default=[], metavar="GLOB",
+                   help="only cases whose id matches (repeatable)")
+    p.add_argument("--long", choices=("no", "yes"), default="no",
+                   help="include the long cases (64k tokens; default no: the interpreter cannot run them)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu: Triton's interpreter (default); cuda: compiled kernels on the GPU")
+    p.add_argument("--taps", choices=("yes", "no"), default="yes",
+                   help="judge the ws_inv tap too (default yes)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per mutant (default 900)")
+    p.add_argument("--json", metavar="OUT", help="write the records as JSON")
+
+
+def _names(values) -> list:
+    return [n.strip() for v in values for n in v.split(",") if n.strip()]
+
+
+def run(args) -> int:
+    import torch
+
+    from verification.cases import SUITES
+    from verification.cli import UsageError
+    from verification.mutants import CATALOGUE, by_name
+    from verification.mutate import AnchorError, check_anchors, format_table, needs_attention, run_in_child
+
+    if args.list:
+        for m in CATALOGUE:
+            eq = "  [equivalent]" if m.equivalent else ""
+            print(f"{m.name:<38} {m.pass_name:<3} {m.file:<11} {m.what}{eq}")
+        return 0
+    try:
+        mutants = by_name(_names(args.mutant))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    suites = _names([args.suite])
+    bad = [s for s in suites if s not in SUITES]
+    if bad or not suites:
+        raise UsageError(f"--suite: expected a comma list of {', '.join(SUITES)}, got {args.suite!r}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device: expected cpu or an available CUDA device, got 'cuda' (no CUDA device here)")
+    if args.timeout <= 0:
+        raise UsageError(f"--timeout: expected a positive number of seconds, got {args.timeout}")
+    try:
+        check_anchors(mutants)
+    except AnchorError as e:
+        raise UsageError(str(e)) from None
+    records = []
+    for i, m in enumerate(mutants, 1):
+        rec = run_in_child(m, suites, args.long == "yes", args.device, case_globs=args.case or None,
+                           taps=args.taps == "yes", timeout_s=args.timeout)
+        records.append(rec)
+        where = f"{rec.get('metric')}, {rec.get('case')}" if rec.get("killed") else f"{rec.get('cells')} cells"
+        print(f"[{i}/{len(mutants)}] {m.name}: {rec['outcome']} ({where}; localized: {rec.get('localized')}) "
+              f"{rec.get('seconds', 0):.1f} s", flush=True)
+    print(format_table(records))
+    if args.json:
+        from verification.runner import jsonable
+        with open(args.json, "w") as f:
+            json.dump(jsonable(dict(suites=suites, device=args.device, long=args.long == "yes",
+                                    taps=args.taps == "yes", records=records)), f, indent=1, allow_nan=False)
+    return 1 if any(needs_attention(r) for r in records) else 0
