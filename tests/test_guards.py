@@ -25,6 +25,18 @@ class OracleBackend:
         self.fault = fault
         self.accepts_buffers = buffers
 
+    def available(self):
+        return True, ""
+
+    def version(self):
+        return "oracle"
+
+    def routes(self):
+        return [ROUTE]
+
+    def accepts(self, problem, route):
+        return True, ""
+
     def run(self, problem, route, buffers=None):
         t = truth(problem)
         dev, dt = problem.device, problem.v.dtype
@@ -143,3 +155,22 @@ def test_backend_without_buffers_checks_the_cache_it_returns(paged):
     assert any("not checked" in c for c in rep.checked)
     _, rep = guarded_run(OracleBackend(fault="unreferenced_slot", buffers=False), paged, ROUTE)
     assert not rep.ok and "is not referenced by state_indices but changed" in rep.reason
+
+
+def test_run_cell_records_guards_and_fails_a_violation():
+    from verification.cases import Case
+    from verification.runner import BaselineCache, TruthCache, run_cell
+    from verification.tolerances import load_tolerances
+
+    case = Case(name="paged-pad", suite="guards", seed=5,
+                params=dict(lens=[20, 47], H=1, state="paged", paged_new=[1], slot_pad=64, slots=5))
+    tc, bc, db = TruthCache(), BaselineCache(), load_tolerances()
+    clean = run_cell(OracleBackend(), ROUTE, case, tc, bc, db, "cpu", guards=True)
+    assert clean["status"] == "pass", clean["reason"]
+    assert clean["guards"]["ok"] and clean["guards"]["buffers"]["o"] == 67 * 128 * 2
+    bad = run_cell(OracleBackend(fault="past_end"), ROUTE, case, tc, bc, db, "cpu", guards=True)
+    assert bad["status"] == "fail"
+    assert bad["reason"].startswith("guard: o: 2 byte(s) changed in the band after the buffer"), bad["reason"]
+    assert bad["margin"] is not None and bad["margin"] <= 1     # the numbers alone would have passed
+    off = run_cell(OracleBackend(), ROUTE, case, tc, bc, db, "cpu")   # default on a CPU: guards off
+    assert off["status"] == "pass" and "guards" not in off

@@ -408,10 +408,18 @@ def worst_margin(tensors: dict) -> Optional[float]:
     return max(vals)
 
 
+def guards_default(device) -> bool:
+    """Memory guards are on by default for CUDA devices (verification/guards.py)."""
+    return str(device).startswith("cuda")
+
+
 def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: BaselineCache, db,
-             device: Optional[str] = None) -> dict:
+             device: Optional[str] = None, guards: Optional[bool] = None) -> dict:
     """Run one route of one backend on one case and judge it; never raises for a kernel's
     sake (a kernel exception is status "error" with the traceback's tail).
+
+    guards: run under verification.guards (None: on for CUDA devices); a violated guard makes
+    the cell "fail" with reason "guard: ..." and the record holds ``guards`` (what was checked).
 
     backend: a LoadedBackend (or a spec string / Backend object, loaded here)."""
     backend = as_loaded(backend)
@@ -452,7 +460,12 @@ def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: Base
         run_problem = _fresh_state(problem)
         _sync(device)
         t0 = time.perf_counter()
-        outputs = backend.backend.run(run_problem, route)
+        guard = None
+        if guards_default(device) if guards is None else guards:
+            from verification.guards import guarded_run
+            outputs, guard = guarded_run(backend.backend, run_problem, route)
+        else:
+            outputs = backend.backend.run(run_problem, route)
         _sync(device)
         timings["kernel_s"] = time.perf_counter() - t0
     except Exception as e:  # noqa: BLE001 - the kernel failing is a result, not a harness crash
@@ -473,6 +486,11 @@ def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: Base
     rec["tensors"] = jsonable(getattr(verdict, "tensors", {}) or {})
     rec["metrics"] = jsonable(metrics)
     rec["margin"] = jsonable(worst_margin(rec["tensors"]))
+    if guard is not None:
+        rec["guards"] = jsonable(guard.as_record())
+        if not guard.ok:
+            rec["status"] = "fail"
+            rec["reason"] = guard.reason + (f"; {rec['reason']}" if rec["reason"] else "")
     apply_known_failure(rec, db)
     return rec
 
@@ -514,7 +532,9 @@ class IsolatedRunner:
     the cell is "crashed", with its exit signal or code and the tail of its stderr."""
 
     def __init__(self, truth_cache: TruthCache, baseline_cache: BaselineCache,
-                 tolerances_path: Optional[str] = None, timeout_s: Optional[float] = None):
+                 tolerances_path: Optional[str] = None, timeout_s: Optional[float] = None,
+                 guards: Optional[bool] = None):
+        self.guards = guards
         self.truth_cache = truth_cache
         self.baseline_cache = baseline_cache
         self.tolerances_path = tolerances_path
@@ -562,7 +582,7 @@ class IsolatedRunner:
         out_path.unlink(missing_ok=True)
         torch.save({"backend_spec": lb.spec, "route": route, "case": case, "case_file": str(case_file),
                     "baseline": _cpu(baseline), "baseline_s": base_s, "device": device,
-                    "tolerances_path": self.tolerances_path}, spec_path)
+                    "tolerances_path": self.tolerances_path, "guards": self.guards}, spec_path)
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         cmd = [sys.executable, "-m", "verification.runner", "--child", str(spec_path), str(out_path)]
@@ -620,7 +640,7 @@ def _child_main(spec_path: str, out_path: str) -> int:
     bc.prime(case.id, getattr(spec["route"], "recipe", None) or "flashkda", spec["baseline"], spec["baseline_s"])
     lb = load(spec["backend_spec"])
     db = load_tolerances(spec["tolerances_path"])
-    rec = run_cell(lb, spec["route"], case, tc, bc, db, device)
+    rec = run_cell(lb, spec["route"], case, tc, bc, db, device, guards=spec.get("guards"))
     rec["isolated"] = True
     Path(out_path).write_text(json.dumps(jsonable(rec), allow_nan=False))
     return 0
@@ -733,13 +753,15 @@ def run_matrix(backends: Iterable, cases: list, out_dir=None, *, routes: Optiona
                resume: bool = False, isolate: bool = False, device: Optional[str] = None,
                max_cells: Optional[int] = None, db=None, tolerances_path: Optional[str] = None,
                progress_stream=None, tty: Optional[bool] = None, timeout_s: Optional[float] = None,
-               on_record: Optional[Callable[[dict], None]] = None, provenance: Optional[dict] = None) -> RunSummary:
+               on_record: Optional[Callable[[dict], None]] = None, provenance: Optional[dict] = None,
+               guards: Optional[bool] = None) -> RunSummary:
     """Run every (backend, route, case) cell; see the module docstring.
 
     backends: specs (built-in names or package.module:factory) or LoadedBackends.
     out_dir: where results.jsonl (and run.json, the provenance) go; None keeps records in memory.
     resume: skip cells already in out_dir/results.jsonl (without it, a non-empty file is an error).
-    max_cells: stop after running this many cells (resumed cells do not count)."""
+    max_cells: stop after running this many cells (resumed cells do not count).
+    guards: memory guards per cell (verification/guards.py); None: on for CUDA devices."""
     from verification.cli import UsageError
 
     device = device or default_device()
@@ -788,7 +810,7 @@ def run_matrix(backends: Iterable, cases: list, out_dir=None, *, routes: Optiona
         todo, summary.stopped_early = todo[:max_cells], True
     truth_cache = TruthCache(device=device)
     baseline_cache = BaselineCache()
-    iso = IsolatedRunner(truth_cache, baseline_cache, tolerances_path, timeout_s) if isolate else None
+    iso = IsolatedRunner(truth_cache, baseline_cache, tolerances_path, timeout_s, guards) if isolate else None
     progress = Progress(len(todo), stream=progress_stream, tty=tty)
     current_case = None
     try:
@@ -799,7 +821,7 @@ def run_matrix(backends: Iterable, cases: list, out_dir=None, *, routes: Optiona
             if iso is not None:
                 rec = iso.run(lb, route, case, device)
             else:
-                rec = run_cell(lb, route, case, truth_cache, baseline_cache, db, device)
+                rec = run_cell(lb, route, case, truth_cache, baseline_cache, db, device, guards=guards)
             if results is not None:
                 append_record(results, rec)
             summary.records.append(rec)

@@ -45,6 +45,8 @@ def add_arguments(p):
     p.add_argument("--max-cells", type=int, metavar="N", help="stop after running N cells (resume later)")
     p.add_argument("--tolerances", metavar="YAML", help="tolerances file (default: tolerances.yaml of the repo)")
     p.add_argument("--no-report", action="store_true", help="do not write the report at the end")
+    p.add_argument("--guards", choices=("auto", "on", "off"), default="auto",
+                   help="memory guards around every buffer of each cell (auto: on for CUDA devices)")
 
 
 def select_cases(suites: list[str], patterns: list[str] | None, long: bool = True) -> list:
@@ -108,7 +110,8 @@ def run(args) -> int:
     try:
         summary = run_matrix(split_list(args.backend), cases, args.out, routes=split_list(args.route) or None,
                              resume=args.resume, isolate=args.isolate, device=device, max_cells=args.max_cells,
-                             db=db, tolerances_path=args.tolerances, timeout_s=args.timeout, provenance=prov)
+                             db=db, tolerances_path=args.tolerances, timeout_s=args.timeout, provenance=prov,
+                             guards={"auto": None, "on": True, "off": False}[args.guards])
     except KeyboardInterrupt:
         print(f"kda-verify run: interrupted; finished cells are in {args.out}/results.jsonl "
               f"(continue with --resume)", file=sys.stderr)
