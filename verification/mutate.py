@@ -147,7 +147,7 @@ def run_mutant(mutant: Mutant, suites=("smoke", "stress"), long: bool = False, d
                equivalent=mutant.equivalent, routes=list(mutant.routes), outcome=None, killed=False,
                crashed=False, route=None, case=None, status=None, reason="", metric="", cells=0,
                confirmed_by_original=None, original_failed=[], localized=None, debug_first_pass=None,
-               debug_where=None, debug_error=None)
+               debug_where=None, debug_control_flagged=None, debug_error=None)
     db = load_tolerances()
     truths, baselines = TruthCache(device=device), BaselineCache()
     own = Path(workdir or tempfile.mkdtemp(prefix="kda-mutant-"))
@@ -188,6 +188,9 @@ def run_mutant(mutant: Mutant, suites=("smoke", "stress"), long: bool = False, d
                     t = bad[0]
                     rec["debug_where"] = f"{t.name} {t.first_over}"
             rec["localized"] = rec["debug_first_pass"] == mutant.pass_name
+            if not rec["localized"]:    # what the debugger says of the shipped kernel on the same cell
+                control = debug_passes(orig.backend, problem, orig.backend.route(route.name))
+                rec["debug_control_flagged"] = [p.name for p in control if not p.skipped and not p.ok]
         except Exception as e:  # noqa: BLE001 - a mutant that breaks the debugger is recorded, not fatal
             rec["debug_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
             rec["localized"] = False
@@ -264,17 +267,19 @@ def needs_attention(rec: dict) -> bool:
 
 
 def format_table(records: list) -> str:
-    head = f"{'mutant':<38} {'pass':<4} {'outcome':<18} {'by (metric, route, case)':<70} {'localized':<22} {'s':>6}"
+    head = f"{'mutant':<38} {'pass':<4} {'outcome':<18} {'by (metric, route, case)':<70} {'localized':<30} {'s':>6}"
     lines = [head, "-" * len(head)]
     for r in records:
         if r.get("killed"):
             by = f"{r.get('metric') or '-'}; {r.get('route') or '-'}; {r.get('case') or '-'}"
+            shipped = r.get("debug_control_flagged")
             loc = ("yes" if r.get("localized") else
-                   f"no ({r.get('debug_first_pass') or r.get('debug_error') or 'no pass flagged'})")
+                   f"no ({r.get('debug_first_pass') or r.get('debug_error') or 'none flagged'}"
+                   + (f"; shipped: {','.join(shipped) or 'clean'}" if shipped is not None else "") + ")")
         else:
             by = f"no failing cell in {r.get('cells')} cells"
             loc = "-"
-        lines.append(f"{r['mutant']:<38} {r['pass_name']:<4} {r['outcome']:<18} {by[:70]:<70} {loc[:22]:<22} "
+        lines.append(f"{r['mutant']:<38} {r['pass_name']:<4} {r['outcome']:<18} {by[:70]:<70} {loc[:30]:<30} "
                      f"{r.get('seconds', 0):>6.1f}")
     n = len(records)
     killed = sum(r.get("killed", False) for r in records)
