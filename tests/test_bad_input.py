@@ -170,3 +170,84 @@ def test_cli_missing_file_and_bad_device_without_traceback(tmp_path):
         r = subprocess.run([sys.executable, "-m", "verification", "oracle", "--inputs", str(tmp_path / "p.safetensors"),
                             "--out", str(tmp_path / "t"), "--device", "cuda"], capture_output=True, text=True)
         assert r.returncode == 2 and "no CUDA device here" in r.stderr and "Traceback" not in r.stderr
+
+
+# ------------------------------------------------------------- run, pytest options, tolerances, files
+RUN_CASES = [
+    (["--suite", "nope"], "--suite: expected one of smoke, default, k3-prefill, stress, fuzz, got 'nope'"),
+    (["--route", "nope"], "--route: backend 'emulator' has no route 'nope'; expected one of: flashkda, fla, moonshot"),
+    (["--backend", "nope"], "--backend: expected a built-in name (emulator, triton, fla, aiter, moonshot) or "
+                            "package.module:factory, got 'nope'"),
+    (["--case", "smoke/nope"], "--case: expected a case id (or glob) of suite(s) smoke, got 'smoke/nope'"),
+    (["--device", "tpu"], "--device: expected a torch device such as cpu, cuda, cuda:1, got 'tpu'"),
+    (["--tolerances", "MISSING"], "--tolerances: expected a YAML file, got "),
+    (["--max-cells", "0"], "--max-cells: expected an integer >= 1, got 0"),
+]
+
+
+@pytest.mark.parametrize("extra,message", RUN_CASES, ids=[c[0][0] for c in RUN_CASES])
+def test_run_bad_flags_one_line(tmp_path, capsys, extra, message):
+    argv = {"--backend": "emulator", "--suite": "smoke", "--out": str(tmp_path / "r")}
+    flags = dict(zip(extra[::2], [str(tmp_path / v) if v == "MISSING" else v for v in extra[1::2]]))
+    argv.update(flags)
+    rc = main(["run", *[x for kv in argv.items() for x in kv], "--no-report"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith(f"kda-verify run: error: {message}"), err[0]
+    assert not (tmp_path / "r" / "results.jsonl").exists()            # no cell ran
+
+
+def test_run_tolerance_file_with_an_unknown_field(tmp_path, capsys):
+    from verification.tolerances import DEFAULT_PATH
+    text = open(DEFAULT_PATH).read()
+    assert "\n    reason: " in text
+    bad = tmp_path / "t.yaml"
+    bad.write_text(text.replace("\n    reason: ", "\n    margin: 3\n    reason: ", 1))
+    rc = main(["run", "--backend", "emulator", "--suite", "smoke", "--out", str(tmp_path / "r"),
+               "--tolerances", str(bad), "--no-report"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert "t.yaml:" in err[0] and "unknown field 'margin'" in err[0], err[0]
+
+
+def test_problem_file_with_a_missing_tensor(tmp_path, capsys):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    path = str(tmp_path / "p.safetensors")
+    save_problem(path, base())
+    with safe_open(path, framework="pt") as f:
+        meta, tensors = dict(f.metadata()), {n: f.get_tensor(n) for n in f.keys() if n != "beta"}
+    save_file(tensors, path, metadata=meta)
+    for argv in (["oracle", "--inputs", path, "--out", str(tmp_path / "t.safetensors")],
+                 ["check", "--inputs", path, "--outputs", str(tmp_path / "o.safetensors"), "--recipe", "flashkda"]):
+        rc = main(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc == 2 and len(err) == 1, err
+        assert f"error: beta: expected a tensor 'beta' in {path}, got none (it holds " in err[0], err[0]
+
+
+pytest_plugins = ["pytester"]
+
+PYTEST_OPTION_CASES = [
+    (["--kda-suite", "nope"], "--suite: expected one of smoke, default, k3-prefill, stress, fuzz, got 'nope'"),
+    (["--kda-backend", "nope"], "--backend: expected a built-in name"),
+    (["--kda-route", "nope"], "--route: backend 'emulator' has no route 'nope'"),
+    (["--kda-case", "smoke/nope"], "--case: expected a case id (or glob) of suite(s) smoke, got 'smoke/nope'"),
+    (["--kda-device", "tpu"], "--device: expected a torch device such as cpu, cuda, cuda:1, got 'tpu'"),
+    (["--kda-tolerances", "MISSING"], "--tolerances: expected a YAML file, got "),
+]
+
+
+@pytest.mark.parametrize("extra,message", PYTEST_OPTION_CASES, ids=[c[0][0] for c in PYTEST_OPTION_CASES])
+def test_pytest_options_fail_one_item_naming_the_option(pytester, tmp_path, extra, message):
+    from pathlib import Path
+    matrix = Path(__file__).resolve().parent / "test_verify_matrix.py"
+    pytester.makepyfile(test_matrix_bad_options=matrix.read_text())
+    opts = {"--kda-backend": "emulator"}
+    opts.update(dict(zip(extra[::2], [str(tmp_path / v) if v == "MISSING" else v for v in extra[1::2]])))
+    res = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-q", "-rf", "-m", "verify",
+                                       *[x for kv in opts.items() for x in kv])
+    out = "\n".join(res.outlines)
+    assert res.ret == 1, out
+    assert "verify[options]" in out and f"kda-verify options: {message}" in out, out
+    assert "Traceback" not in out and "INTERNALERROR" not in out, out

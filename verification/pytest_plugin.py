@@ -171,8 +171,10 @@ def cell_id(backend: str, route: str, case_id: str) -> str:
 
 
 def _cells(config) -> list:
-    from verification.commands.run import select_cases
+    from verification.commands.run import _check_device, select_cases
     from verification.runner import plan
+    _check_device(config.getoption("--kda-device"))     # a bad device or tolerance file: the options item says so
+    _state(config).db
     suites = _split(config.getoption("--kda-suite")) or ["smoke"]
     long = pick_device(config).startswith("cuda")       # 64k-token and production shapes: on a GPU only
     cases = select_cases(suites, _split(config.getoption("--kda-case")), long=long)
