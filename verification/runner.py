@@ -468,6 +468,9 @@ def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: Base
             outputs = backend.backend.run(run_problem, route)
         _sync(device)
         timings["kernel_s"] = time.perf_counter() - t0
+        if guard is not None:          # the call alone; the guards' allocations and checks apart
+            timings["guards_s"] = timings["kernel_s"] - guard.kernel_s
+            timings["kernel_s"] = guard.kernel_s
     except Exception as e:  # noqa: BLE001 - the kernel failing is a result, not a harness crash
         return _errored(rec, e, f"{backend.name} {route.name} run")
     rec["info"] = jsonable(getattr(outputs, "info", {}) or {})
