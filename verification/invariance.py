@@ -314,8 +314,9 @@ def causality(backend, route, problem: Problem, prefix: Optional[int] = None, ch
 
     def changed(t, scale=1.0):
         flat = t.reshape(B * T, *t.shape[2:]).clone()
-        new = torch.randn(flat[late].shape, generator=gen) * scale
-        flat[late.to(t.device)] = new.to(device=t.device, dtype=t.dtype)
+        mask = late.to(t.device)
+        new = torch.randn((int(late.sum()), *flat.shape[1:]), generator=gen) * scale
+        flat[mask] = new.to(device=t.device, dtype=t.dtype)
         return flat.reshape(t.shape)
 
     other = problem.replace(q=changed(problem.q), k=changed(problem.k), v=changed(problem.v),
