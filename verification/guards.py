@@ -92,12 +92,9 @@ class GuardedBuffers:
             n *= s
         raw = self._raw(n * es, device)
         view = raw[self.band:self.band + n * es].view(dtype).view(shape)
-        is_output = name in OUTPUT_NAMES
-        if is_output and dtype in POISON_BITS:
-            poison_(view)
-        elif dtype in POISON_BITS:
-            poison_(view)                 # workspaces too: a read before write then shows as NaN
-        self.buffers.append(GuardedBuffer(name, raw, view, n * es, is_output))
+        if dtype in POISON_BITS:
+            poison_(view)     # outputs (checked: all written) and workspaces (a read before write is NaN)
+        self.buffers.append(GuardedBuffer(name, raw, view, n * es, name in OUTPUT_NAMES))
         return view
 
     def adopt(self, name: str, t: torch.Tensor) -> torch.Tensor:
