@@ -144,7 +144,7 @@ def run_mutant(mutant: Mutant, suites=("smoke", "stress"), long: bool = False, d
 
     t_start = time.perf_counter()
     rec = dict(mutant=mutant.name, pass_name=mutant.pass_name, file=mutant.file, what=mutant.what,
-               equivalent=mutant.equivalent, routes=list(mutant.routes), outcome=None, killed=False,
+               equivalent=mutant.equivalent, gap=mutant.gap, routes=list(mutant.routes), outcome=None, killed=False,
                crashed=False, route=None, case=None, status=None, reason="", metric="", cells=0,
                confirmed_by_original=None, original_failed=[], localized=None, debug_first_pass=None,
                debug_where=None, debug_control_flagged=None, debug_error=None)
@@ -252,7 +252,7 @@ def run_in_child(mutant: Mutant, suites, long: bool, device: str, case_globs=Non
             raise AnchorError(err.strip().splitlines()[-1])
         why = f"timed out after {timeout_s:.0f} s" if rc is None else f"child exited with status {rc}"
         rec = dict(mutant=mutant.name, pass_name=mutant.pass_name, file=mutant.file, what=mutant.what,
-                   equivalent=mutant.equivalent, routes=list(mutant.routes), killed=True, crashed=True,
+                   equivalent=mutant.equivalent, gap=mutant.gap, routes=list(mutant.routes), killed=True, crashed=True,
                    route=None, case=None, status="crashed", reason=why, metric="crash", cells=None,
                    localized=False, debug_first_pass=None, debug_where=None,
                    debug_error="not run: the mutant's process died", stderr_tail=(err or "")[-STDERR_TAIL:],
@@ -267,7 +267,7 @@ def needs_attention(rec: dict) -> bool:
 
 
 def format_table(records: list) -> str:
-    head = f"{'mutant':<38} {'pass':<4} {'outcome':<18} {'by (metric, route, case)':<70} {'localized':<30} {'s':>6}"
+    head = f"{'mutant':<38} {'pass':<4} {'outcome':<18} {'by (metric, route, case)':<70} {'localized':<34} {'s':>6}"
     lines = [head, "-" * len(head)]
     for r in records:
         if r.get("killed"):
@@ -279,7 +279,7 @@ def format_table(records: list) -> str:
         else:
             by = f"no failing cell in {r.get('cells')} cells"
             loc = "-"
-        lines.append(f"{r['mutant']:<38} {r['pass_name']:<4} {r['outcome']:<18} {by[:70]:<70} {loc[:30]:<30} "
+        lines.append(f"{r['mutant']:<38} {r['pass_name']:<4} {r['outcome']:<18} {by[:70]:<70} {loc[:34]:<34} "
                      f"{r.get('seconds', 0):>6.1f}")
     n = len(records)
     killed = sum(r.get("killed", False) for r in records)
@@ -290,6 +290,10 @@ def format_table(records: list) -> str:
     lines.append(f"{killed}/{n} killed ({loc} localized), {eq} equivalent (expected survivors), "
                  f"{len(surv)} survived" + (f": {', '.join(surv)}" if surv else "")
                  + (f"; marked equivalent but killed: {', '.join(wrong)}" if wrong else ""))
+    for r in records:
+        if r["outcome"] in ("survived", "equivalent") and (r.get("gap") or r.get("equivalent")):
+            why = f"gap: {r['gap']}" if r["outcome"] == "survived" and r.get("gap") else f"equivalent: {r['equivalent']}"
+            lines.append(f"  {r['mutant']}: {why}")
     return "\n".join(lines)
 
 
