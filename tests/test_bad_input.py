@@ -251,3 +251,10 @@ def test_pytest_options_fail_one_item_naming_the_option(pytester, tmp_path, extr
     assert res.ret == 1, out
     assert "verify[options]" in out and f"kda-verify options: {message}" in out, out
     assert "Traceback" not in out and "INTERNALERROR" not in out, out
+
+
+def test_timeout_without_isolate_and_a_case_of_no_suite_are_named(tmp_path, capsys):
+    assert main(["run", "--backend", "emulator", "--suite", "smoke", "--out", str(tmp_path / "r"), "--timeout", "5"]) == 2
+    assert "--timeout: expected together with --isolate" in capsys.readouterr().err
+    assert main(["export", "--case", "nope/x", "--out", str(tmp_path / "p.safetensors")]) == 2
+    assert "--case: expected <suite>/<name>" in capsys.readouterr().err

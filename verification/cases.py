@@ -355,6 +355,8 @@ def get_suite(name: str, **opts) -> list[Case]:
 def get_case(case_id: str, **opts) -> Case:
     """One case by id ``suite/name`` (fuzz ids need the same n/seed options)."""
     suite, _, name = case_id.partition("/")
+    if suite not in SUITES or not name:
+        raise _usage_error(f"--case: expected <suite>/<name> with suite one of {', '.join(SUITES)}, got {case_id!r}")
     for c in get_suite(suite, **opts):
         if c.name == name:
             return c

@@ -98,6 +98,9 @@ def run(args) -> int:
         raise UsageError(f"--max-cells: expected an integer >= 1, got {args.max_cells}")
     if args.timeout is not None and not args.timeout > 0:
         raise UsageError(f"--timeout: expected seconds > 0, got {args.timeout}")
+    if args.timeout is not None and not args.isolate:
+        raise UsageError(f"--timeout: expected together with --isolate (a cell is timed out by killing its child "
+                         f"process), got --timeout {args.timeout:g} alone")
     device = _check_device(args.device) or default_device()
     suites = split_list(args.suite)
     long = args.long == "yes" or (args.long == "auto" and device.startswith("cuda"))
