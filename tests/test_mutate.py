@@ -8,7 +8,6 @@ one smoke case).  The whole catalogue over smoke + stress:  kda-verify mutate --
 """
 import hashlib
 import json
-import sys
 
 import pytest
 
@@ -16,9 +15,6 @@ from verification.cli import main as cli_main
 from verification.mutants import CATALOGUE, UNSEG, Mutant, by_name
 from verification.mutate import (AnchorError, check_anchors, kernel_dir, materialize, needs_attention,
                                  patched_source, run_in_child)
-
-pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="child processes with the interpreter")
-
 
 def _digest(d):
     h = hashlib.sha256()
