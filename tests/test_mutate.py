@@ -104,3 +104,13 @@ def test_survivors_decide_the_exit_status(tmp_path, capsys):
     recs = json.loads(out.read_text())["records"]
     assert [r["outcome"] for r in recs] == ["equivalent"]
     assert "pivot_row_off_by_one" in capsys.readouterr().out
+
+
+def test_a_mutant_that_breaks_the_kernel_counts_as_crashed():
+    broken = Mutant(name="undefined_name", pass_name="K1", file="kernels.py",
+                    edits=(("G = tl.cumsum(a, 0) * 1.4426950408889634", "G = tl.cumsum(a, 0) * no_such_name"),),
+                    what="a kernel that does not compile")
+    rec = run_in_child(broken, ["smoke"], False, "cpu", case_globs=["smoke/dense-T64-lb-5"])
+    assert rec["outcome"] == "crashed" and rec["killed"] and rec["metric"] == "crash", rec
+    assert "raised" in rec["reason"], rec["reason"]
+    assert not needs_attention(rec)
