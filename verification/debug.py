@@ -12,7 +12,7 @@ flows between them are
 Each pass is fed the oracle's float64 upstream intermediates (the backend rounds them to
 its workspace dtypes), so the error it shows is that pass's own.  Every output row is
 compared with the oracle's row: the row error is ``||x_row - ref_row|| /
-max(||ref_row||, rms row norm of the tensor, 2^-126)``: relative for rows of typical size or larger,
+max(||ref_row||, rms row norm of the tensor, 2^-100)``: relative for rows of typical size or larger,
 and measured against the typical row for small ones (a row whose entries cancel, like the
 decayed dot product of two nearly orthogonal keys, carries the rounding error of its
 factors, not of its own size; a real bug moves rows by O(1) of the typical row norm), and the first row (in order of sequence, chunk or segment, row, head)
@@ -51,9 +51,11 @@ PASS_OUTPUTS = {
     "B": ("h_in",),
     "C": ("o", "final_state"),
 }
-# No row is measured against less than the smallest normal fp32 number: a float64 value below it
-# (a decay of 2^-254 at lb -5.5, say) is 0 in any fp32 buffer, and that is no error worth a name.
-ABS_FLOOR = 2.0 ** -126
+# No row is measured against less than 2^-100: every intermediate multiplies states, values or
+# decays of magnitude below 2^70 on the way to the outputs, so a row error below 2^-100 cannot reach
+# a bf16 or fp32 output.  Fully decayed segments (A_seg ~ 1e-37 at lb -5 over 64 tokens) and decays
+# below fp32's range (2^-254 at lb -5.5, 0 in any fp32 buffer) live there and are no error worth a name.
+ABS_FLOOR = 2.0 ** -100
 # Row-error thresholds and why (relative L2 of one row against the oracle's row).
 THRESHOLDS = {
     "ws_kd": (1e-2, "bf16 store: rounding alone gives ~1e-3 per row"),
@@ -240,7 +242,7 @@ def compare_tensor(name: str, x: torch.Tensor, ref: torch.Tensor, ctx: dict,
     err = _row_errors(x, ref)
     over = ~(err <= thr)
     diff = (x - ref)
-    rel = float(torch.linalg.vector_norm(diff) / max(float(torch.linalg.vector_norm(ref)), 1e-300))
+    rel = float(torch.linalg.vector_norm(diff) / max(float(torch.linalg.vector_norm(ref)), ABS_FLOOR * math.sqrt(max(err.numel(), 1))))
     if not math.isfinite(rel) or not bool(torch.isfinite(x).all()):
         rel = math.inf
     return TensorReport(name=name, rel_l2=rel, max_row_err=float(err.max()) if err.numel() else 0.0,
