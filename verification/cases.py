@@ -17,6 +17,7 @@ Parameters (``Case.params``; every one optional):
     g_scale, g_shift    raw gate = g_scale*N(0,1) + g_shift (g_shift = 12 saturates the sigmoid)
     beta_raw            a constant raw beta (4 -> beta ~ 0.982) instead of N(0,1)
     rho                 correlated keys: k <- rho*k[first token] + (1-rho)*k
+    qk_scale            multiplies raw q and k (1e-4: row norms ~1e-3, where the l2norm's eps matters)
     exact_keys          n: keys are +-1 on n of the first 8 channels (bf16-exact after l2norm)
     state               none | kv | vk | paged;  state_scale (default 0.5) multiplies N(0,1)
     converged           initial state S* and v_t = S*^T khat_t (+ bf16 rounding): S^T k ~ v
@@ -125,7 +126,9 @@ def build_problem(params: dict, seed: int, device="cpu", meta=None) -> Problem:
         v = proj[..., o2:o3].unflatten(-1, (HV, V))
         g = proj[..., o3:].unflatten(-1, (HV, K))
     else:
-        q, k, v = _bf16(randn(B, T, H, K)), _bf16(randn(B, T, H, K)), _bf16(randn(B, T, HV, V))
+        qk_scale = float(p.get("qk_scale", 1.0))
+        q, k = _bf16(qk_scale * randn(B, T, H, K)), _bf16(qk_scale * randn(B, T, H, K))
+        v = _bf16(randn(B, T, HV, V))
         g = _bf16(g_scale * randn(B, T, HV, K) + g_shift)
     beta = randn(B, T, HV)
     if "beta_raw" in p:
@@ -285,6 +288,7 @@ def stress_suite() -> list[Case]:
         c.append(_case(s, f"empty-seq-{where}", lens=lens, H=1, lb=-1.0, state="kv"))
     c.append(_case(s, "exact-keys-gate-off-beta4", B=1, T=96, H=2, lb=-1.0, g_shift=-200.0, exact_keys=4,
                    beta_raw=4.0))
+    c.append(_case(s, "small-norm-qk-lb-1", B=1, T=64, H=2, lb=-1.0, qk_scale=1e-4, state="kv"))
     c.append(_case(s, "one-chunk-per-segment-lb-0.1", B=1, T=160, H=1, lb=-0.1, state="kv", chunks_per_seg=1))
     c.append(_case(s, "large-state-x100-lb-0.1", B=1, T=96, H=1, lb=-0.1, state="kv", state_scale=100.0))
     c.append(_case(s, "converged-state-lb-0.01", B=1, T=96, H=1, lb=-0.01, converged=True, state_scale=0.1))
