@@ -4,28 +4,15 @@ kernels; and deliberately broken torch backends that each invariance must catch.
 
 tests/test_invariance_gpu.py runs the same checks compiled on CUDA over more routes and shapes.
 """
-import importlib
 import os
 import warnings
 
 import pytest
 import torch
 
-if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-    # Importing Triton under the interpreter rebuilds triton.language's functions as interpreted
-    # ones for the whole process; on a GPU tests/test_invariance_gpu.py covers the kernels.
-    pytest.skip("the interpreter tests run on machines without a GPU (or with TRITON_INTERPRET=1)",
-                allow_module_level=True)
-_saved_interpret = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"            # the kernels are built as interpreted functions at import
-import kda_kernels.triton.kernels as _kernels  # noqa: E402
+from interpreted_triton import interpreted_kernels  # noqa: E402
 
-if not type(_kernels.segment_kernel).__name__.startswith("Interpreted"):
-    importlib.reload(_kernels)
-if _saved_interpret is None:
-    del os.environ["TRITON_INTERPRET"]
-else:
-    os.environ["TRITON_INTERPRET"] = _saved_interpret
+_kernels = interpreted_kernels()
 
 from kda_kernels.base import Outputs, Route  # noqa: E402
 from kda_kernels.triton.backend import TritonBackend  # noqa: E402
@@ -41,14 +28,15 @@ ROUTES = ["unseg:BW=32", "seg:cps=1:BW=32"]
 
 @pytest.fixture(scope="module")
 def backend():
+    saved = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"          # available() reads it
     try:
         yield TritonBackend()
     finally:
-        if _saved_interpret is None:
+        if saved is None:
             os.environ.pop("TRITON_INTERPRET", None)
         else:
-            os.environ["TRITON_INTERPRET"] = _saved_interpret
+            os.environ["TRITON_INTERPRET"] = saved
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ fp16 u16 = 2^-11 = 4.9e-4):
 - segmented vs unsegmented: A_seg and the scan's operands are bf16 (aiter's bound):    <= 5e-3.
 Paged vs dense and strided vs packed views run the same arithmetic: bitwise equal.
 """
-import importlib
 import math
 import os
 import warnings
@@ -23,22 +22,9 @@ import warnings
 import pytest
 import torch
 
-if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-    # Importing Triton under the interpreter builds triton.language's own functions as interpreted
-    # ones for the whole process, which breaks every compiled kernel after it (ours, fla's, aiter's)
-    # in a `pytest -m verify` run on a GPU.  There tests/test_triton_gpu.py covers the kernels.
-    pytest.skip("the interpreter tests run on machines without a GPU (or with TRITON_INTERPRET=1)",
-                allow_module_level=True)
-_saved_interpret = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"            # the kernels are built as interpreted functions at import
-import kda_kernels.triton.kernels as _kernels  # noqa: E402
+from interpreted_triton import interpreted_kernels  # noqa: E402
 
-if not type(_kernels.segment_kernel).__name__.startswith("Interpreted"):
-    importlib.reload(_kernels)  # imported earlier without the interpreter: rebuild the kernels under it
-if _saved_interpret is None:                    # leave the environment of later test modules as it was
-    del os.environ["TRITON_INTERPRET"]
-else:
-    os.environ["TRITON_INTERPRET"] = _saved_interpret
+_kernels = interpreted_kernels()
 
 from kda_kernels.triton import FlashKDAError, RouteError, flashkda_forward, parse_route, route_names  # noqa: E402
 from kda_kernels.triton.backend import TritonBackend  # noqa: E402
