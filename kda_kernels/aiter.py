@@ -285,3 +285,206 @@ class AiterBackend:
                            info={"route_ran": ran, "layout": self._layout})
         return Outputs(o=o, final_state=final if p.output_final_state else None,
                        info={"route_ran": ran, "layout": self._layout})
+
+    # ----- per-pass debugging (verification.debug) -------------------------------------
+    #
+    # aiter's launchers, one at a time, with the grids and constexprs flash_kda_fwd uses:
+    #   K1  _flash_kda_prepare_kernel[(tiles | NT, B*H)]          -> ws_kd ws_qd ws_kr ws_gt ws_inv_mqk
+    #   A   _flash_kda_segment_kernel twice, (V/BW, segs*H):     h=0, v        -> b_seg [segs,H,K,V] fp32
+    #                                                            h=I, v=0, W=K -> A_seg [segs,H,K,K] bf16
+    #   B   _flash_kda_seg_scan_kernel[(V/32, N*H)], BV=32        -> h_in [segs,H,K,V] fp32
+    #   C   _flash_kda_segment_kernel, HAS_H_IN, COMPUTE_OUTPUT   -> o (like v), final state
+    # Layouts are the oracle's (kda_ref.workspace, kda_ref.segments): workspace head-major,
+    # ws_idx = h * tiles + tile; states K-first.  aiter keeps INV and Mqk in one fp16 buffer
+    # ws_inv_mqk [H*tiles, 2C, C] (rows 0..C-1 INV, rows C..2C-1 Mqk): K1 returns its two halves
+    # as ws_inv and ws_mqk, and passes A and C pack the fed ones back.  aiter has no ws_beta:
+    # passes A and C take sigmoid(beta) of the Problem's raw beta in-kernel, so K1 returns none.
+    # The final state of pass C is written K-first (STATE_V_FIRST off) whatever the Problem's
+    # layout; a V-first initial state is transposed to K-first as flash_kda_fwd does.
+    PASS_NAMES = ("K1", "A", "B", "C")
+
+    def _segment_geometry(self, p: Problem, r: dict) -> dict:
+        """Tiles and segments exactly as flash_kda_fwd derives them (its own _build_segments)."""
+        mod = self._mod
+        C = int(mod.FLASH_KDA_CHUNK)
+        dev = p.q.device
+        if p.cu_seqlens is not None:
+            cu = p.cu_seqlens.to(device=dev, dtype=torch.int64)
+            chunk_indices = mod.prepare_chunk_indices(cu, C)
+            N, NT, total_tiles = cu.numel() - 1, 0, int(chunk_indices.shape[0])
+            bounds = cu.tolist()
+            seqs = tuple((bounds[i], bounds[i + 1]) for i in range(N))
+        else:
+            cu, chunk_indices = None, None
+            N, NT = p.B, -(-p.T // C)
+            total_tiles = p.B * NT
+            seqs = tuple((b * p.T, b * p.T + p.T) for b in range(p.B))
+        n_chunks_max = max(-(-(e - b) // C) for b, e in seqs)
+        cps = r["chunks_per_seg"]
+        if cps is None:     # aiter's heuristic, without the env override (run() removes it too)
+            env_saved = os.environ.pop("CHUNK_DELTA_ATTN_FLASH_KDA_SEG", None)
+            try:
+                cps = int(mod._choose_chunks_per_seg(n_chunks_max, N, p.H, p.V))
+            finally:
+                if env_saved is not None:
+                    os.environ["CHUNK_DELTA_ATTN_FLASH_KDA_SEG"] = env_saved
+        elif cps <= 0:
+            cps = n_chunks_max
+        desc, seq_seg_off, num_segs, max_segs = mod._build_segments(seqs, C, cps, dev)
+        return dict(C=C, N=N, NT=NT, total_tiles=total_tiles, cu_seqlens=cu, chunk_indices=chunk_indices,
+                    cps=cps, desc=desc, seq_seg_off=seq_seg_off, num_segs=int(num_segs),
+                    segmented=int(max_segs) > 1)
+
+    def _pass_setup(self, p: Problem, route) -> tuple[dict, dict]:
+        if self._load() is None:
+            raise RuntimeError(self._why)
+        name = route.name if isinstance(route, Route) else str(route)
+        r = parse_route(name)
+        if r["kernels"] != "triton":
+            raise ValueError(f"--route: per-pass runs use aiter's Triton launchers (triton:...), got {name!r}")
+        if p.paged:
+            raise ValueError("problem: not applicable: aiter per-pass runs take dense states only, "
+                             "got state_layout='paged'")
+        ok, why = self.accepts(p, Route(name, recipe="flashkda"))
+        if not ok:
+            raise ValueError(f"problem: {why}")
+        return r, self._segment_geometry(p, r)
+
+    def debug_plan(self, problem: Problem, route) -> dict:
+        """Chunk size 32, the chunks per segment the route resolves to (None: unsegmented, i.e.
+        every sequence fits one segment, as flash_kda_fwd decides by its segment count), and
+        the passes it runs."""
+        _, geo = self._pass_setup(problem, route)
+        seg = geo["segmented"]
+        return dict(form="flashkda", chunk_size=geo["C"], chunks_per_seg=geo["cps"] if seg else None,
+                    passes=["K1", "A", "B", "C"] if seg else ["K1", "C"])
+
+    @staticmethod
+    def _initial_state_kfirst(p: Problem) -> Optional[torch.Tensor]:
+        """The dense initial state as [N, H, K, V] fp32 (a V-first one transposed), or None."""
+        if p.initial_state is None:
+            return None
+        h0 = p.initial_state
+        if p.state_layout == "vk":
+            h0 = h0.transpose(-1, -2)
+        return h0.to(device=p.q.device, dtype=torch.float32).contiguous()
+
+    def _workspace_from_feed(self, feed: dict, p: Problem, geo: dict, pass_name: str) -> dict:
+        """The fed float64 workspace rounded to aiter's dtypes; ws_inv and ws_mqk packed into
+        ws_inv_mqk [H*tiles, 2C, C] fp16."""
+        need = ("ws_kd", "ws_qd", "ws_kr", "ws_gt", "ws_inv", "ws_mqk")
+        missing = [n for n in need if n not in feed]
+        if missing:
+            raise ValueError(f"feed: pass {pass_name} needs {', '.join(missing)}, got {sorted(feed)}")
+        dev, C, K = p.q.device, geo["C"], p.K
+        rows = p.H * geo["total_tiles"]
+        shapes = dict(ws_kd=(rows, C, K), ws_qd=(rows, C, K), ws_kr=(rows, C, K), ws_gt=(rows, K),
+                      ws_inv=(rows, C, C), ws_mqk=(rows, C, C))
+        for n, shape in shapes.items():
+            if tuple(feed[n].shape) != shape:
+                raise ValueError(f"feed: {n} expected shape {list(shape)}, got {list(feed[n].shape)}")
+        ws = {n: feed[n].to(device=dev, dtype=torch.bfloat16).contiguous() for n in ("ws_kd", "ws_qd", "ws_kr")}
+        ws["ws_gt"] = feed["ws_gt"].to(device=dev, dtype=torch.float32).contiguous()
+        ws["ws_inv_mqk"] = torch.cat([feed["ws_inv"].to(device=dev, dtype=torch.float16),
+                                      feed["ws_mqk"].to(device=dev, dtype=torch.float16)], dim=1).contiguous()
+        return ws
+
+    def _segment_common(self, p: Problem, geo: dict, ws: dict, v: torch.Tensor, beta: torch.Tensor) -> dict:
+        """The arguments flash_kda_fwd passes to every _flash_kda_segment_kernel launch."""
+        desc = geo["desc"]
+        return dict(ws_kd=ws["ws_kd"], ws_qd=ws["ws_qd"], ws_kr=ws["ws_kr"], ws_gt=ws["ws_gt"],
+                    ws_inv_mqk=ws["ws_inv_mqk"], beta_raw=beta,
+                    seg_chunk_base=desc[0], seg_nchunks=desc[1], seg_tok_base=desc[2], seg_tok_end=desc[3],
+                    seg_seq=desc[4], seg_is_last=desc[5], TOTAL_TILES=geo["total_tiles"],
+                    NUM_SEGS_CLASS=self._mod._seg_occupancy_class(geo["num_segs"]),
+                    H=p.H, K=p.K, V=p.V, C=geo["C"], STATE_V_FIRST=False)
+
+    def run_pass(self, problem: Problem, route, pass_name: str, feed: Optional[dict] = None) -> dict:
+        """One pass of aiter's FlashKDA alone, on oracle-fed inputs (see the comment above):
+
+            "K1": feed unused               -> ws_kd ws_qd ws_kr ws_gt ws_inv ws_mqk
+            "A":  ws_* (+ v, beta)           -> A_seg [segs,H,K,K] bf16, b_seg [segs,H,K,V] fp32
+            "B":  A_seg, b_seg (+ S0)        -> h_in [segs,H,K,V] fp32
+            "C":  ws_* (+ h_in if segmented, else S0) -> o [B,T,H,V] bf16, final_state [N,H,K,V] fp32
+        """
+        name = str(pass_name).upper()
+        if name not in self.PASS_NAMES:
+            raise ValueError(f"--pass: expected one of {'|'.join(self.PASS_NAMES)}, got {pass_name!r}")
+        p, feed = problem, feed or {}
+        r, geo = self._pass_setup(p, route)
+        if name in ("A", "B") and not geo["segmented"]:
+            raise ValueError(f"--pass: route {getattr(route, 'name', route)!r} has no pass {name} on this problem "
+                             f"(every sequence fits one segment of {geo['cps']} chunks)")
+        kw = {k: (t.contiguous() if isinstance(t, torch.Tensor) else t)
+              for k, t in self.call_arguments(p, r).items()}
+        dev, H, K, V, C = p.q.device, p.H, p.K, p.V, geo["C"]
+        segs = geo["num_segs"]
+        counts: dict = {}
+        with self._pinned(r, counts), torch.inference_mode():
+            mod = self._mod
+            if name == "K1":
+                rows = H * geo["total_tiles"]
+                ws = dict(ws_kd=torch.empty(rows, C, K, dtype=torch.bfloat16, device=dev),
+                          ws_qd=torch.empty(rows, C, K, dtype=torch.bfloat16, device=dev),
+                          ws_kr=torch.empty(rows, C, K, dtype=torch.bfloat16, device=dev),
+                          ws_gt=torch.empty(rows, K, dtype=torch.float32, device=dev),
+                          ws_inv_mqk=torch.empty(rows, 2 * C, C, dtype=torch.float16, device=dev))
+                inv_block = min(int(mod.FLASH_KDA_INV_BLOCK), C)
+                varlen = geo["cu_seqlens"] is not None
+                mod._flash_kda_prepare_kernel[(geo["total_tiles"] if varlen else geo["NT"], p.B * H)](
+                    q=kw["q"], k=kw["k"], g_raw=kw["g"], beta_raw=kw["beta"], A_log=kw["A_log"],
+                    dt_bias=kw["dt_bias"], **ws, cu_seqlens=geo["cu_seqlens"], chunk_indices=geo["chunk_indices"],
+                    scale=kw["scale"], lower_bound=kw["lower_bound"], T=p.T, NT=geo["NT"],
+                    TOTAL_TILES=geo["total_tiles"], H=H, K=K, C=C, BC=inv_block,
+                    NUM_DOUBLING=inv_block.bit_length() - 2, NUM_MERGE=(C // inv_block).bit_length() - 1)
+                out = {n: ws[n] for n in ("ws_kd", "ws_qd", "ws_kr", "ws_gt")}
+                out.update(ws_inv=ws["ws_inv_mqk"][:, :C], ws_mqk=ws["ws_inv_mqk"][:, C:])
+                expect = {"K1": 1}
+            elif name == "A":
+                common = self._segment_common(p, geo, self._workspace_from_feed(feed, p, geo, name), kw["v"],
+                                              kw["beta"])
+                b_seg = torch.empty(segs, H, K, V, dtype=torch.float32, device=dev)
+                A_seg = torch.empty(segs, H, K, K, dtype=torch.bfloat16, device=dev)
+                for buf, width, identity, has_v in ((b_seg, V, False, True), (A_seg, K, True, False)):
+                    mod._flash_kda_segment_kernel[lambda meta, _w=width: (-(-_w // meta["BW"]), segs * H)](
+                        v_input=kw["v"], out=None, h_in=None, h_out=buf, final_state=None, W=width,
+                        INIT_IDENTITY=identity, HAS_H_IN=False, HAS_V=has_v, COMPUTE_OUTPUT=False,
+                        STORE_H_OUT=True, STORE_FINAL=False, **common)
+                out, expect = {"A_seg": A_seg, "b_seg": b_seg}, {"K2": 2}
+            elif name == "B":
+                missing = [n for n in ("A_seg", "b_seg") if n not in feed]
+                if missing:
+                    raise ValueError(f"feed: pass B needs {', '.join(missing)}, got {sorted(feed)}")
+                A_seg = feed["A_seg"].to(device=dev, dtype=torch.bfloat16).contiguous()
+                b_seg = feed["b_seg"].to(device=dev, dtype=torch.float32).contiguous()
+                for n, t, shape in (("A_seg", A_seg, (segs, H, K, K)), ("b_seg", b_seg, (segs, H, K, V))):
+                    if tuple(t.shape) != shape:
+                        raise ValueError(f"feed: {n} expected shape {list(shape)}, got {list(t.shape)}")
+                h_in = torch.empty(segs, H, K, V, dtype=torch.float32, device=dev)
+                BV_SCAN = 32
+                mod._flash_kda_seg_scan_kernel[(-(-V // BV_SCAN), geo["N"] * H)](
+                    A_seg=A_seg, b_seg=b_seg, h_in=h_in, h0=self._initial_state_kfirst(p),
+                    seq_seg_off=geo["seq_seg_off"], H=H, K=K, V=V, BV=BV_SCAN, num_warps=4)
+                out, expect = {"h_in": h_in}, {"scan": 1}
+            else:
+                common = self._segment_common(p, geo, self._workspace_from_feed(feed, p, geo, name), kw["v"],
+                                              kw["beta"])
+                if geo["segmented"]:
+                    if "h_in" not in feed:
+                        raise ValueError(f"feed: pass C of a segmented route needs h_in, got {sorted(feed)}")
+                    h_in = feed["h_in"].to(device=dev, dtype=torch.float32).contiguous()
+                    if tuple(h_in.shape) != (segs, H, K, V):
+                        raise ValueError(f"feed: h_in expected shape {[segs, H, K, V]}, got {list(h_in.shape)}")
+                else:
+                    h_in = self._initial_state_kfirst(p)
+                o = torch.empty_like(kw["v"])
+                final = torch.empty(geo["N"], H, K, V, dtype=torch.float32, device=dev)
+                mod._flash_kda_segment_kernel[lambda meta: (-(-V // meta["BW"]), segs * H)](
+                    v_input=kw["v"], out=o, h_in=h_in, h_out=None, final_state=final, W=V,
+                    INIT_IDENTITY=False, HAS_H_IN=h_in is not None, HAS_V=True, COMPUTE_OUTPUT=True,
+                    STORE_H_OUT=False, STORE_FINAL=True, **common)
+                out, expect = {"o": o, "final_state": final}, {"K2": 1}
+        launched = {k: v for k, v in counts.items() if not k.endswith(":config")}
+        if launched != expect:
+            raise RuntimeError(f"aiter pass {name}: expected launches {expect}, counted {launched}")
+        return out
