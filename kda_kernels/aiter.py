@@ -399,6 +399,28 @@ class AiterBackend:
                     NUM_SEGS_CLASS=self._mod._seg_occupancy_class(geo["num_segs"]),
                     H=p.H, K=p.K, V=p.V, C=geo["C"], STATE_V_FIRST=False)
 
+    def _launch(self, attr: str, grid, **kwargs) -> None:
+        """``mod.<attr>[grid](**kwargs)``, after checking that the kernel takes exactly these
+        arguments (plus those its heuristics and configs supply): the launchers here follow the
+        2026-08 module, and another aiter version's kernel must refuse in words, not mis-bind."""
+        kernel = getattr(self._mod, attr, None)
+        if kernel is None:
+            raise ValueError(f"--backend: not applicable: this aiter version ({self._layout} layout) has no {attr}")
+        supplied, arg_names, k = set(), None, kernel
+        while k is not None and hasattr(k, "arg_names"):
+            supplied |= set(getattr(k, "values", None) or {})                      # triton.heuristics
+            supplied |= {n for c in (getattr(k, "configs", None) or []) for n in c.kwargs}   # autotune configs
+            arg_names = list(k.arg_names)
+            k = getattr(k, "fn", None)
+        passed = set(kwargs) - {"num_warps", "num_stages"}
+        if arg_names is not None:
+            missing = sorted(set(arg_names) - passed - supplied)
+            unknown = sorted(passed - set(arg_names))
+            if missing or unknown:
+                raise ValueError(f"--backend: not applicable: this aiter version's {attr} takes other arguments "
+                                 f"than the 2026-08 launcher passes (missing {missing}, unknown {unknown})")
+        kernel[grid](**kwargs)
+
     def run_pass(self, problem: Problem, route, pass_name: str, feed: Optional[dict] = None) -> dict:
         """One pass of aiter's FlashKDA alone, on oracle-fed inputs (see the comment above):
 
@@ -431,7 +453,8 @@ class AiterBackend:
                           ws_inv_mqk=torch.empty(rows, 2 * C, C, dtype=torch.float16, device=dev))
                 inv_block = min(int(mod.FLASH_KDA_INV_BLOCK), C)
                 varlen = geo["cu_seqlens"] is not None
-                mod._flash_kda_prepare_kernel[(geo["total_tiles"] if varlen else geo["NT"], p.B * H)](
+                self._launch(
+                    "_flash_kda_prepare_kernel", (geo["total_tiles"] if varlen else geo["NT"], p.B * H),
                     q=kw["q"], k=kw["k"], g_raw=kw["g"], beta_raw=kw["beta"], A_log=kw["A_log"],
                     dt_bias=kw["dt_bias"], **ws, cu_seqlens=geo["cu_seqlens"], chunk_indices=geo["chunk_indices"],
                     scale=kw["scale"], lower_bound=kw["lower_bound"], T=p.T, NT=geo["NT"],
@@ -446,7 +469,8 @@ class AiterBackend:
                 b_seg = torch.empty(segs, H, K, V, dtype=torch.float32, device=dev)
                 A_seg = torch.empty(segs, H, K, K, dtype=torch.bfloat16, device=dev)
                 for buf, width, identity, has_v in ((b_seg, V, False, True), (A_seg, K, True, False)):
-                    mod._flash_kda_segment_kernel[lambda meta, _w=width: (-(-_w // meta["BW"]), segs * H)](
+                    self._launch(
+                        "_flash_kda_segment_kernel", lambda meta, _w=width: (-(-_w // meta["BW"]), segs * H),
                         v_input=kw["v"], out=None, h_in=None, h_out=buf, final_state=None, W=width,
                         INIT_IDENTITY=identity, HAS_H_IN=False, HAS_V=has_v, COMPUTE_OUTPUT=False,
                         STORE_H_OUT=True, STORE_FINAL=False, **common)
@@ -462,7 +486,8 @@ class AiterBackend:
                         raise ValueError(f"feed: {n} expected shape {list(shape)}, got {list(t.shape)}")
                 h_in = torch.empty(segs, H, K, V, dtype=torch.float32, device=dev)
                 BV_SCAN = 32
-                mod._flash_kda_seg_scan_kernel[(-(-V // BV_SCAN), geo["N"] * H)](
+                self._launch(
+                    "_flash_kda_seg_scan_kernel", (-(-V // BV_SCAN), geo["N"] * H),
                     A_seg=A_seg, b_seg=b_seg, h_in=h_in, h0=self._initial_state_kfirst(p),
                     seq_seg_off=geo["seq_seg_off"], H=H, K=K, V=V, BV=BV_SCAN, num_warps=4)
                 out, expect = {"h_in": h_in}, {"scan": 1}
@@ -479,7 +504,8 @@ class AiterBackend:
                     h_in = self._initial_state_kfirst(p)
                 o = torch.empty_like(kw["v"])
                 final = torch.empty(geo["N"], H, K, V, dtype=torch.float32, device=dev)
-                mod._flash_kda_segment_kernel[lambda meta: (-(-V // meta["BW"]), segs * H)](
+                self._launch(
+                    "_flash_kda_segment_kernel", lambda meta: (-(-V // meta["BW"]), segs * H),
                     v_input=kw["v"], out=o, h_in=h_in, h_out=None, final_state=final, W=V,
                     INIT_IDENTITY=False, HAS_H_IN=h_in is not None, HAS_V=True, COMPUTE_OUTPUT=True,
                     STORE_H_OUT=False, STORE_FINAL=True, **common)

@@ -107,15 +107,17 @@ def flash_kda():
     restore()
 
 
-def make(lens, H=1, lb=-1.0, state=None, seed=0):
-    """A bf16 varlen problem, K = V = 128, B = 1."""
+def make(lens=None, B=1, T=0, H=1, lb=-1.0, state=None, seed=0):
+    """A bf16 problem, K = V = 128: varlen (B = 1) when ``lens`` is given, else B x T."""
     gen = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
-    T, N, bf = sum(lens), len(lens), torch.bfloat16
-    p = Problem(q=r(1, T, H, 128).to(bf), k=r(1, T, H, 128).to(bf), v=r(1, T, H, 128).to(bf),
-                g=(0.1 * r(1, T, H, 128)).to(bf), beta=r(1, T, H), A_log=0.5 * r(H).abs(),
+    if lens is not None:
+        B, T = 1, sum(lens)
+    N, bf = (B if lens is None else len(lens)), torch.bfloat16
+    p = Problem(q=r(B, T, H, 128).to(bf), k=r(B, T, H, 128).to(bf), v=r(B, T, H, 128).to(bf),
+                g=(0.1 * r(B, T, H, 128)).to(bf), beta=r(B, T, H), A_log=0.5 * r(H).abs(),
                 dt_bias=0.1 * r(H * 128), lower_bound=lb,
-                cu_seqlens=torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist()))
+                cu_seqlens=None if lens is None else torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist()))
     if state in ("kv", "vk"):
         p = p.replace(initial_state=0.5 * r(N, H, 128, 128), state_layout=state)
     return p
@@ -155,6 +157,26 @@ def test_run_pass_refuses_what_it_cannot_run(flash_kda):
         b.run_pass(p, route("triton:seg:cps=1"), "B", {})
     with pytest.raises(ValueError, match="not applicable: FlashKDA needs bf16"):
         b.run_pass(p.replace(q=p.q.float()), route("triton:seg:cps=1"), "K1", {})
+    with pytest.raises(ValueError, match=r"feed: ws_kd expected shape \[5, 32, 128\], got \[4, 32, 128\]"):
+        b.run_pass(p, route("triton:seg:cps=1"), "C", {n: torch.zeros(4, 32, 128) for n in
+                   ("ws_kd", "ws_qd", "ws_kr", "ws_gt", "ws_inv", "ws_mqk")})
+
+
+def test_a_kernel_with_other_arguments_is_refused_before_launch(flash_kda, monkeypatch):
+    """Another aiter version's scan (here: one that also wants a paged cache) is named, not mis-bound."""
+    class OtherScan:
+        arg_names = ["A_seg", "b_seg", "h_in", "h0", "state_cache", "seq_seg_off", "H", "K", "V", "BV", "HAS_H0"]
+        values = {"HAS_H0": lambda args: args["h0"] is not None}
+
+        def __getitem__(self, grid):
+            raise AssertionError("launched a kernel whose arguments differ")
+
+    monkeypatch.setattr(flash_kda, "_flash_kda_seg_scan_kernel", OtherScan())
+    b = AiterBackend(module=flash_kda)
+    p = make([40, 70])
+    feed = {"A_seg": torch.zeros(5, 1, 128, 128), "b_seg": torch.zeros(5, 1, 128, 128)}
+    with pytest.raises(ValueError, match=r"_flash_kda_seg_scan_kernel takes other arguments .*missing \['state_cache'\]"):
+        b.run_pass(p, route("triton:seg:cps=1"), "B", feed)
 
 
 def test_every_pass_within_thresholds_segmented(flash_kda):
@@ -172,6 +194,14 @@ def test_every_pass_within_thresholds_segmented(flash_kda):
     # measured on this case: the bf16 tiles at bf16's rounding, o and the state well under 1e-2
     worst = {t.name: t.max_row_err for x in reports for t in x.tensors}
     assert worst["ws_kd"] < 4e-3 and worst["ws_gt"] < 1e-5 and worst["o"] < 1e-2, text
+
+
+def test_batched_dense_problem_k1_and_pass_c(flash_kda):
+    """B = 2 without cu_seqlens: K1's grid is (NT, B*H) and the tiles of batch b follow those of b-1."""
+    b = AiterBackend(module=flash_kda)
+    p = make(B=2, T=40, H=2, lb=-2.0, state="kv", seed=9)
+    reports = debug_passes(b, p, route("triton:unseg"))
+    assert [x.name for x in reports] == ["K1", "C"] and all(x.ok for x in reports), format_reports(reports)
 
 
 def test_unsegmented_pass_c_starts_from_a_v_first_state(flash_kda):
