@@ -19,6 +19,10 @@ other; afterwards the adapter confirms which kernels actually launched (it count
 launches of the module's kernel objects) instead of trusting the flags, and refuses a
 result whose launches contradict the route.
 No AMD GPU exists where this project is developed: the Gluon routes are untested here.
+
+``debug_plan`` / ``run_pass`` (verification.debug) launch the 2026-08 module's Triton kernels one
+pass at a time (K1, pass A, the scan, pass C) on oracle-fed inputs, with flash_kda_fwd's grids,
+constexprs and segment descriptors (its own ``_build_segments``); dense states only.
 """
 from __future__ import annotations
 
