@@ -80,6 +80,14 @@ def current_arch() -> str:
     return f"sm{props.major}{props.minor}"
 
 
+def _autotuner(kernel):
+    """The Autotuner inside a kernel object (it may sit under heuristics wrappers, via ``.fn``)."""
+    obj, seen = kernel, 0
+    while obj is not None and not hasattr(obj, "configs") and seen < 8:
+        obj, seen = getattr(obj, "fn", None), seen + 1
+    return obj
+
+
 class _LaunchCounter:
     """Wraps a Triton kernel object: ``kernel[grid](...)`` still launches, and is counted."""
 
@@ -216,11 +224,12 @@ class AiterBackend:
         for key, attr in TRITON_KERNELS.items():
             if hasattr(mod, attr):
                 kernel = getattr(mod, attr)
-                configs = getattr(kernel, "configs", None)
+                tuner = _autotuner(kernel)
+                configs = getattr(tuner, "configs", None)
                 if configs and len(configs) > 1:  # pin one config: no autotuning inside a verdict
                     pinned = [c for c in configs if c.kwargs.get("BW") == PINNED_BW] or configs[:1]
-                    saved_configs.append((kernel, configs))
-                    kernel.configs = pinned[:1]
+                    saved_configs.append((tuner, configs))
+                    tuner.configs = pinned[:1]
                     counts[f"{key}:config"] = str(pinned[0].kwargs)
                 setattr_saved(attr, _LaunchCounter(kernel, counts, key))
         for attr in [a for a in dir(mod) if "gluon" in a.lower() and callable(getattr(mod, a, None))

@@ -186,3 +186,29 @@ def test_moonshot_mapping_is_v_first_with_2d_dt_bias():
     assert kw["final_state"].shape == (2, 2, 128, 128) and kw["out"].dtype == torch.bfloat16
     ok, why = moon_mod.MoonshotBackend().accepts(p.replace(gate="softplus", lower_bound=None), Route("cutlass"))
     assert not ok and "lower_bound" in why
+
+
+def test_aiter_pins_an_autotuner_under_a_heuristics_wrapper():
+    """aiter's K1 is an Autotuner wrapped by triton.heuristics: its configs must be pinned too."""
+    class Cfg:
+        def __init__(self, bw):
+            self.kwargs = {"BW": bw}
+
+    class Tuner(_FakeKernel):
+        def __init__(self, log):
+            super().__init__(log, "K1")
+            self.configs = [Cfg(16), Cfg(32), Cfg(64)]
+
+    class Heuristics:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __getitem__(self, grid):
+            return self.fn[grid]
+
+    fake = _fake_aiter()
+    tuner = Tuner(fake.log)
+    fake._flash_kda_prepare_kernel = Heuristics(tuner)
+    out = aiter_mod.AiterBackend(module=fake).run(_problem(), Route("triton:unseg"))
+    assert "K1:config={'BW': 32}" in out.info["route_ran"]
+    assert [c.kwargs["BW"] for c in tuner.configs] == [16, 32, 64]     # restored after the call
