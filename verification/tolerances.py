@@ -128,6 +128,22 @@ def _err(path, line, msg):
     return ToleranceError(f"{path}:{line}: {msg}")
 
 
+def _fields(node, allowed: tuple, what: str, path: str) -> dict:
+    """{field: (value, line)} of one YAML mapping node; an unknown or repeated field is an error."""
+    import yaml
+
+    if not isinstance(node, yaml.MappingNode):
+        raise _err(path, node.start_mark.line + 1, f"{what}: expected a mapping of fields")
+    fields = {}
+    for k, v in node.value:
+        if k.value not in allowed:
+            raise _err(path, k.start_mark.line + 1, f"unknown field {k.value!r}: expected one of {', '.join(allowed)}")
+        if k.value in fields:
+            raise _err(path, k.start_mark.line + 1, f"field {k.value!r}: given twice")
+        fields[k.value] = (yaml.safe_load(yaml.serialize(v)), k.start_mark.line + 1)
+    return fields
+
+
 def parse_tolerances(text: str, path: str = "<string>") -> ToleranceDB:
     """Validate and load the YAML text of a tolerance file."""
     import yaml
@@ -154,15 +170,7 @@ def parse_tolerances(text: str, path: str = "<string>") -> ToleranceDB:
     entries, seen = [], {}
     for node in top["entries"][1].value:
         line = node.start_mark.line + 1
-        if not isinstance(node, yaml.MappingNode):
-            raise _err(path, line, "entry: expected a mapping of fields")
-        fields = {}
-        for k, v in node.value:
-            if k.value not in FIELDS:
-                raise _err(path, k.start_mark.line + 1, f"unknown field {k.value!r}: expected one of {', '.join(FIELDS)}")
-            if k.value in fields:
-                raise _err(path, k.start_mark.line + 1, f"field {k.value!r}: given twice")
-            fields[k.value] = (yaml.safe_load(yaml.serialize(v)), k.start_mark.line + 1)
+        fields = _fields(node, FIELDS, "entry", path)
         for f in KEY_FIELDS + NUM_FIELDS + TEXT_FIELDS:
             if f not in fields:
                 raise _err(path, line, f"entry: missing field {f!r}")
@@ -199,21 +207,14 @@ def parse_tolerances(text: str, path: str = "<string>") -> ToleranceDB:
             raise _err(path, top["known_failures"][0].start_mark.line + 1, "known_failures: expected a list")
         for node in node_list.value:
             line = node.start_mark.line + 1
-            if not isinstance(node, yaml.MappingNode):
-                raise _err(path, line, "known failure: expected a mapping of fields")
-            fields = {}
-            for k, v in node.value:
-                if k.value not in KNOWN_FIELDS:
-                    raise _err(path, k.start_mark.line + 1,
-                               f"unknown field {k.value!r}: expected one of {', '.join(KNOWN_FIELDS)}")
-                val = yaml.safe_load(yaml.serialize(v))
+            fields = _fields(node, KNOWN_FIELDS, "known failure", path)
+            for f in KNOWN_FIELDS:
+                if f not in fields:
+                    raise _err(path, line, f"known failure: missing field {f!r}")
+                val, ln = fields[f]
                 if not isinstance(val, str) or not val.strip():
-                    raise _err(path, k.start_mark.line + 1, f"{k.value}: expected a non-empty string, got {val!r}")
-                fields[k.value] = val.strip()
-            missing = [f for f in KNOWN_FIELDS if f not in fields]
-            if missing:
-                raise _err(path, line, f"known failure: missing field {missing[0]!r}")
-            known.append(KnownFailure(line=line, **fields))
+                    raise _err(path, ln, f"{f}: expected a non-empty string, got {val!r}")
+            known.append(KnownFailure(line=line, **{f: fields[f][0].strip() for f in KNOWN_FIELDS}))
     return ToleranceDB(entries, path, known)
 
 
