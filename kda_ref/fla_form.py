@@ -27,6 +27,7 @@ import torch
 
 from .preprocess import F64, LOG2E, Prepared
 from .tiles import tile_grid
+from .workspace import decayed_gram_pairwise
 
 FLA_CHUNK_SIZES = (32, 64)
 
@@ -53,20 +54,6 @@ class FlaForm:
         return out
 
 
-def _pairwise(x, k, gam, include_diag: bool, block_elems: int = 1 << 24):
-    """Σ_d x_id k_jd exp(γ_id - γ_jd) on the lower triangle; x, k, γ [M, C, K] -> [M, C, C]."""
-    M, C, K = x.shape
-    out = x.new_zeros(M, C, C)
-    tri = torch.tril(torch.ones(C, C, dtype=torch.bool, device=x.device), 0 if include_diag else -1)
-    step = max(1, block_elems // (C * C * K))
-    for m0 in range(0, M, step):
-        m1 = min(M, m0 + step)
-        diff = gam[m0:m1, :, None, :] - gam[m0:m1, None, :, :]
-        e = torch.exp(torch.where(tri[None, :, :, None], diff, torch.full_like(diff, -torch.inf)))
-        out[m0:m1] = torch.einsum("mid,mjd,mijd->mij", x[m0:m1], k[m0:m1], e)
-    return out
-
-
 def fla_form(pp: Prepared, BT: int = 64) -> FlaForm:
     """Every fla intermediate and the o / final state they give, for chunk size BT (32 or 64)."""
     if BT not in FLA_CHUNK_SIZES:
@@ -81,8 +68,9 @@ def fla_form(pp: Prepared, BT: int = 64) -> FlaForm:
     gam = torch.cumsum(a, dim=2)
     gam_last = gam[:, :, -1:, :]                                               # tail a = 0
     flat = lambda x: x.reshape((HV * tiles,) + tuple(x.shape[2:]))            # noqa: E731
-    Aqk = _pairwise(flat(pp.scale * q), flat(k), flat(gam), include_diag=True).view(HV, tiles, BT, BT)
-    Lp = beta * _pairwise(flat(k), flat(k), flat(gam), include_diag=False).view(HV, tiles, BT, BT)
+    G = flat(gam * LOG2E)                                                     # 2^{G_i - G_j} = e^{γ_i - γ_j}
+    Aqk = decayed_gram_pairwise(flat(pp.scale * q), flat(k), G, include_diag=True).view(HV, tiles, BT, BT)
+    Lp = beta * decayed_gram_pairwise(flat(k), flat(k), G, include_diag=False).view(HV, tiles, BT, BT)
     eye = torch.eye(BT, dtype=F64, device=k.device).expand_as(Lp)
     Akk = torch.linalg.solve_triangular(eye + Lp, eye, upper=False, unitriangular=True)
     Akk = Akk * valid * valid.transpose(-1, -2)                                # tail rows/columns zero
