@@ -55,6 +55,22 @@ def test_cli_unknown_mutant_is_a_one_line_usage_error(capsys):
     assert "\n" not in err
 
 
+def test_cli_bad_jobs_is_a_one_line_usage_error(capsys):
+    assert cli_main(["mutate", "--mutant", "pivot_row_off_by_one", "--jobs", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "kda-verify mutate: error: --jobs: expected a number of processes >= 1, got 0"
+
+
+def test_parallel_jobs_keep_the_catalogue_order(tmp_path, capsys):
+    out = tmp_path / "m.json"
+    rc = cli_main(["mutate", "--mutant", "tail_beta_not_zeroed,pivot_row_off_by_one", "--suite", "smoke",
+                   "--case", "smoke/dense-T64-lb-5", "--jobs", "2", "--json", str(out)])
+    assert rc == 0, capsys.readouterr().out
+    recs = json.loads(out.read_text())["records"]
+    assert [r["mutant"] for r in recs] == ["tail_beta_not_zeroed", "pivot_row_off_by_one"]
+    assert [r["outcome"] for r in recs] == ["equivalent", "equivalent"]
+
+
 def test_copy_is_patched_and_shipped_package_untouched(tmp_path):
     before = _digest(kernel_dir())
     m = by_name(["wrong_sign_of_L"])[0]

@@ -4,6 +4,7 @@ the per-pass debugger names the patched pass."""
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor, as_completed
 
 NAME = "mutate"
 HELP = "mutation testing: run each mutant of our Triton FlashKDA through the harness (killed? localized?)"
@@ -23,6 +24,9 @@ def add_arguments(p):
     p.add_argument("--taps", choices=("yes", "no"), default="yes",
                    help="judge the ws_inv tap too (default yes)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per mutant (default 900)")
+    p.add_argument("--jobs", type=int, default=1, metavar="N",
+                   help="mutants run at once, each in its own child process (default 1; on a GPU the children "
+                        "share it: compilation, not the kernels, is what takes the time)")
     p.add_argument("--json", metavar="OUT", help="write the records as JSON")
 
 
@@ -59,14 +63,22 @@ def run(args) -> int:
         check_anchors(mutants)
     except AnchorError as e:
         raise UsageError(str(e)) from None
-    records = []
-    for i, m in enumerate(mutants, 1):
-        rec = run_in_child(m, suites, args.long == "yes", args.device, case_globs=args.case or None,
-                           taps=args.taps == "yes", timeout_s=args.timeout)
-        records.append(rec)
-        where = f"{rec.get('metric')}, {rec.get('case')}" if rec.get("killed") else f"{rec.get('cells')} cells"
-        print(f"[{i}/{len(mutants)}] {m.name}: {rec['outcome']} ({where}; localized: {rec.get('localized')}) "
-              f"{rec.get('seconds', 0):.1f} s", flush=True)
+    if args.jobs < 1:
+        raise UsageError(f"--jobs: expected a number of processes >= 1, got {args.jobs}")
+
+    def one(m):
+        return run_in_child(m, suites, args.long == "yes", args.device, case_globs=args.case or None,
+                            taps=args.taps == "yes", timeout_s=args.timeout)
+
+    records = [None] * len(mutants)
+    with ThreadPoolExecutor(max_workers=min(args.jobs, max(1, len(mutants)))) as pool:
+        futures = {pool.submit(one, m): i for i, m in enumerate(mutants)}
+        for done, fut in enumerate(as_completed(futures), 1):
+            i = futures[fut]
+            rec = records[i] = fut.result()
+            where = f"{rec.get('metric')}, {rec.get('case')}" if rec.get("killed") else f"{rec.get('cells')} cells"
+            print(f"[{done}/{len(mutants)}] {mutants[i].name}: {rec['outcome']} ({where}; "
+                  f"localized: {rec.get('localized')}) {rec.get('seconds', 0):.1f} s", flush=True)
     print(format_table(records))
     if args.json:
         from verification.runner import jsonable
