@@ -86,3 +86,37 @@ def test_run_cell_on_cuda_records_guards(backend):
                    load_tolerances(), "cuda")          # guards default on for CUDA
     assert rec["guards"]["ok"], rec["guards"]
     assert rec["status"] == "pass", rec["reason"]
+
+
+def _planted(name, edits, what, tmp_path):
+    from verification.mutate import load_mutant_backend
+    from verification.mutants import Mutant
+    return load_mutant_backend(Mutant(name=name, pass_name="C", file="kernels.py", edits=edits, what=what), tmp_path)
+
+
+def test_planted_out_of_bounds_write_in_the_compiled_kernel_is_caught(tmp_path):
+    """Pass C's o store loses its row mask: the tail chunk of the last sequence (T = 40, so rows
+    40..63) is written past o's end, into the guard band after it."""
+    from verification.guards import guarded_run
+    bad = _planted("planted_o_store_unmasked",
+                   (("o.to(o_ptr.dtype.element_ty), mask=vmask)", "o.to(o_ptr.dtype.element_ty))"),),
+                   "o stored without the row mask", tmp_path)
+    p = _build(dict(B=1, T=40, H=2, state="kv"), 11)
+    _, rep = guarded_run(bad, p, bad.route("unseg"))
+    assert not rep.ok and any(v.startswith("o") and "after" in v for v in rep.violations), rep.violations
+    from kda_kernels.triton.backend import TritonBackend
+    _, clean = guarded_run(TritonBackend(), p, TritonBackend().route("unseg"))
+    assert clean.ok, clean.violations
+
+
+def test_planted_read_of_a_slot_without_initial_state_is_caught(tmp_path):
+    """The paged read ignores has_initial_state: the slot of a new sequence holds NaN under the
+    guards, so reading it must show up (o or the state becomes NaN) and the guard names it."""
+    from verification.guards import guarded_run
+    bad = _planted("planted_has_initial_state_ignored",
+                   (("mask=has & (off >= 0), other=0.0)", "mask=(off >= 0), other=0.0)"),),
+                   "paged read ignores has_initial_state", tmp_path)
+    p = _build(dict(lens=[200, 47, 513], H=2, state="paged", paged_new=[1], slot_pad=64), 12)
+    _, rep = guarded_run(bad, p, bad.route("unseg"))
+    assert not rep.ok, "a read of a slot whose has_initial_state is false went unnoticed"
+    print("\n".join(rep.violations))
