@@ -29,7 +29,10 @@ Parameters (``Case.params``; every one optional):
 """
 from __future__ import annotations
 
+import copy
+import functools
 import math
+import re
 import zlib
 from dataclasses import dataclass, field
 
@@ -60,6 +63,7 @@ class Case:
     suite: str
     seed: int
     params: dict = field(default_factory=dict)
+    suite_opts: dict = field(default_factory=dict)   # the draw a fuzz case comes from: {"n": N, "seed": S}
 
     @property
     def id(self) -> str:
@@ -300,11 +304,33 @@ def stress_suite() -> list[Case]:
 
 
 FUZZ_DOMAIN = "K=V=128, HV=H, bf16 q/k/v/g, fp32 beta, lower-bound gate lb in [-5.5, -0.01], l2norm, sigmoid beta"
+FUZZ_N, FUZZ_SEED = 20, 0           # the default draw (CI's)
 
 
-def fuzz_suite(n: int = 20, seed: int = 0) -> list[Case]:
-    """``n`` Hypothesis-drawn problems within the FlashKDA domain (FUZZ_DOMAIN), derandomized
-    with a fixed seed and no example database, so CI sees the same problems every run."""
+def fuzz_options(n=None, seed=None, names=("--fuzz-n", "--fuzz-seed")) -> tuple[int, int]:
+    """(n, seed) of a fuzz draw from option values (strings or ints; None: the default), or a
+    UsageError naming the option: n must be an integer >= 1, seed an integer >= 0."""
+    out = []
+    for value, name, default, low in ((n, names[0], FUZZ_N, 1), (seed, names[1], FUZZ_SEED, 0)):
+        if value is None:
+            out.append(default)
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise _usage_error(f"{name}: expected an integer >= {low}, got {value!r}")
+        text = str(value).strip()
+        if not re.fullmatch(r"[+-]?\d+", text) or int(text) < low:
+            raise _usage_error(f"{name}: expected an integer >= {low}, got {value!r}")
+        out.append(int(text))
+    return out[0], out[1]
+
+
+class _EnoughDrawn(Exception):
+    """Stops the Hypothesis engine once n problems are drawn (the rest of max_examples would be
+    drawn and thrown away; the first n are the same either way)."""
+
+
+@functools.lru_cache(maxsize=8)
+def _fuzz_draw(n: int, seed: int, stop_early: bool = True) -> tuple:
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import seed as hseed
     from hypothesis import strategies as st
@@ -321,32 +347,49 @@ def fuzz_suite(n: int = 20, seed: int = 0) -> list[Case]:
     }, optional={"beta_raw": st.sampled_from([-4.0, 0.0, 4.0])})
     drawn: list = []
 
+    # max_examples stays 4n: the engine's choices depend on it, and with it the problems drawn
     @hseed(seed)
     @settings(max_examples=4 * n, database=None, phases=[Phase.generate], deadline=None,
-              suppress_health_check=list(HealthCheck))
+              suppress_health_check=list(HealthCheck), report_multiple_bugs=False, print_blob=False)
     @given(params)
     def collect(p):
         if len(drawn) < n and sum(p["lens"]) > 0:
             drawn.append(p)
+        if stop_early and len(drawn) >= n:
+            raise _EnoughDrawn
 
-    collect()
+    try:
+        collect()
+    except _EnoughDrawn:
+        pass
+    return tuple(drawn)
+
+
+def fuzz_suite(n: int = FUZZ_N, seed: int = FUZZ_SEED) -> list[Case]:
+    """``n`` Hypothesis-drawn problems within the FlashKDA domain (FUZZ_DOMAIN), derandomized
+    with a fixed seed and no example database, so CI sees the same problems every run.  Case
+    ``fuzz{seed}-{i:03d}`` depends on n too (the engine draws differently for another n): the
+    repro line of a fuzz cell carries --fuzz-n and --fuzz-seed.  A draw is kept per process
+    (2000 cases: about 6 s on one CPU core)."""
+    n, seed = fuzz_options(n, seed, names=("n", "seed"))
     out = []
-    for i, p in enumerate(drawn):
+    for i, p in enumerate(_fuzz_draw(n, seed)):
+        p = copy.deepcopy(p)
         if p["state"] == "paged":
             p["paged_new"] = [j for j in range(len(p["lens"])) if j % 2 == 1]
         out.append(Case(name=f"fuzz{seed}-{i:03d}", suite="fuzz", seed=stable_seed(f"fuzz/{seed}/{i}"),
-                        params=p))
+                        params=p, suite_opts={"n": n, "seed": seed}))
     return out
 
 
 def get_suite(name: str, **opts) -> list[Case]:
     """The cases of suite ``name``.  Options: ``long=False`` drops long cases (CPU runs);
-    fuzz takes ``n`` (default 20) and ``seed`` (default 0)."""
+    fuzz takes ``n`` (default 20) and ``seed`` (default 0); None means the default."""
     if name not in SUITES:
         raise _usage_error(f"--suite: expected one of {', '.join(SUITES)}, got {name!r}")
     long = opts.pop("long", True)
     if name == "fuzz":
-        n, seed = int(opts.pop("n", 20)), int(opts.pop("seed", 0))
+        n, seed = fuzz_options(opts.pop("n", None), opts.pop("seed", None), names=("n", "seed"))
     if opts:
         raise _usage_error(f"get_suite: unknown option(s) {', '.join(sorted(opts))} for suite {name!r} "
                            f"(expected long, and n, seed for fuzz)")
@@ -356,12 +399,38 @@ def get_suite(name: str, **opts) -> list[Case]:
     return [c for c in cases if long or not c.long]
 
 
-def get_case(case_id: str, **opts) -> Case:
-    """One case by id ``suite/name`` (fuzz ids need the same n/seed options)."""
+_FUZZ_NAME = re.compile(r"fuzz(\d+)-(\d+)")
+
+
+def get_case(case_id: str, n=None, seed=None, names=("--fuzz-n", "--fuzz-seed")) -> Case:
+    """One case by id ``suite/name``.  A fuzz id ``fuzz/fuzz{S}-{i}`` is case i of the draw of
+    ``n`` cases with seed S: pass the n (and seed) of the run it comes from (its repro line's
+    --fuzz-n / --fuzz-seed); seed defaults to the S of the name, n to 20.  ``names``: the
+    options named in errors."""
     suite, _, name = case_id.partition("/")
     if suite not in SUITES or not name:
         raise _usage_error(f"--case: expected <suite>/<name> with suite one of {', '.join(SUITES)}, got {case_id!r}")
+    opts = {}
+    if suite == "fuzz":
+        n = None if n is None else fuzz_options(n=n, names=names)[0]
+        seed = None if seed is None else fuzz_options(seed=seed, names=names)[1]
+        m = _FUZZ_NAME.fullmatch(name)
+        if m:
+            s_name, index = int(m.group(1)), int(m.group(2))
+            if seed is not None and seed != s_name:
+                raise _usage_error(f"{names[1]}: expected the seed of {case_id} ({s_name}), got {seed}")
+            seed = s_name
+            if index >= (FUZZ_N if n is None else n):
+                raise _usage_error(f"{names[0]}: expected the n of the draw {case_id} comes from (more than "
+                                   f"{index}; its repro line carries {names[0]} N), got "
+                                   f"{FUZZ_N if n is None else n}{' (the default)' if n is None else ''}")
+        opts = {"n": n, "seed": seed}
+    elif n is not None or seed is not None:
+        raise _usage_error(f"{names[0] if n is not None else names[1]}: expected together with a fuzz case, "
+                           f"got {case_id!r}")
     for c in get_suite(suite, **opts):
         if c.name == name:
             return c
-    raise _usage_error(f"--case: no case named {name!r} in suite {suite!r}")
+    raise _usage_error(f"--case: no case named {name!r} in suite {suite!r}"
+                       + (f" (a draw of {len(get_suite(suite, **opts))} cases with seed {opts['seed']})"
+                          if suite == "fuzz" else ""))
