@@ -182,6 +182,10 @@ RUN_CASES = [
     (["--device", "tpu"], "--device: expected a torch device such as cpu, cuda, cuda:1, got 'tpu'"),
     (["--tolerances", "MISSING"], "--tolerances: expected a YAML file, got "),
     (["--max-cells", "0"], "--max-cells: expected an integer >= 1, got 0"),
+    (["--fuzz-n", "0"], "--fuzz-n: expected an integer >= 1, got '0'"),
+    (["--fuzz-n", "2k"], "--fuzz-n: expected an integer >= 1, got '2k'"),
+    (["--fuzz-seed", "-1"], "--fuzz-seed: expected an integer >= 0, got '-1'"),
+    (["--fuzz-n", "50"], "--fuzz-n: expected together with the fuzz suite, got --fuzz-n 50 with suite(s) smoke"),
 ]
 
 
@@ -235,6 +239,8 @@ PYTEST_OPTION_CASES = [
     (["--kda-case", "smoke/nope"], "--case: expected a case id (or glob) of suite(s) smoke, got 'smoke/nope'"),
     (["--kda-device", "tpu"], "--device: expected a torch device such as cpu, cuda, cuda:1, got 'tpu'"),
     (["--kda-tolerances", "MISSING"], "--tolerances: expected a YAML file, got "),
+    (["--kda-fuzz-n", "0"], "--kda-fuzz-n: expected an integer >= 1, got '0'"),
+    (["--kda-fuzz-seed", "x"], "--kda-fuzz-seed: expected an integer >= 0, got 'x'"),
 ]
 
 

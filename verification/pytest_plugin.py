@@ -12,6 +12,8 @@ Options:
     --kda-route R      only these routes (default: every route); repeatable or comma list
     --kda-suite S      suites (default: smoke); repeatable or comma list
     --kda-case ID      only cases whose id matches (exact or glob); repeatable
+    --kda-fuzz-n N     with --kda-suite fuzz: how many cases to draw (default 20)
+    --kda-fuzz-seed S  with --kda-suite fuzz: the seed of the draw (default 0)
     --kda-report DIR   write DIR/results*.jsonl as cells finish and the report at session end
     --kda-device D     torch device (default: cuda:N for xdist worker gwN, N mod device_count;
                        cuda without xdist; cpu without CUDA)
@@ -53,6 +55,10 @@ def pytest_addoption(parser):
                 help="case suites (repeatable, comma list; default: smoke)")
     g.addoption("--kda-case", action="append", default=[], metavar="ID",
                 help="only case ids matching (exact or glob; repeatable)")
+    g.addoption("--kda-fuzz-n", default=None, metavar="N",
+                help="with --kda-suite fuzz: how many cases to draw (default 20; fuzz ids depend on it)")
+    g.addoption("--kda-fuzz-seed", default=None, metavar="S",
+                help="with --kda-suite fuzz: the seed of the draw (default 0)")
     g.addoption("--kda-report", default=None, metavar="DIR",
                 help="write results*.jsonl into DIR as cells finish and the report at session end")
     g.addoption("--kda-device", default=None, metavar="D",
@@ -171,13 +177,18 @@ def cell_id(backend: str, route: str, case_id: str) -> str:
 
 
 def _cells(config) -> list:
-    from verification.commands.run import _check_device, select_cases
+    from types import SimpleNamespace
+
+    from verification.commands.run import _check_device, fuzz_args, select_cases
     from verification.runner import plan
     _check_device(config.getoption("--kda-device"))     # a bad device or tolerance file: the options item says so
     _state(config).db
     suites = _split(config.getoption("--kda-suite")) or ["smoke"]
+    fuzz = SimpleNamespace(fuzz_n=config.getoption("--kda-fuzz-n"), fuzz_seed=config.getoption("--kda-fuzz-seed"))
+    fuzz_n, fuzz_seed = fuzz_args(fuzz, suites, names=("--kda-fuzz-n", "--kda-fuzz-seed"))
     long = pick_device(config).startswith("cuda")       # 64k-token and production shapes: on a GPU only
-    cases = select_cases(suites, _split(config.getoption("--kda-case")), long=long)
+    cases = select_cases(suites, _split(config.getoption("--kda-case")), long=long, fuzz_n=fuzz_n,
+                         fuzz_seed=fuzz_seed)
     return plan(_backends(config), _split(config.getoption("--kda-route")) or None, cases)
 
 

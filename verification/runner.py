@@ -321,7 +321,11 @@ def resolve_routes(lb: LoadedBackend, wanted: Optional[list[str]] = None, strict
 # ----------------------------------------------------------------------------------------
 def repro_command(backend_spec: str, route: str, case, out: str = "DIR", device: Optional[str] = None) -> str:
     parts = ["kda-verify", "run", "--backend", backend_spec, "--route", route, "--suite", case.suite,
-             "--case", case.id, "--out", out]
+             "--case", case.id]
+    draw = getattr(case, "suite_opts", None) or {}
+    if case.suite == "fuzz" and draw:          # a fuzz id names a case of one draw (n, seed)
+        parts += ["--fuzz-n", str(draw["n"]), "--fuzz-seed", str(draw["seed"])]
+    parts += ["--out", out]
     if device:
         parts += ["--device", device]
     return " ".join(shlex.quote(p) for p in parts)

@@ -270,6 +270,8 @@ def add_arguments(p):
                    "(kda-verify run / pytest -m verify --kda-report DIR) instead of measuring again")
     p.add_argument("--route", action="append", metavar="R", help="routes (default: all); repeatable or comma list")
     p.add_argument("--case", action="append", metavar="ID", help="only cases matching (exact or glob)")
+    from verification.commands.run import add_fuzz_arguments
+    add_fuzz_arguments(p)
     p.add_argument("--device", metavar="D", help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--long", choices=("auto", "yes", "no"), default="auto", help="include long cases (auto: on CUDA)")
     p.add_argument("--headroom", type=float, default=2.0, metavar="X",
@@ -281,7 +283,7 @@ def add_arguments(p):
 def run(args) -> int:
     from verification import provenance
     from verification.cli import UsageError
-    from verification.commands.run import _check_device, select_cases, split_list
+    from verification.commands.run import _check_device, fuzz_args, select_cases, split_list
     from verification.runner import default_device, run_matrix
     from verification.tolerances import DEFAULT_PATH, Tolerance, ToleranceDB, load_tolerances, parse_tolerances
 
@@ -298,7 +300,8 @@ def run(args) -> int:
     else:
         if not suites:
             raise UsageError("--suite: expected at least one suite (or --from-results DIR), got none")
-        cases = select_cases(suites, split_list(args.case), long=long)
+        fuzz_n, fuzz_seed = fuzz_args(args, suites)
+        cases = select_cases(suites, split_list(args.case), long=long, fuzz_n=fuzz_n, fuzz_seed=fuzz_seed)
         # measure with a catch-all entry: calibration needs every cell's numbers, whatever the file says
         measure_db = ToleranceDB([(("*", "*", "*", "*"), Tolerance(m=math.inf, floor=math.inf, cap=math.inf,
                                   reason="calibration: measure only", calibrated_on="-", key="*/*/*/*"))],

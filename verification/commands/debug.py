@@ -14,6 +14,8 @@ def add_arguments(p):
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--case", help="case id, e.g. stress/one-chunk-per-segment-lb-0.1")
     src.add_argument("--inputs", help="a problem file (.safetensors)")
+    p.add_argument("--fuzz-n", metavar="N", help="for a fuzz case id: the n of its draw (the run's --fuzz-n; default 20)")
+    p.add_argument("--fuzz-seed", metavar="S", help="for a fuzz case id: the seed of its draw (default: the S of fuzzS-i)")
     p.add_argument("--pass", dest="passes", default="all", help="K1|A|B|C|all (comma list allowed)")
     p.add_argument("--device", default=None, help="cpu | cuda[:N] (default: cuda if present)")
     p.add_argument("--threshold", action="append", default=[], metavar="TENSOR=VALUE",
@@ -52,7 +54,7 @@ def run(args) -> int:
         raise UsageError(f"--route: expected one of {', '.join(routes)}, got {args.route!r}")
     if args.case:
         from verification.cases import get_case
-        problem, label = get_case(args.case).build(device=device), args.case
+        problem, label = get_case(args.case, n=args.fuzz_n, seed=args.fuzz_seed).build(device=device), args.case
     else:
         from verification.problem_file import load_problem
         problem, label = load_problem(args.inputs).to(device), args.inputs

@@ -9,6 +9,8 @@ HELP = "write the inputs of a case (e.g. stress/weak-gate-lb-0.01) as a problem 
 def add_arguments(p):
     p.add_argument("--case", required=True, action="append", metavar="ID",
                    help="case id (repeatable; with several, --out is a directory)")
+    p.add_argument("--fuzz-n", metavar="N", help="for a fuzz case id: the n of its draw (the run's --fuzz-n; default 20)")
+    p.add_argument("--fuzz-seed", metavar="S", help="for a fuzz case id: the seed of its draw (default: the S of fuzzS-i)")
     p.add_argument("--out", required=True, metavar="PATH", help="output file, or directory for several cases")
 
 
@@ -18,7 +20,8 @@ def run(args) -> int:
     from verification.cases import get_case
     from verification.problem_file import save_problem
 
-    cases = [get_case(cid) for cid in args.case]     # an unknown id is a one-line error naming --case
+    # an unknown id is a one-line error naming --case (a fuzz id past the draw's n names --fuzz-n)
+    cases = [get_case(cid, n=args.fuzz_n, seed=args.fuzz_seed) for cid in args.case]
     out = Path(args.out)
     if len(cases) == 1 and not out.is_dir():
         targets = [out]

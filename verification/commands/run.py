@@ -31,6 +31,7 @@ def add_arguments(p):
                    help="case suite (smoke, default, k3-prefill, stress, fuzz); repeatable or comma-separated")
     p.add_argument("--case", action="append", metavar="ID",
                    help="only cases whose id matches (exact or shell glob, e.g. 'stress/weak-*'); repeatable")
+    add_fuzz_arguments(p)
     p.add_argument("--long", choices=("auto", "yes", "no"), default="auto",
                    help="include the suites' long cases (64k tokens, production shapes): auto = on CUDA only "
                         "(a case named by --case always runs)")
@@ -49,15 +50,39 @@ def add_arguments(p):
                    help="memory guards around every buffer of each cell (auto: on for CUDA devices)")
 
 
-def select_cases(suites: list[str], patterns: list[str] | None, long: bool = True) -> list:
+def add_fuzz_arguments(p):
+    """--fuzz-n / --fuzz-seed: the size and seed of the fuzz suite's draw (every command with --suite)."""
+    p.add_argument("--fuzz-n", metavar="N", help="with --suite fuzz: how many cases to draw (default 20); a fuzz "
+                   "case id (fuzz/fuzz0-123) names a case of one draw, so a rerun needs the same N and seed")
+    p.add_argument("--fuzz-seed", metavar="S", help="with --suite fuzz: the seed of the draw (default 0)")
+
+
+def fuzz_args(args, suites: list[str], names=("--fuzz-n", "--fuzz-seed")) -> tuple:
+    """(n, seed) of the fuzz draw from --fuzz-n / --fuzz-seed (None: not given), checked: an
+    integer >= 1 (>= 0 for the seed), and only together with the fuzz suite."""
+    from verification.cases import fuzz_options
+    from verification.cli import UsageError
+    n, seed = getattr(args, "fuzz_n", None), getattr(args, "fuzz_seed", None)
+    checked = fuzz_options(n, seed, names=names)
+    for value, name, got in ((n, names[0], checked[0]), (seed, names[1], checked[1])):
+        if value is not None and "fuzz" not in suites:
+            raise UsageError(f"{name}: expected together with the fuzz suite, got {name} {got} with suite(s) "
+                             f"{', '.join(suites) or '(none)'}")
+    return (None if n is None else checked[0]), (None if seed is None else checked[1])
+
+
+def select_cases(suites: list[str], patterns: list[str] | None, long: bool = True,
+                 fuzz_n: int | None = None, fuzz_seed: int | None = None) -> list:
     """The cases of the suites, in suite order, filtered by --case patterns (each must match).
-    long=False drops the suites' long cases unless a pattern names them."""
+    long=False drops the suites' long cases unless a pattern names them; fuzz_n / fuzz_seed
+    size and seed the fuzz suite's draw (None: 20 cases, seed 0)."""
     from verification.cases import get_suite
     from verification.cli import UsageError
 
     cases, seen = [], set()
     for s in suites:
-        for c in get_suite(s, long=long or bool(patterns)):
+        opts = {"n": fuzz_n, "seed": fuzz_seed} if s == "fuzz" else {}
+        for c in get_suite(s, long=long or bool(patterns), **opts):
             if c.id not in seen:
                 seen.add(c.id)
                 cases.append(c)
@@ -68,8 +93,11 @@ def select_cases(suites: list[str], patterns: list[str] | None, long: bool = Tru
         hit = [c for c in cases if c.id == pat or fnmatch.fnmatchcase(c.id, pat)]
         if not hit:
             sample = ", ".join(c.id for c in cases[:6]) + (", ..." if len(cases) > 6 else "")
+            draw = next((c.suite_opts for c in cases if c.suite == "fuzz"), None)
+            note = (f" (fuzz ids depend on the draw: this one is --fuzz-n {draw['n']} --fuzz-seed {draw['seed']})"
+                    if draw and pat.startswith("fuzz") else "")
             raise UsageError(f"--case: expected a case id (or glob) of suite(s) {', '.join(suites)}, "
-                             f"got {pat!r}; ids look like: {sample}")
+                             f"got {pat!r}{note}; ids look like: {sample}")
         chosen.extend(c for c in hit if c not in chosen)
     return [c for c in cases if c in chosen]
 
@@ -103,8 +131,9 @@ def run(args) -> int:
                          f"process), got --timeout {args.timeout:g} alone")
     device = _check_device(args.device) or default_device()
     suites = split_list(args.suite)
+    fuzz_n, fuzz_seed = fuzz_args(args, suites)
     long = args.long == "yes" or (args.long == "auto" and device.startswith("cuda"))
-    cases = select_cases(suites, split_list(args.case), long=long)
+    cases = select_cases(suites, split_list(args.case), long=long, fuzz_n=fuzz_n, fuzz_seed=fuzz_seed)
     db = None
     if args.tolerances:
         from verification.tolerances import load_tolerances
