@@ -16,9 +16,19 @@ qk_l2norm -> use_qk_l2norm_in_kernel.  state kv / vk -> state_v_first False / Tr
 initial state in fp32.  Paged caches are not part of chunk_kda's API: not applicable.
 fla caches tensors derived from ``cu_seqlens`` keyed by object identity; every call gets
 a fresh int64 copy so a reused, mutated tensor can never hit a stale entry.
+
+No autotuning inside a verdict: fla's forward kernels are ``triton.autotune`` kernels (most
+under a ``triton.heuristics`` wrapper) that benchmark every config for each new shape key
+(85 s for the first chunk_kda call on an H200).  Every call here (``run``, ``run_pass``) pins
+each autotuner in ``AUTOTUNED`` to one config of fla's own list by the rule of
+``kda_kernels._autotune_pin`` (4 warps, fewest stages, smallest tiles) and restores the lists
+afterwards; any other autotuner that fla launches with several configs raises instead of
+benchmarking.  The configs that ran are in ``Outputs.info["pinned_configs"]`` (and in
+``FlaBackend.last_pinned`` after ``run_pass``).  ``fused_recurrent_kda`` has no autotuner.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Optional
 
@@ -26,6 +36,7 @@ import torch
 
 from kda_ref.problem import Problem
 
+from . import _autotune_pin
 from .base import Outputs, Route
 
 CHUNK_ROUTES = {
@@ -34,6 +45,49 @@ CHUNK_ROUTES = {
     "chunk:safe_gate:C=32": dict(chunk_size=32, safe_gate=True),
     "chunk:exact:C=32": dict(chunk_size=32, safe_gate=False),
 }
+
+
+# Every autotuned kernel that chunk_kda's forward can launch in fla-core 0.6.0 (read from its
+# source; tests/test_fla_pinning.py checks it against what the adapter's calls launch):
+#   name -> (module, attribute).  fused_recurrent_kda_fwd_kernel is plain @triton.jit.
+AUTOTUNED = {
+    "l2norm_fwd_kernel": ("fla.modules.norm.l2norm", "l2norm_fwd_kernel"),              # q/k, K <= 512
+    "l2norm_fwd_kernel_row": ("fla.modules.norm.l2norm", "l2norm_fwd_kernel_row"),      # K > 512 (refused)
+    "kda_gate_chunk_cumsum_vector_kernel": ("fla.ops.kda.gate", "kda_gate_chunk_cumsum_vector_kernel"),
+    "chunk_local_cumsum_vector_kernel": ("fla.ops.utils.cumsum", "chunk_local_cumsum_vector_kernel"),
+    "chunk_kda_fwd_kernel_intra_sub_chunk": ("fla.ops.kda.chunk_intra", "chunk_kda_fwd_kernel_intra_sub_chunk"),
+    "chunk_kda_fwd_kernel_intra_token_parallel": ("fla.ops.kda.chunk_intra_token_parallel",
+                                                  "chunk_kda_fwd_kernel_intra_token_parallel"),
+    "chunk_kda_fwd_kernel_inter_solve_fused": ("fla.ops.kda.chunk_intra", "chunk_kda_fwd_kernel_inter_solve_fused"),
+    "recompute_w_u_fwd_kda_kernel": ("fla.ops.kda.wy_fast", "recompute_w_u_fwd_kda_kernel"),
+    "chunk_gated_delta_rule_fwd_kernel_h_blockdim64": ("fla.ops.common.chunk_delta_h",
+                                                       "chunk_gated_delta_rule_fwd_kernel_h_blockdim64"),
+    "chunk_gla_fwd_kernel_o": ("fla.ops.gla.chunk", "chunk_gla_fwd_kernel_o"),
+}
+
+
+def autotuned_kernels() -> dict:
+    """AUTOTUNED resolved to fla's kernel objects (fla imported); a missing one is named."""
+    import importlib
+    _import_fla()
+    out = {}
+    for name, (module, attr) in AUTOTUNED.items():
+        kernel = getattr(importlib.import_module(module), attr, None)
+        if kernel is None:
+            raise RuntimeError(f"fla-core layout changed: {module} has no {attr} (this adapter follows fla-core 0.6.0)")
+        out[name] = kernel
+    return out
+
+
+def pinned_autotuners(context: str = "fla"):
+    """Context manager: every fla autotuner in AUTOTUNED pinned to one config (see the module
+    docstring); yields the record of what was pinned and launched."""
+    return _autotune_pin.pinned(autotuned_kernels(), context=context)
+
+
+def launched_configs(record: dict) -> dict:
+    """kernel -> pinned config, for the kernels that launched (the provenance of one call)."""
+    return {name: r["config"] for name, r in record.items() if r["launches"]}
 
 
 def _import_fla():
@@ -92,6 +146,7 @@ class FlaBackend:
     def __init__(self):
         self._ops = None
         self._why = None
+        self.last_pinned: dict = {}   # kernel -> config pinned in the last run / run_pass that launched it
 
     def _load(self):
         if self._ops is None and self._why is None:
@@ -143,6 +198,18 @@ class FlaBackend:
             return False, "not applicable: fla's softplus gate needs A_log"
         return True, ""
 
+    @contextlib.contextmanager
+    def _pinned(self, context: str):
+        """fla's autotuners pinned for one call (pinned_autotuners); afterwards ``last_pinned``
+        holds kernel -> config for the kernels that launched, also when the call raised."""
+        self.last_pinned = {}
+        record: dict = {}
+        try:
+            with pinned_autotuners(context) as record:
+                yield
+        finally:
+            self.last_pinned = launched_configs(record)
+
     # ----- per-pass debugging (the stages of fla's chunk_kda_fwd) ------------------------------
     def debug_plan(self, p: Problem, route: Route) -> dict:
         if route.name not in CHUNK_ROUTES:
@@ -152,7 +219,8 @@ class FlaBackend:
 
     def run_pass(self, p: Problem, route: Route, name: str, feed: dict) -> dict:
         """One stage of fla's chunked forward on oracle-fed inputs (rounded as fla stores them:
-        g_cumsum fp32, everything else in the input dtype), outputs by the oracle's names."""
+        g_cumsum fp32, everything else in the input dtype), outputs by the oracle's names; fla's
+        autotuners pinned as in ``run`` (the configs that launched: ``self.last_pinned``)."""
         from kda_ref.preprocess import beta_activation, l2norm
         fn = _fla_internals()
         kw = CHUNK_ROUTES[route.name]
@@ -160,7 +228,7 @@ class FlaBackend:
         cu = None if p.cu_seqlens is None else p.cu_seqlens.to(device=dev, dtype=torch.int64).clone()
         f32 = lambda n: feed[n].to(device=dev, dtype=torch.float32).contiguous()  # noqa: E731
         low = lambda n: feed[n].to(device=dev, dtype=dt).contiguous()             # noqa: E731
-        with torch.inference_mode():
+        with self._pinned(f"fla pass {name}"), torch.inference_mode():
             if name == "gate":
                 if p.gate in ("lower_bound", "softplus"):
                     g = fn["gate"](g=p.g, A_log=p.A_log, chunk_size=C, scale=fn["RCP_LN2"],
@@ -198,8 +266,11 @@ class FlaBackend:
         if ops is None:
             raise RuntimeError(self._why)
         fn_name, kw = call_arguments(p, route)
-        with torch.inference_mode():
+        with self._pinned(f"fla route {route.name}"), torch.inference_mode():
             o, final = ops[fn_name](**kw)
-        info = {"route_ran": f"fla.{fn_name}" + (f"(chunk_size={kw['chunk_size']}, safe_gate={kw['safe_gate']})"
-                                                   if fn_name == "chunk_kda" else "")}
+        ran = f"fla.{fn_name}" + (f"(chunk_size={kw['chunk_size']}, safe_gate={kw['safe_gate']})"
+                                  if fn_name == "chunk_kda" else "")
+        if self.last_pinned:
+            ran += f"; {len(self.last_pinned)} autotuned kernels pinned (pinned_configs)"
+        info = {"route_ran": ran, "pinned_configs": dict(self.last_pinned)}
         return Outputs(o=o, final_state=final if p.output_final_state else None, info=info)

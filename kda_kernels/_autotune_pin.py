@@ -1,0 +1,146 @@
+"""Pin Triton autotuners to one config for the duration of a call (no autotuning inside a verdict).
+
+A ``triton.autotune`` kernel benchmarks every config the first time it sees a new tuning key
+(shape, dtype, flags), which on a GPU takes seconds to minutes per key and makes the config
+that ran depend on timing noise.  With exactly one config, Triton 3.x's ``Autotuner.run``
+launches that config directly: no pruning, no benchmarking, no in-memory or on-disk autotune
+cache (``cache_results`` / ``TRITON_CACHE_AUTOTUNING`` are only consulted when there are
+several configs), and fla's ``CachedAutotuner`` (``FLA_CACHE_MODE``) only fills the in-memory
+cache that a single config bypasses.  So pinning = ``tuner.configs = [one of its configs]``,
+restored afterwards.
+
+The rule (``choose_config``), applied to the config list as the library built it on this
+machine (fla filters some lists by the device's shared memory at import):
+
+    1. num_warps == 4 first (Triton's default, and one Hopper warpgroup, so tl.dot can take the
+       wgmma path as it would under fla's tuned configs); otherwise the fewest warps;
+    2. then the fewest num_stages (least shared memory spent on software pipelining);
+    3. then the smallest tile meta-parameters, compared in the order of their sorted names
+       (least shared memory and registers per program);
+    4. then the library's own order.
+
+Steps 2 and 3 pick the least shared memory the library itself offers, so the choice fits any
+device the library's own list was built for (an H200 has 228 KB per SM) and runs under
+TRITON_INTERPRET=1, where warps and stages mean nothing.  An autotuner with an
+``early_config_prune`` is refused: which configs it would drop depends on the launch's
+arguments, so a choice made ahead of the launch could be one it rejects.
+
+While pinned, ``Autotuner.run`` itself is wrapped (class-wide, restored afterwards) so that every
+autotuned launch is counted, and a launch of an autotuner that was *not* pinned and still holds
+several configs raises instead of benchmarking: a path the caller did not know about is named,
+never silently autotuned.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Mapping, Optional
+
+_MAX_WRAPPERS = 8  # heuristics wrappers are one or two deep; a loop guard, not a limit in practice
+
+
+def find_autotuner(kernel) -> Optional[Any]:
+    """The Autotuner inside a kernel object, or None: the kernel itself, or one reached through
+    ``.fn`` from ``triton.heuristics`` wrappers (Heuristics -> Autotuner -> JITFunction).
+    Mirrors kda_kernels.aiter._autotuner; an object counts as an autotuner when it has ``configs``."""
+    obj = kernel
+    for _ in range(_MAX_WRAPPERS):
+        if obj is None or hasattr(obj, "configs"):
+            return obj
+        obj = getattr(obj, "fn", None)
+    return None
+
+
+def _orderable(value) -> tuple:
+    """Numbers before anything else, each kind in its own natural order."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return (1, str(value))
+    return (0, value)
+
+
+def rule_key(index: int, config) -> tuple:
+    """Sort key of the pinning rule (module docstring); smaller is chosen."""
+    warps = getattr(config, "num_warps", None) or 4
+    stages = getattr(config, "num_stages", None) or 0
+    tiles = tuple(_orderable(v) for _, v in sorted(getattr(config, "kwargs", {}).items()))
+    return (warps != 4, warps, stages, tiles, index)
+
+
+def choose_config(configs):
+    """The config the rule picks from a non-empty list (one of the list's own objects)."""
+    if not configs:
+        raise ValueError("configs: expected at least one autotune config, got none")
+    return min(enumerate(configs), key=lambda ic: rule_key(*ic))[1]
+
+
+def describe(config) -> str:
+    """'BK=32 BV=64 warps=4 stages=2': the meta-parameters, then warps and stages."""
+    parts = [f"{k}={v}" for k, v in sorted(getattr(config, "kwargs", {}).items())]
+    parts.append(f"warps={getattr(config, 'num_warps', None)}")
+    parts.append(f"stages={getattr(config, 'num_stages', None)}")
+    return " ".join(parts)
+
+
+def _tuner_name(tuner) -> str:
+    fn = getattr(tuner, "base_fn", None) or getattr(tuner, "fn", None)
+    return getattr(fn, "__name__", type(tuner).__name__)
+
+
+class UnpinnedAutotuneError(RuntimeError):
+    """An autotuner that was not pinned would have benchmarked its configs inside the call."""
+
+
+@contextlib.contextmanager
+def pinned(kernels: Mapping[str, Any], autotuner_class=None, context: str = "") -> Iterator[dict]:
+    """Pin every autotuner among ``kernels`` (name -> kernel object, heuristics wrappers allowed)
+    to the rule's config for the duration of the ``with`` block; restore each one's own list
+    afterwards, also when the block raises.
+
+    Yields a dict filled while the block runs, name -> {"config": describe(...), "of": number
+    of configs it had, "launches": n}.  ``launches`` counts launches through the wrapped
+    ``autotuner_class.run`` (Triton's Autotuner unless a test passes another class); an
+    autotuner of that class that is not among ``kernels`` and holds several configs raises
+    UnpinnedAutotuneError when launched.  ``context`` names the caller in that message.
+    """
+    if autotuner_class is None:
+        from triton.runtime.autotuner import Autotuner as autotuner_class
+    record: dict = {}
+    chosen: dict = {}
+    saved: list = []
+    for name, kernel in kernels.items():
+        tuner = find_autotuner(kernel)
+        if tuner is None:
+            raise ValueError(f"kernels: {name!r} is no autotuned kernel (no .configs under its .fn chain)")
+        if getattr(tuner, "early_config_prune", None) is not None:
+            raise ValueError(f"kernels: {name!r} prunes its configs per launch (early_config_prune); "
+                             "a config chosen ahead of the launch could be one it drops")
+        config = choose_config(list(tuner.configs))
+        chosen[id(tuner)] = name
+        record[name] = {"config": describe(config), "of": len(tuner.configs), "launches": 0}
+        saved.append((tuner, tuner.configs))
+    original_run = autotuner_class.__dict__.get("run")
+    inherited = original_run is None
+    base_run = autotuner_class.run
+
+    def guarded_run(self, *args, **kwargs):
+        name = chosen.get(id(self))
+        if name is not None:
+            record[name]["launches"] += 1
+        elif len(self.configs) > 1:
+            where = f" in {context}" if context else ""
+            raise UnpinnedAutotuneError(
+                f"{_tuner_name(self)} would autotune among {len(self.configs)} configs{where}: "
+                "it is not among the pinned kernels")
+        return base_run(self, *args, **kwargs)
+
+    try:
+        for tuner, configs in saved:
+            tuner.configs = [choose_config(list(configs))]
+        autotuner_class.run = guarded_run
+        yield record
+    finally:
+        if inherited:
+            del autotuner_class.run
+        else:
+            autotuner_class.run = original_run
+        for tuner, configs in reversed(saved):
+            tuner.configs = configs
