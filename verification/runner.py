@@ -459,7 +459,12 @@ def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: Base
         rec["baseline"] = _summ(baseline)
     except Exception as e:  # noqa: BLE001
         return _errored(rec, e, "oracle/baseline")
-    # the kernel
+    # the kernel (Triton compilation inside the call is measured apart: compile_s)
+    from verification.compile_time import compile_clock
+    clock = compile_clock()
+    clock.forget_pending()
+    c0, n0, h0 = clock.seconds, clock.compiles, clock.cache_hits
+    timings["compile_how"] = clock.how
     try:
         run_problem = _fresh_state(problem)
         _sync(device)
@@ -471,11 +476,16 @@ def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: Base
         else:
             outputs = backend.backend.run(run_problem, route)
         _sync(device)
-        timings["kernel_s"] = time.perf_counter() - t0
+        kernel_s = time.perf_counter() - t0
         if guard is not None:          # the call alone; the guards' allocations and checks apart
-            timings["guards_s"] = timings["kernel_s"] - guard.kernel_s
-            timings["kernel_s"] = guard.kernel_s
+            timings["guards_s"] = kernel_s - guard.kernel_s
+            kernel_s = guard.kernel_s
+        timings.update(compile_s=clock.seconds - c0, compiles=clock.compiles - n0,
+                       compile_cache_hits=clock.cache_hits - h0)
+        timings["kernel_s"] = max(0.0, kernel_s - timings["compile_s"])
     except Exception as e:  # noqa: BLE001 - the kernel failing is a result, not a harness crash
+        timings.update(compile_s=clock.seconds - c0, compiles=clock.compiles - n0,
+                       compile_cache_hits=clock.cache_hits - h0)
         return _errored(rec, e, f"{backend.name} {route.name} run")
     rec["info"] = jsonable(getattr(outputs, "info", {}) or {})
     # metrics and verdict
@@ -577,12 +587,17 @@ class IsolatedRunner:
         if not ok:
             return run_cell(lb, route, case, self.truth_cache, self.baseline_cache, None, device)
         try:
+            truths_before = self.truth_cache.computed.get(case.id, 0)
             case_file, oracle_s = self._case_file(case)
+            oracle_fresh = self.truth_cache.computed.get(case.id, 0) > truths_before
             problem, truth, _, _ = self.truth_cache.get(case)
             recipe = getattr(route, "recipe", None) or "flashkda"
-            baseline, base_s, _ = self.baseline_cache.get(case, recipe, problem, truth)
+            baseline, base_s, base_fresh = self.baseline_cache.get(case, recipe, problem, truth)
         except Exception as e:  # noqa: BLE001
             return _errored(rec0, e, "oracle/baseline")
+        # computed here, in the parent, or not (the child sees both as cached)
+        fresh = {"oracle_s": oracle_s, "oracle_cached": not oracle_fresh,
+                 "baseline_s": base_s, "baseline_cached": not base_fresh}
         tmp = Path(self._tmp.name)
         spec_path = tmp / "cell.pt"
         out_path = tmp / "record.json"
@@ -605,7 +620,7 @@ class IsolatedRunner:
         if rc == 0 and out_path.exists():
             rec = json.loads(out_path.read_text())
             rec["timings"]["child_wall_s"] = wall
-            rec["timings"].update(oracle_s=oracle_s, oracle_cached=True)
+            rec["timings"].update(fresh)
             return rec
         if rc is None:
             how = f"timed out after {self.timeout_s:g} s (killed)"
@@ -622,7 +637,7 @@ class IsolatedRunner:
                     stderr_tail=tail, shape=_shape(problem),
                     shape_key=list(getattr(case, "shape_key", (problem.B, problem.T, problem.H))),
                     dtype=_tol_dtype(problem), baseline=_summ(baseline))
-        rec0["timings"] = {"oracle_s": oracle_s, "child_wall_s": wall}
+        rec0["timings"] = dict(fresh, child_wall_s=wall)
         return rec0
 
 
@@ -707,6 +722,7 @@ class Progress:
 class RunSummary:
     out_dir: Optional[Path]
     records: list = field(default_factory=list)      # every record of the run (resumed ones included)
+    fresh: list = field(default_factory=list)        # the records of cells run by this invocation
     ran: int = 0                                      # cells executed by this invocation
     resumed: int = 0                                  # cells found finished and skipped
     stopped_early: bool = False                       # --max-cells reached
@@ -832,6 +848,7 @@ def run_matrix(backends: Iterable, cases: list, out_dir=None, *, routes: Optiona
             if results is not None:
                 append_record(results, rec)
             summary.records.append(rec)
+            summary.fresh.append(rec)
             summary.ran += 1
             progress.step(rec)
             if on_record is not None:
