@@ -19,6 +19,7 @@ import html
 import json
 import math
 import re
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -438,11 +439,15 @@ def _md_escape(s) -> str:
     return str(s).replace("|", "\\|").replace("\n", " ")
 
 
-def render_markdown(summary: dict, records: list[dict], prov: dict, plots: dict, out_dir: Path) -> str:
+def render_markdown(summary: dict, records: list[dict], prov: dict, plots: dict, out_dir: Path,
+                    breakdown: Optional[dict] = None) -> str:
     L = ["# kda-verify report", ""]
     c = summary["counts"]
     verdict = "ALL PASS" if summary["ok"] else f"{summary['failing']} FAILING"
     L.append(f"**{verdict}** — {summary['cells']} cells: " + ", ".join(f"{v} {k}" for k, v in c.items() if v))
+    if breakdown:
+        from .timing import markdown as timing_md
+        L += ["", "## Where the time went", ""] + timing_md(breakdown)
     L += ["", "## Routes", "", "| route | " + " | ".join(STATUSES) + " | worst margin |",
           "|---" * (len(STATUSES) + 2) + "|"]
     for route, pr in sorted(summary["per_route"].items()):
@@ -484,6 +489,7 @@ def _prov_public(prov: dict) -> dict:
     if len(seeds) > 50:
         p["seeds"] = {"count": len(seeds), "first": dict(list(seeds.items())[:10])}
     p.pop("cases", None)
+    p.pop("time_breakdown", None)          # shown in its own section
     return p
 
 
@@ -503,7 +509,8 @@ def _img_tag(path: Path, alt: str) -> str:
     return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{data}">'
 
 
-def render_html(summary: dict, records: list[dict], prov: dict, plots: dict, out_dir: Path) -> str:
+def render_html(summary: dict, records: list[dict], prov: dict, plots: dict, out_dir: Path,
+                breakdown: Optional[dict] = None) -> str:
     e = html.escape
 
     def badge(st):
@@ -522,6 +529,18 @@ def render_html(summary: dict, records: list[dict], prov: dict, plots: dict, out
         H.append(f"<tr><td>{e(route)}</td>" + "".join(f'<td class="num">{pr[s]}</td>' for s in STATUSES)
                  + f'<td class="num">{e(_g(pr["worst_margin"]))}</td></tr>')
     H.append("</table>")
+    if breakdown:
+        from .timing import PARTS, part_note
+        busy = breakdown["busy_s"] if breakdown["busy_s"] > 0 else 1.0
+        H.append(f"<h2>Where the time went</h2><p>Wall {breakdown['wall_s']:.1f} s for {breakdown['cells']} cells"
+                 + (f" on {breakdown['workers']} xdist workers ({breakdown['busy_s']:.1f} s of worker time)"
+                    if breakdown.get("workers") else "") + "</p>")
+        H.append("<table><tr><th>part</th><th>seconds</th><th>share</th><th>what</th></tr>")
+        for p in PARTS:
+            sec = breakdown[f"{p}_s"]
+            H.append(f'<tr><td>{p}</td><td class="num">{sec:.2f}</td><td class="num">{100 * sec / busy:.1f}%</td>'
+                     f"<td>{e(part_note(breakdown, p))}</td></tr>")
+        H.append("</table>")
     failing = [r for r in records if r.get("status") in FAILING]
     if failing:
         H.append("<h2>Failing cells</h2><ul>")
@@ -557,18 +576,32 @@ def render_html(summary: dict, records: list[dict], prov: dict, plots: dict, out
     return "\n".join(H)
 
 
-def write_report(out_dir, records: Optional[list[dict]] = None, provenance: Optional[dict] = None) -> dict:
-    """Write report.md, report.html, report.json and plots/ into out_dir; return their paths."""
+def write_report(out_dir, records: Optional[list[dict]] = None, provenance: Optional[dict] = None,
+                 timing: Optional[dict] = None) -> dict:
+    """Write report.md, report.html, report.json and plots/ into out_dir; return their paths and
+    ``timing``, the run's time breakdown (verification/timing.py), or None.
+
+    timing: {"started": time.perf_counter() at the run's start, "sums": timing.cell_sums(...) of
+    the cells this run executed, optionally "workers": [{"wall_s", "sums"}] (pytest-xdist)}; the
+    report's own time (loading, plots, up to rendering) is its ``report`` part.  Without it the
+    breakdown kept in run.json by ``kda-verify run`` is shown, if any."""
+    t_report = time.perf_counter()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     records = load_results(out) if records is None else records
     prov = load_provenance(out) if provenance is None else provenance
     summary = summarize(records)
     plots = make_plots(records, out / "plots")
+    bd = prov.get("time_breakdown") if isinstance(prov, dict) else None
+    if timing is not None:
+        from . import timing as timing_mod
+        now = time.perf_counter()
+        bd = timing_mod.breakdown(timing["sums"], wall_s=now - timing["started"], report_s=now - t_report,
+                                  workers=timing.get("workers"))
     paths = {"md": out / "report.md", "html": out / "report.html", "json": out / "report.json",
-             "plots": plots}
-    paths["md"].write_text(render_markdown(summary, records, prov, plots, out), encoding="utf-8")
-    paths["html"].write_text(render_html(summary, records, prov, plots, out), encoding="utf-8")
-    paths["json"].write_text(json.dumps(jsonable({"provenance": prov, "summary": summary, "cells": records}),
-                                        indent=1, allow_nan=False), encoding="utf-8")
+             "plots": plots, "timing": bd}
+    paths["md"].write_text(render_markdown(summary, records, prov, plots, out, bd), encoding="utf-8")
+    paths["html"].write_text(render_html(summary, records, prov, plots, out, bd), encoding="utf-8")
+    paths["json"].write_text(json.dumps(jsonable({"provenance": prov, "summary": summary, "time_breakdown": bd,
+                                                  "cells": records}), indent=1, allow_nan=False), encoding="utf-8")
     return paths

@@ -118,9 +118,13 @@ def _check_device(device):
 
 
 def run(args) -> int:
+    import time
+
     from verification import provenance
     from verification.cli import UsageError
     from verification.runner import default_device, run_matrix
+
+    started = time.perf_counter()
 
     if args.max_cells is not None and args.max_cells < 1:
         raise UsageError(f"--max-cells: expected an integer >= 1, got {args.max_cells}")
@@ -159,8 +163,31 @@ def run(args) -> int:
         print(f"             repro: {r.get('repro', '').replace('--out DIR', f'--out {args.out}/repro')}")
     if len(summary.failed) > shown:
         print(f"  ... and {len(summary.failed) - shown} more failing cells (see the report)")
-    if not args.no_report:
+    from verification import timing
+    sums = timing.cell_sums(r.get("timings") for r in summary.fresh)
+    if args.no_report:
+        bd = timing.breakdown(sums, wall_s=time.perf_counter() - started)
+    else:
         from verification.report import write_report
-        paths = write_report(args.out)
+        paths = write_report(args.out, timing={"started": started, "sums": sums})
+        bd = paths["timing"]
         print(f"report: {paths['md']} {paths['html']}")
+    save_breakdown(args.out, bd)
+    print("time breakdown (this invocation): " + "\n".join(timing.format_lines(bd)))
     return summary.exit_code
+
+
+def save_breakdown(out_dir, bd: dict) -> None:
+    """Keep the breakdown with this invocation's provenance in DIR/run.json (kda-verify report
+    DIR shows it again)."""
+    import json
+    from pathlib import Path
+
+    from verification.runner import RUN_FILE, jsonable
+    p = Path(out_dir) / RUN_FILE
+    try:
+        data = json.loads(p.read_text())
+        data["runs"][-1]["time_breakdown"] = jsonable(bd)
+        p.write_text(json.dumps(data, indent=1, allow_nan=False))
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        pass

@@ -1,0 +1,149 @@
+"""Where a run's time went: wall time and the sums of the cells' timings.
+
+Parts (seconds):
+    oracle     float64 truths computed by this run (a cell whose truth came from the cache adds 0)
+    baseline   emulated-recipe baselines computed by this run (cached ones add 0)
+    compile    Triton compilation inside the kernel calls (verification/compile_time.py)
+    kernel     the kernel calls, compile excluded
+    guards     the memory guards' allocations and checks
+    metrics    metrics and verdicts
+    report     writing the report (loading records, plots, rendering)
+    other      the rest: start-up, collection, case building, cache lookups, child processes, ...
+
+One process (``kda-verify run``, ``pytest -m verify``): other = wall - the parts.  Under
+pytest-xdist each worker sums its own cells and its own wall; the parts add over the workers
+and ``busy`` (the workers' walls plus the controller's report) replaces the wall:
+other = busy - the parts, the time the workers spent outside cells.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+CELL_PARTS = ("oracle", "baseline", "compile", "kernel", "guards", "metrics")
+PARTS = CELL_PARTS + ("report", "other")
+NOTES = {"kernel": "the kernel calls, compile excluded", "guards": "memory guards around the calls",
+         "metrics": "metrics and verdicts", "other": "start-up, collection, case building, caches, processes"}
+
+
+def _num(x) -> float:
+    """A finite number from a timing value (a number or its string, as pytest properties hold it);
+    0 for anything else."""
+    try:
+        f = float(x)
+    except (TypeError, ValueError):
+        return 0.0
+    return f if f == f and abs(f) != float("inf") else 0.0
+
+
+def _yes(x) -> bool:
+    return x is True or (isinstance(x, str) and x.strip().lower() == "true")
+
+
+def cell_sums(timings: Iterable[dict]) -> dict:
+    """The sums of the cells' ``timings`` dicts (records' or pytest properties' values; strings
+    accepted): each part in seconds, ``cells``, fresh ``oracle_runs`` / ``baseline_runs``,
+    ``compiles`` and the compile modes seen (``compile_how``)."""
+    s = {f"{p}_s": 0.0 for p in CELL_PARTS}
+    s.update(cells=0, oracle_runs=0, baseline_runs=0, compiles=0, compile_cache_hits=0, compile_how=[])
+    for t in timings:
+        t = t or {}
+        s["cells"] += 1
+        if t.get("oracle_s") is not None and not _yes(t.get("oracle_cached")):
+            s["oracle_s"] += _num(t["oracle_s"])
+            s["oracle_runs"] += 1
+        if t.get("baseline_s") is not None and not _yes(t.get("baseline_cached")):
+            s["baseline_s"] += _num(t["baseline_s"])
+            s["baseline_runs"] += 1
+        for p in ("compile", "kernel", "guards", "metrics"):
+            s[f"{p}_s"] += _num(t.get(f"{p}_s"))
+        s["compiles"] += int(_num(t.get("compiles")))
+        s["compile_cache_hits"] += int(_num(t.get("compile_cache_hits")))
+        how = t.get("compile_how")
+        if how and how not in s["compile_how"]:
+            s["compile_how"].append(how)
+    return s
+
+
+def merge_sums(many: Iterable[dict]) -> dict:
+    """One sums dict from several (the xdist workers')."""
+    out = cell_sums([])
+    for s in many:
+        for k, v in s.items():
+            if k == "compile_how":
+                out[k] += [h for h in v if h not in out[k]]
+            elif k in out:
+                out[k] += v
+    return out
+
+
+def breakdown(sums: dict, wall_s: float, report_s: float = 0.0, workers: Optional[list] = None) -> dict:
+    """The breakdown (JSON-able): ``wall_s``, ``busy_s`` (= wall with one process; the workers'
+    walls + report with xdist), every part's seconds, ``other_s`` = busy - parts, and counts.
+    workers: [{"wall_s", "sums"}] of the xdist workers (then ``sums`` is their merge)."""
+    bd = {"wall_s": float(wall_s)}
+    for p in CELL_PARTS:
+        bd[f"{p}_s"] = float(sums.get(f"{p}_s", 0.0))
+    bd["report_s"] = float(report_s)
+    if workers:
+        bd["workers"] = len(workers)
+        bd["busy_s"] = sum(float(w["wall_s"]) for w in workers) + float(report_s)
+    else:
+        bd["workers"] = 0
+        bd["busy_s"] = float(wall_s)
+    bd["other_s"] = bd["busy_s"] - sum(bd[f"{p}_s"] for p in CELL_PARTS + ("report",))
+    for k in ("cells", "oracle_runs", "baseline_runs", "compiles", "compile_cache_hits"):
+        bd[k] = int(sums.get(k, 0))
+    hows = list(sums.get("compile_how") or [])
+    bd["compile_how"] = ("interpreted" if "interpreted" in hows and "measured" not in hows else
+                         "measured" if "measured" in hows else ("unavailable" if hows else "no kernel ran"))
+    return bd
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}{'' if n == 1 else 's'}"
+
+
+def part_note(bd: dict, part: str) -> str:
+    if part == "oracle":
+        return _count(bd["oracle_runs"], "truth") + " computed"
+    if part == "baseline":
+        return _count(bd["baseline_runs"], "baseline") + " computed"
+    if part == "compile":
+        how = bd.get("compile_how")
+        if how == "interpreted":
+            return "interpreted (TRITON_INTERPRET=1): nothing compiled"
+        if how == "unavailable":
+            return "not measured (Triton's compile hooks unavailable)"
+        if how != "measured":
+            return how
+        hits = bd.get("compile_cache_hits", 0)
+        return _count(bd["compiles"], "Triton compile") + (f", {hits} loaded from Triton's cache" if hits else "")
+    if part == "report":
+        return "loading, plots, rendering" if bd["report_s"] > 0 else "no report written"
+    return NOTES.get(part, "")
+
+
+def format_lines(bd: dict) -> list[str]:
+    """A short table: one header line and one line per part (seconds, share, what)."""
+    head = f"wall {bd['wall_s']:.1f} s, {bd['cells']} cells"
+    if bd.get("workers"):
+        head += (f" on {bd['workers']} xdist workers: {bd['busy_s']:.1f} s of worker time (each from its start-up; "
+                 f"shares are of that)")
+    lines = [head]
+    busy = bd["busy_s"] if bd["busy_s"] > 0 else 1.0
+    for p in PARTS:
+        sec = bd[f"{p}_s"]
+        lines.append(f"  {p:<9}{sec:9.2f} s {100 * sec / busy:5.1f}%  {part_note(bd, p)}")
+    return lines
+
+
+def markdown(bd: dict) -> list[str]:
+    L = [f"Wall {bd['wall_s']:.1f} s for {bd['cells']} cells"
+         + (f" on {bd['workers']} xdist workers ({bd['busy_s']:.1f} s of worker time; shares are of that)"
+            if bd.get("workers") else "") + ".", "",
+         "| part | seconds | share | what |", "|---|---|---|---|"]
+    busy = bd["busy_s"] if bd["busy_s"] > 0 else 1.0
+    for p in PARTS:
+        sec = bd[f"{p}_s"]
+        L.append(f"| {p} | {sec:.2f} | {100 * sec / busy:.1f}% | {part_note(bd, p)} |")
+    return L
