@@ -20,8 +20,10 @@ Options:
     --kda-tolerances F tolerances file (default: the repository's tolerances.yaml)
 
 A cell that cannot run here (backend unavailable, case not applicable) is skipped with the
-reason.  Each test records its metrics with ``user_properties`` (what ``record_property``
-writes), so ``--junitxml`` carries them.  Under pytest-xdist each worker writes
+reason.  The terminal summary ends with the time breakdown of the cells that ran
+(verification/timing.py; under xdist summed over the workers, which send theirs through
+xdist's workeroutput), and the report carries it too.  Each test records its metrics with
+``user_properties`` (what ``record_property`` writes), so ``--junitxml`` carries them.  Under pytest-xdist each worker writes
 DIR/results-gwN.jsonl; the controller merges them into the report at the end.  Every cell
 of one case carries ``xdist_group(case id)``, so ``--dist loadgroup`` computes each truth
 once.  In a run whose ``-m`` expression excludes ``verify`` (the default addopts) the
@@ -35,6 +37,10 @@ import pytest
 
 MARKER = "verify"
 _STATE_KEY = "_kda_verify_state"
+_T0_KEY = "_kda_verify_t0"
+_WORKERS_KEY = "_kda_verify_worker_timing"
+_BREAKDOWN_KEY = "_kda_verify_breakdown"
+WORKER_OUTPUT = "kda_verify_timing"
 
 
 def verify():  # pragma: no cover - a marker object: expanded into items by the collection hook
@@ -94,6 +100,8 @@ def _results_path(config) -> Path | None:
 
 
 def pytest_configure(config):
+    import time
+    setattr(config, _T0_KEY, time.perf_counter())
     config.addinivalue_line("markers", "verify: the on-device verification matrix (backend x route x case)")
     out = config.getoption("--kda-report", default=None)
     if out and _worker_id(config) is None:
@@ -135,6 +143,7 @@ class _State:
         self.truth_cache = TruthCache(device=self.device, keep=2)
         self.baseline_cache = BaselineCache()
         self._db = None
+        self.timings: list[dict] = []       # the timings of every cell this process ran
 
     @property
     def db(self):
@@ -283,6 +292,7 @@ class VerifyItem(pytest.Item):
             pytest.skip(f"backend unavailable: {lb.reason or 'no reason given'}")
         rec = run_cell(lb, route, case, st.truth_cache, st.baseline_cache, st.db, st.device)
         self.record = rec
+        st.timings.append(dict(rec.get("timings") or {}))
         self.user_properties.extend(_properties(rec))
         path = _results_path(self.config)
         if path is not None:
@@ -312,8 +322,48 @@ class VerifyItem(pytest.Item):
         return self.path, None, self.name
 
 
+def _own_timing(config) -> dict | None:
+    """{"wall_s", "sums"} of the cells this process ran (None if it ran none)."""
+    import time
+
+    from verification import timing
+    st = getattr(config, _STATE_KEY, None)
+    if st is None or not st.timings:
+        return None
+    return {"wall_s": time.perf_counter() - getattr(config, _T0_KEY), "sums": timing.cell_sums(st.timings)}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """xdist controller: a worker finished; keep the time sums it sent."""
+    data = (getattr(node, "workeroutput", None) or {}).get(WORKER_OUTPUT)
+    if data:
+        store = getattr(node.config, _WORKERS_KEY, None)
+        if store is None:
+            store = []
+            setattr(node.config, _WORKERS_KEY, store)
+        store.append(data)
+
+
+def _timing_input(config) -> dict | None:
+    """What write_report / timing.breakdown need: this process's cells, or the xdist workers'."""
+    from verification import timing
+    workers = getattr(config, _WORKERS_KEY, None)
+    if workers:
+        return {"started": getattr(config, _T0_KEY), "sums": timing.merge_sums(w["sums"] for w in workers),
+                "workers": workers}
+    own = _own_timing(config)
+    if own is None:
+        return None
+    return {"started": getattr(config, _T0_KEY), "sums": own["sums"]}
+
+
 def pytest_sessionfinish(session, exitstatus):
     config = session.config
+    if _worker_id(config) is not None:
+        own = _own_timing(config)
+        if own is not None and hasattr(config, "workeroutput"):
+            config.workeroutput[WORKER_OUTPUT] = own
     out = config.getoption("--kda-report", default=None)
     if not out or _worker_id(config) is not None:
         return
@@ -326,7 +376,28 @@ def pytest_sessionfinish(session, exitstatus):
     prov = provenance.collect(device=pick_device(config))
     prov["runner"] = "pytest -m verify"
     (d / "run.json").write_text(json.dumps({"runs": [prov]}, indent=1, default=str))
-    paths = write_report(d)
+    paths = write_report(d, timing=_timing_input(config))
+    if paths.get("timing"):
+        setattr(config, _BREAKDOWN_KEY, paths["timing"])
     tr = config.pluginmanager.get_plugin("terminalreporter")
     if tr is not None:
+        tr.ensure_newline()
         tr.write_line(f"kda-verify report: {paths['md']} {paths['html']}")
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """The time breakdown of the matrix (the report's, when one was written)."""
+    import time
+
+    from verification import timing
+    if _worker_id(config) is not None:
+        return
+    bd = getattr(config, _BREAKDOWN_KEY, None)
+    if bd is None:
+        ti = _timing_input(config)
+        if ti is None:
+            return
+        bd = timing.breakdown(ti["sums"], wall_s=time.perf_counter() - ti["started"], workers=ti.get("workers"))
+    terminalreporter.write_sep("-", "kda-verify time breakdown")
+    for line in timing.format_lines(bd):
+        terminalreporter.write_line(line)
