@@ -347,4 +347,7 @@ def test_heuristic_on_an_h200():
     assert choose_chunks_per_seg(8, 1, 12, 128, 32, sms) is None                # too short to pay
     assert choose_chunks_per_seg(128, 8, 16, 128, 32, sms) is None
     cps = choose_chunks_per_seg(64, 1, 12, 128, 32, sms)
-    assert cps is not None and 64 // cps >= 4 and cps & (cps - 1) == 0
+    segs = -(-64 // cps)
+    assert segs >= 4 and segs * 48 <= 2 * sms, (cps, segs)             # one wave of 2 programs per SM
+    assert choose_chunks_per_seg(512, 1, 12, 128, 64, sms) == 47           # 11 segments x 24 = 264 programs
+    assert choose_chunks_per_seg(512, 1, 32, 128, 64, sms) == 128          # 64 programs: 4 segments

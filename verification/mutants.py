@@ -122,7 +122,7 @@ CATALOGUE: tuple = (
        [("tl.store(inv_ptr + sq_off, inv.to(tl.float16))", "tl.store(inv_ptr + sq_off, inv.to(tl.bfloat16))")],
        "the inverse rounded to bf16 (8 bits) before its fp16 store"),
     _m("merge_step_missing", "K1", K,
-       [("inv = inv + tl.dot(inv, tl.dot(L_off, inv, input_precision=\"ieee\"), input_precision=\"ieee\")",
+       [("inv = inv + _dot_f32(inv, _dot_f32(L_off, inv, INV_PREC), INV_PREC)",
          "inv = inv")],
        "the block merge skipped: the inverse is block diagonal"),
     _m("neumann_doubling_step_missing", "K1", F,

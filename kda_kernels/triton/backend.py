@@ -17,6 +17,8 @@ rounded to the workspace dtypes first; outputs come back in the kernel's dtypes.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import os
 from typing import Optional
 
@@ -112,8 +114,7 @@ class TritonBackend:
         spec = parse_route(route.name if isinstance(route, Route) else route)
         if spec.segmented and spec.cps is None and "chunks_per_seg" in problem.meta:
             cps = int(problem.meta["chunks_per_seg"])
-            spec = RouteSpec(cps > 0, cps if cps > 0 else None, spec.pass_a, spec.pass_b, spec.bw, spec.warps,
-                             spec.scan)
+            spec = dataclasses.replace(spec, segmented=cps > 0, cps=cps if cps > 0 else None)
         return spec
 
     @staticmethod
@@ -212,7 +213,7 @@ class TritonBackend:
         if pass_name == "K1":
             ws = fw.alloc_workspace(H, plan.total_tiles, dev)
             fw.run_k1(kw["q"], kw["k"], kw["g"], kw["beta"], kw["A_log"], kw["dt_bias"], kw["scale"],
-                      kw["lower_bound"], plan, ws)
+                      kw["lower_bound"], plan, ws, inv=spec.inv)
             return ws
         if pass_name in ("A", "B") and not plan.segmented:
             raise ValueError(f"route {spec.name!r}: pass {pass_name} needs a segmented route (seg:cps=N)")
@@ -224,7 +225,7 @@ class TritonBackend:
             need("A_seg", "b_seg")
             A_seg = feed["A_seg"].to(device=dev, dtype=fw.A_SEG_DTYPE[spec.scan]).contiguous()
             b_seg = feed["b_seg"].to(device=dev, dtype=torch.float32).contiguous()
-            return {"h_in": fw.run_pass_b(A_seg, b_seg, plan, H, h0_ref(), spec.pass_b == "prefetch", spec.bw,
+            return {"h_in": fw.run_pass_b(A_seg, b_seg, plan, H, h0_ref(), spec.pass_b == "prefetch", fw.SCAN_BW,
                                           spec.warps, spec.scan)}
         ws = ws_from_feed()
         o = torch.empty(p.B * p.T, H, p.V, dtype=torch.bfloat16, device=dev)

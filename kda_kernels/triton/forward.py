@@ -8,7 +8,7 @@ strided views (their strides are passed to the kernels; nothing is packed).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch
@@ -24,6 +24,9 @@ K1_WARPS = 4
 STEP_WARPS = 4
 STEP_STAGES = 2
 SCAN_WARPS = 4
+SCAN_BW = 16             # state columns per scan program, whatever the route's BW: the scan is one
+                         # dependent [K,K] x [K,BW] product per segment, so narrower programs finish
+                         # each step sooner (H200, 1x16384x12, cps 4..64: 10-20% faster than BW=32)
 SPLIT_SCAN_WARPS = 8     # CUDA: the split scan holds an fp32 [128,128] A_seg tile (prefetched: two)
 _TARGET_IS_HIP: Optional[bool] = None    # None: this torch's platform; isa.py sets it per target
 
@@ -165,8 +168,8 @@ def resolve_plan(route: RouteSpec, B: int, T: int, H: int, cu_seqlens, device) -
 
 def ran_name(route: RouteSpec, plan: Plan) -> str:
     if not plan.segmented:
-        return RouteSpec(False, bw=route.bw, warps=route.warps).name
-    return RouteSpec(True, plan.cps, route.pass_a, route.pass_b, route.bw, route.warps, route.scan).name
+        return RouteSpec(False, bw=route.bw, warps=route.warps, inv=route.inv).name
+    return replace(route, segmented=True, cps=plan.cps).name
 
 
 # ----------------------------------------------------------------------------------- passes
@@ -177,8 +180,10 @@ def alloc_workspace(H: int, tiles: int, device) -> dict:
     return {n: _empty(n, s, WORKSPACE_DTYPES[n], device) for n, s in shapes.items()}
 
 
-def run_k1(q, k, g, beta, A_log, dt_bias, scale: float, lower_bound: float, plan: Plan, ws: dict) -> dict:
-    """K1 over every (tile, head): fills the workspace dict in place and returns it."""
+def run_k1(q, k, g, beta, A_log, dt_bias, scale: float, lower_bound: float, plan: Plan, ws: dict,
+           inv: str = "ieee") -> dict:
+    """K1 over every (tile, head): fills the workspace dict in place and returns it.  ``inv``:
+    the inverse's fp32 products, "ieee" (FMAs) or "bf16x6" (tensor cores, fp32's 24 bits)."""
     H = q.shape[2]
     if plan.total_tiles == 0:
         return ws
@@ -188,7 +193,8 @@ def run_k1(q, k, g, beta, A_log, dt_bias, scale: float, lower_bound: float, plan
         ws["ws_kd"], ws["ws_qd"], ws["ws_kr"], ws["ws_gt"], ws["ws_inv"], ws["ws_mqk"], ws["ws_beta"],
         *q.stride(), *k.stride(), *g.stride(), *beta.stride(),
         plan.total_tiles, float(scale), float(lower_bound),
-        HAS_BIAS=dt_bias is not None, C=C, D=D, BC=BC, NUM_DOUBLING=NUM_DOUBLING, num_warps=K1_WARPS)
+        HAS_BIAS=dt_bias is not None, C=C, D=D, BC=BC, NUM_DOUBLING=NUM_DOUBLING, INV_PREC=inv,
+        num_warps=K1_WARPS)
     return ws
 
 
@@ -229,7 +235,7 @@ def run_pass_a(ws: dict, v, plan: Plan, H: int, variant: str = "fused", bw: int 
     return A_seg, b_seg
 
 
-def run_pass_b(A_seg, b_seg, plan: Plan, H: int, h0: Optional[StateRef], prefetch: bool = True, bw: int = 32,
+def run_pass_b(A_seg, b_seg, plan: Plan, H: int, h0: Optional[StateRef], prefetch: bool = True, bw: int = SCAN_BW,
                warps: int = SCAN_WARPS, scan: str = "split"):
     """Pass B: h_in fp32 [segs,H,K,V], the true incoming state of every segment (``scan``:
     "split" = three-MMA hi/lo products of an fp32 A_seg, "bf16" = one bf16 MMA)."""
@@ -309,11 +315,12 @@ def flashkda_forward(q, k, v, g, beta, A_log, dt_bias=None, scale: Optional[floa
             final_state = _empty("final_state", (N, H, D, D), torch.float32, dev)
             final = dense_state(final_state, state_layout)
 
-    ws = run_k1(q, k, g, beta, A_log, dt_bias, scale, lower_bound, plan, alloc_workspace(H, plan.total_tiles, dev))
+    ws = run_k1(q, k, g, beta, A_log, dt_bias, scale, lower_bound, plan, alloc_workspace(H, plan.total_tiles, dev),
+                inv=spec.inv)
     taps = {}
     if plan.segmented:
         A_seg, b_seg = run_pass_a(ws, v, plan, H, spec.pass_a, spec.bw, spec.warps, spec.scan)
-        h_in = run_pass_b(A_seg, b_seg, plan, H, h0, spec.pass_b == "prefetch", spec.bw, spec.warps, spec.scan)
+        h_in = run_pass_b(A_seg, b_seg, plan, H, h0, spec.pass_b == "prefetch", SCAN_BW, spec.warps, spec.scan)
         run_pass_c(ws, v, o, plan, H, h_in=h_in, final=final, bw=spec.bw, warps=spec.warps)
         if return_workspace:
             taps.update(A_seg=A_seg, b_seg=b_seg, h_in=h_in)

@@ -20,6 +20,8 @@ and scratch size).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import re
 import subprocess
@@ -108,7 +110,7 @@ def _small_problem(state: str):
 
 def _spec_for_recording(spec: RouteSpec) -> RouteSpec:
     if spec.segmented and spec.cps is None:   # the heuristic's segmented pipeline (or unseg's kernels)
-        return RouteSpec(True, 1, spec.pass_a, spec.pass_b, spec.bw, spec.warps, spec.scan)
+        return dataclasses.replace(spec, cps=1)
     return spec
 
 

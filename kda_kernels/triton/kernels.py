@@ -13,7 +13,9 @@ K1, one program per (tile, head), C = 32 rows x D = 128 channels, all in fp32:
     Mqk = (qp ki^T)_ij           for i >= j
     INV = (I - L)^-1: the 16x16 diagonal blocks D by Neumann doubling
           (I+D)(I+D^2)(I+D^4)(I+D^8) = sum_{n<16} D^n, then one merge
-          INV <- INV + INV (L_off INV), all fp32 IEEE dots.
+          INV <- INV + INV (L_off INV), all fp32 dots: IEEE FMAs (INV_PREC = "ieee", the
+          production recipe) or "bf16x6", six bf16 tensor-core products of 3-way bf16 splits,
+          which carries the 24 significant bits of fp32 (the result is stored fp16 anyway).
 
 Chunk step (fp32 state S [K, BW], bf16 dot operands, fp32 accumulation):
     U = INV fp16(beta (v - kd bf16(S)))
@@ -47,13 +49,42 @@ H0_SEG = 2        # h_in[s] of pass B
 
 
 @triton.jit
+def _split3(x):
+    """x = hi + mid + lo in bf16 parts (24 significant bits: fp32's, bar the exponent range)."""
+    hi = x.to(tl.bfloat16)
+    r = x - hi.to(tl.float32)
+    mid = r.to(tl.bfloat16)
+    lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
+    return hi, mid, lo
+
+
+@triton.jit
+def _dot_f32(a, b, PREC: tl.constexpr):
+    """An fp32 product a @ b: IEEE FMAs (PREC = "ieee"), or (PREC = "bf16x6") the six bf16
+    tensor-core products of 3-way splits whose terms reach 2^-24 relative, summed small first:
+    a_lo b_hi + a_mid b_mid + a_hi b_lo + a_mid b_hi + a_hi b_mid + a_hi b_hi.  Spelled out here
+    (not input_precision="bf16x6") so that Triton's interpreter runs the same arithmetic."""
+    if PREC == "ieee":
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        ah, am, al = _split3(a)
+        bh, bm, bl = _split3(b)
+        acc = tl.dot(al, bh)
+        acc = tl.dot(am, bm, acc)
+        acc = tl.dot(ah, bl, acc)
+        acc = tl.dot(am, bh, acc)
+        acc = tl.dot(ah, bm, acc)
+        return tl.dot(ah, bh, acc)
+
+
+@triton.jit
 def k1_prepare_kernel(
     q_ptr, k_ptr, g_ptr, beta_ptr, alog_ptr, bias_ptr, tile_ptr,
     kd_ptr, qd_ptr, kr_ptr, gt_ptr, inv_ptr, mqk_ptr, wsb_ptr,
     sqb, sqt, sqh, sqd, skb, skt, skh, skd, sgb, sgt, sgh, sgd, sbb, sbt, sbh,
     total_tiles, scale, lower_bound,
     HAS_BIAS: tl.constexpr, C: tl.constexpr, D: tl.constexpr, BC: tl.constexpr,
-    NUM_DOUBLING: tl.constexpr,
+    NUM_DOUBLING: tl.constexpr, INV_PREC: tl.constexpr,
 ):
     tile = tl.program_id(0)
     h = tl.program_id(1)
@@ -122,13 +153,13 @@ def k1_prepare_kernel(
 
     Dm = tl.where(same_block, L, 0.0)
     inv = tl.where(ri == cj, 1.0, 0.0) + Dm
-    P = tl.dot(Dm, Dm, input_precision="ieee")
+    P = _dot_f32(Dm, Dm, INV_PREC)
     for it in tl.static_range(NUM_DOUBLING):
-        inv = inv + tl.dot(inv, P, input_precision="ieee")
+        inv = inv + _dot_f32(inv, P, INV_PREC)
         if it + 1 < NUM_DOUBLING:
-            P = tl.dot(P, P, input_precision="ieee")
+            P = _dot_f32(P, P, INV_PREC)
     L_off = tl.where(same_block, 0.0, L)
-    inv = inv + tl.dot(inv, tl.dot(L_off, inv, input_precision="ieee"), input_precision="ieee")
+    inv = inv + _dot_f32(inv, _dot_f32(L_off, inv, INV_PREC), INV_PREC)
     tl.store(inv_ptr + sq_off, inv.to(tl.float16))
 
 

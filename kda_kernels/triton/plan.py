@@ -19,7 +19,6 @@ same ``cu_seqlens`` tensor reads it back from the host once.
 from __future__ import annotations
 
 import functools
-import math
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -28,11 +27,9 @@ from typing import Optional
 import torch
 
 C = 32
-SEG_WAVES = 6          # the heuristic aims at about SEG_WAVES programs per SM in pass C
+SEG_BLOCKS_PER_SM = 2  # chunk-step programs resident per SM (~210 registers/thread at 4 warps: 2 fit)
 SEG_MIN_SEGMENTS = 4   # segmenting triples the chunk steps; fewer segments cannot pay for it
 SEG_MIN_CHUNKS = 16    # shorter sequences: three launches cost more than the chunk walk saves
-SEG_MIN_CPS = 2
-SEG_MAX_CPS = 64
 
 
 @dataclass
@@ -72,22 +69,22 @@ def choose_chunks_per_seg(n_chunks_max: int, N: int, H: int, V: int, bw: int, sm
     """Chunks per segment for the occupancy heuristic, or None for unsegmented.
 
     Pass C alone has ``blocks = N*H*ceil(V/bw)`` programs, each a sequential walk over its
-    sequence's chunks.  When that fills the device (blocks >= sms) segmentation only adds
-    work (pass A costs two chunk walks, pass C one); so does a walk shorter than
-    SEG_MIN_CHUNKS, where the extra launches dominate.  Otherwise split each sequence into
-    about ``SEG_WAVES*sms/blocks`` segments, rounded to a power-of-two length in
-    [SEG_MIN_CPS, SEG_MAX_CPS]; keep it unsegmented when fewer than SEG_MIN_SEGMENTS result.
+    sequence's chunks; one wave of the device holds ``SEG_BLOCKS_PER_SM*sms`` of them.  The
+    chunk steps are throughput-bound once a wave is full, so segmenting (pass A walks twice,
+    pass C once: three walks for one) pays only when the unsegmented grid fills less than a
+    third of a wave and the walk is long (>= SEG_MIN_CHUNKS).  Then each sequence is cut into
+    ``floor(wave / blocks)`` segments, so passes A and C run as one full wave (measured on the
+    H200 at 1x16384x12: 192 programs of 64 chunks beat 384 of 32, which leave a half-empty
+    second wave); fewer than SEG_MIN_SEGMENTS segments keep it unsegmented.
     """
     blocks = N * H * max(1, -(-V // bw))
-    if n_chunks_max < SEG_MIN_CHUNKS or blocks >= sms:
+    wave = SEG_BLOCKS_PER_SM * sms
+    if n_chunks_max < SEG_MIN_CHUNKS or 3 * blocks > wave:
         return None
-    target = SEG_WAVES * sms / blocks
-    ideal = n_chunks_max / target
-    cps = 2 ** max(0, round(math.log2(max(ideal, 1.0))))
-    cps = max(SEG_MIN_CPS, min(SEG_MAX_CPS, cps))
-    if -(-n_chunks_max // cps) < SEG_MIN_SEGMENTS:
+    segs = min(wave // blocks, n_chunks_max)
+    if segs < SEG_MIN_SEGMENTS:
         return None
-    return cps
+    return -(-n_chunks_max // segs)
 
 
 def sequence_bounds(B: int, T: int, cu_list: Optional[list]) -> tuple:

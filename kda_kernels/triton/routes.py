@@ -2,8 +2,8 @@
 
 A route name is ``MODE[:key=value]...``:
 
-    unseg[:BW=32][:nw=4]                             one segment per sequence: pass C alone
-    seg[:cps=N][:A=two|fused][:B=plain|prefetch][:BW=32][:nw=4][:scan=split|bf16]
+    unseg[:BW=32][:nw=4][:inv=ieee|bf16x6]           one segment per sequence: pass C alone
+    seg[:cps=N][:A=two|fused][:B=plain|prefetch][:BW=32][:nw=4][:scan=split|bf16][:inv=ieee|bf16x6]
         cps  chunks (of 32 tokens) per segment; absent = the occupancy heuristic, which may
              pick "unsegmented" when the grid already fills the device
         A    pass A as two launches (b_seg, then A_seg) or one fused launch
@@ -13,8 +13,10 @@ A route name is ``MODE[:key=value]...``:
         scan precision of pass B: "split" (default: A_seg stored fp32, A_seg and h split into
              bf16 hi + lo parts, three MMAs) or "bf16" (A_seg stored bf16, bf16(A_seg) bf16(h):
              the production recipe, which drifts ~2x the unsegmented error on large states)
+        inv  K1's fp32 products of the inverse: "ieee" (default: FMAs, the production recipe) or
+             "bf16x6" (six bf16 tensor-core products of 3-way splits, fp32's 24 bits; faster)
 
-Canonical names spell every key of the mode except ``nw`` and ``scan`` at their defaults
+Canonical names spell every key of the mode except ``nw``, ``scan`` and ``inv`` at their defaults
 (``seg:cps=4:A=fused:B=prefetch:BW=32``; the heuristic's is ``seg:A=fused:B=prefetch:BW=32``).
 """
 from __future__ import annotations
@@ -28,6 +30,8 @@ DEFAULT_A = "fused"
 DEFAULT_B = "prefetch"
 DEFAULT_WARPS = 4
 DEFAULT_SCAN = "split"
+DEFAULT_INV = "ieee"
+INV_CHOICES = ("ieee", "bf16x6")
 WARP_CHOICES = (4, 8)
 
 
@@ -44,15 +48,17 @@ class RouteSpec:
     bw: int = DEFAULT_BW
     warps: int = DEFAULT_WARPS
     scan: str = DEFAULT_SCAN
+    inv: str = DEFAULT_INV          # K1's inverse products: "ieee" | "bf16x6"
 
     @property
     def name(self) -> str:
         nw = "" if self.warps == DEFAULT_WARPS else f":nw={self.warps}"
+        inv = "" if self.inv == DEFAULT_INV else f":inv={self.inv}"
         if not self.segmented:
-            return f"unseg:BW={self.bw}{nw}"
+            return f"unseg:BW={self.bw}{nw}{inv}"
         cps = "" if self.cps is None else f":cps={self.cps}"
         scan = "" if self.scan == DEFAULT_SCAN else f":scan={self.scan}"
-        return f"seg{cps}:A={self.pass_a}:B={self.pass_b}:BW={self.bw}{nw}{scan}"
+        return f"seg{cps}:A={self.pass_a}:B={self.pass_b}:BW={self.bw}{nw}{scan}{inv}"
 
 
 def parse_route(name: str) -> RouteSpec:
@@ -63,7 +69,7 @@ def parse_route(name: str) -> RouteSpec:
     mode, rest = parts[0], parts[1:]
     if mode not in ("unseg", "seg"):
         raise RouteError(f"route {name!r}: expected it to start with 'unseg' or 'seg', got {mode!r}")
-    allowed = ("BW", "nw") if mode == "unseg" else ("cps", "A", "B", "BW", "nw", "scan")
+    allowed = ("BW", "nw", "inv") if mode == "unseg" else ("cps", "A", "B", "BW", "nw", "scan", "inv")
     vals: dict[str, str] = {}
     for part in rest:
         key, eq, val = part.partition("=")
@@ -79,8 +85,11 @@ def parse_route(name: str) -> RouteSpec:
     nw = _int(name, "nw", vals.get("nw", str(DEFAULT_WARPS)))
     if nw not in WARP_CHOICES:
         raise RouteError(f"route {name!r}: expected nw in {WARP_CHOICES}, got {nw}")
+    inv = vals.get("inv", DEFAULT_INV)
+    if inv not in INV_CHOICES:
+        raise RouteError(f"route {name!r}: expected inv={'|'.join(INV_CHOICES)}, got inv={inv}")
     if mode == "unseg":
-        return RouteSpec(segmented=False, bw=bw, warps=nw)
+        return RouteSpec(segmented=False, bw=bw, warps=nw, inv=inv)
     cps = None
     if "cps" in vals:
         cps = _int(name, "cps", vals["cps"])
@@ -95,7 +104,7 @@ def parse_route(name: str) -> RouteSpec:
     scan = vals.get("scan", DEFAULT_SCAN)
     if scan not in ("split", "bf16"):
         raise RouteError(f"route {name!r}: expected scan=split|bf16, got scan={scan}")
-    return RouteSpec(segmented=True, cps=cps, pass_a=pass_a, pass_b=pass_b, bw=bw, warps=nw, scan=scan)
+    return RouteSpec(segmented=True, cps=cps, pass_a=pass_a, pass_b=pass_b, bw=bw, warps=nw, scan=scan, inv=inv)
 
 
 def _int(name: str, key: str, val: str) -> int:
@@ -108,12 +117,14 @@ def _int(name: str, key: str, val: str) -> int:
 def route_names() -> list[str]:
     """The pinned routes the backend lists (canonical names): unsegmented at BW 32 / 64 / 8 warps;
     the heuristic, cps=1 and cps=4 crossed with both pass-A and both pass-B variants; cps=32, BW=64,
-    8 warps and the bf16 scan on the default variants.  Any other well-formed name also runs (``parse_route``)."""
+    8 warps and the bf16 scan on the default variants; the fast configuration (BW=64 with the
+    bf16x6 inverse), unsegmented and on the heuristic.  Any other well-formed name also runs (``parse_route``)."""
     names = [RouteSpec(False, bw=32).name, RouteSpec(False, bw=64).name, RouteSpec(False, bw=32, warps=8).name]
     for cps in (None, 1, 4):
         for a in ("two", "fused"):
             for b in ("plain", "prefetch"):
                 names.append(RouteSpec(True, cps, a, b, DEFAULT_BW).name)
     names += [RouteSpec(True, 32).name, RouteSpec(True, None, bw=64).name, RouteSpec(True, None, warps=8).name,
-              RouteSpec(True, None, scan="bf16").name, RouteSpec(True, 1, scan="bf16").name]
+              RouteSpec(True, None, scan="bf16").name, RouteSpec(True, 1, scan="bf16").name,
+              RouteSpec(False, bw=64, inv="bf16x6").name, RouteSpec(True, None, bw=64, inv="bf16x6").name]
     return names
