@@ -6,19 +6,35 @@ call raises), heuristics wrappers, refusals.  Part 2 is a dry run of the real fl
 its Python code runs every route of the adapter on CPU tensors while compiled launches are
 replaced by a recorder, so every autotuned kernel that the adapter's calls reach is seen with
 the configs it holds at launch (outputs are garbage and never looked at).
+
+Triton is imported inside the tests, never at collection: the interpreter test modules collected
+after this one need Triton's first import to happen with TRITON_INTERPRET=1 set.  And fla cannot
+be imported into a process whose Triton was first imported that way (its Gluon backend asserts
+compiled functions), so part 2 runs in a fresh pytest process (test_fla_dry_runs_in_a_fresh_process)
+and skips in this one.
 """
 import importlib.util
 import inspect
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
 
 import pytest
 import torch
-import triton
-from triton.runtime.autotuner import Autotuner, Heuristics
 
 from kda_kernels import _autotune_pin as pin
 from kda_kernels import fla as fla_mod
 from kda_kernels.base import Route
 from kda_ref.problem import Problem
+
+
+def _tt():
+    """Triton's classes, imported when a test runs (see the module docstring)."""
+    import triton
+    from triton.runtime.autotuner import Autotuner, Heuristics
+    return types.SimpleNamespace(Config=triton.Config, Autotuner=Autotuner, Heuristics=Heuristics)
 
 
 # ----- part 1: the helper on Triton's classes ----------------------------------------------------
@@ -39,33 +55,36 @@ class FakeJit:
 
 def make_tuner(configs, prune=None):
     jit = FakeJit()
-    tuner = Autotuner(jit, jit.arg_names, configs, key=["x"], reset_to_zero=None, restore_value=None,
+    tuner = _tt().Autotuner(jit, jit.arg_names, configs, key=["x"], reset_to_zero=None, restore_value=None,
                       prune_configs_by={"early_config_prune": prune} if prune else None)
     return tuner, jit
 
 
-CFGS = [triton.Config({"BLOCK": 64}, num_warps=8, num_stages=2),
-        triton.Config({"BLOCK": 128}, num_warps=4, num_stages=2),
-        triton.Config({"BLOCK": 32}, num_warps=4, num_stages=3),
-        triton.Config({"BLOCK": 64}, num_warps=4, num_stages=2),
-        triton.Config({"BLOCK": 16}, num_warps=2, num_stages=1)]
+@pytest.fixture
+def CFGS():
+    Config = _tt().Config
+    return [Config({"BLOCK": 64}, num_warps=8, num_stages=2),
+            Config({"BLOCK": 128}, num_warps=4, num_stages=2),
+            Config({"BLOCK": 32}, num_warps=4, num_stages=3),
+            Config({"BLOCK": 64}, num_warps=4, num_stages=2),
+            Config({"BLOCK": 16}, num_warps=2, num_stages=1)]
 
 
-def test_rule_prefers_four_warps_then_fewest_stages_then_smallest_tiles():
+def test_rule_prefers_four_warps_then_fewest_stages_then_smallest_tiles(CFGS):
     assert pin.choose_config(CFGS) is CFGS[3]        # w4 s2 BLOCK 64 beats w4 s2 128 and w4 s3 32
     no_four = [c for c in CFGS if c.num_warps != 4]
     assert pin.choose_config(no_four) is CFGS[4]     # no 4-warp config: the fewest warps
-    twins = [triton.Config({"BK": 32, "BV": 64}, num_warps=4, num_stages=2),
-             triton.Config({"BK": 32, "BV": 32}, num_warps=4, num_stages=2)]
+    twins = [_tt().Config({"BK": 32, "BV": 64}, num_warps=4, num_stages=2),
+             _tt().Config({"BK": 32, "BV": 32}, num_warps=4, num_stages=2)]
     assert pin.choose_config(twins) is twins[1]      # tiles compared in sorted-name order: BK, then BV
-    same = [triton.Config({}, num_warps=4), triton.Config({}, num_warps=4)]
+    same = [_tt().Config({}, num_warps=4), _tt().Config({}, num_warps=4)]
     assert pin.choose_config(same) is same[0]        # then the library's order
     assert pin.describe(CFGS[3]) == "BLOCK=64 warps=4 stages=2"
     with pytest.raises(ValueError, match="configs: expected at least one"):
         pin.choose_config([])
 
 
-def test_pinned_during_the_call_and_restored_after():
+def test_pinned_during_the_call_and_restored_after(CFGS):
     tuner, jit = make_tuner(list(CFGS))
     own = tuner.configs
     with pin.pinned({"k": tuner}) as record:
@@ -76,12 +95,14 @@ def test_pinned_during_the_call_and_restored_after():
     assert [launch["BLOCK"] for launch in jit.launches] == [64, 64]
     assert all(launch["num_warps"] == 4 and launch["num_stages"] == 2 for launch in jit.launches)
     assert record == {"k": {"config": "BLOCK=64 warps=4 stages=2", "of": 5, "launches": 2}}
+    Autotuner = _tt().Autotuner
     assert "run" in Autotuner.__dict__ and Autotuner.run is Autotuner.__dict__["run"]
     assert inspect.getsourcefile(Autotuner.run).endswith("autotuner.py")   # Triton's own run is back
 
 
-def test_restored_when_the_call_raises():
+def test_restored_when_the_call_raises(CFGS):
     tuner, _ = make_tuner(list(CFGS))
+    Autotuner = _tt().Autotuner
     own, run = tuner.configs, Autotuner.run
     with pytest.raises(ZeroDivisionError):
         with pin.pinned({"k": tuner}):
@@ -90,8 +111,9 @@ def test_restored_when_the_call_raises():
     assert tuner.configs is own and Autotuner.run is run
 
 
-def test_heuristics_wrapper_is_looked_through():
+def test_heuristics_wrapper_is_looked_through(CFGS):
     tuner, jit = make_tuner(list(CFGS))
+    Heuristics = _tt().Heuristics
     wrapped = Heuristics(Heuristics(tuner, jit.arg_names, {"EXTRA": lambda a: 7}), jit.arg_names, {})
     assert pin.find_autotuner(wrapped) is tuner
     with pin.pinned({"k": wrapped}) as record:
@@ -101,7 +123,7 @@ def test_heuristics_wrapper_is_looked_through():
     assert record["k"]["launches"] == 1 and jit.launches[0]["BLOCK"] == 64
 
 
-def test_an_unpinned_autotuner_raises_instead_of_benchmarking():
+def test_an_unpinned_autotuner_raises_instead_of_benchmarking(CFGS):
     pinned_one, _ = make_tuner(list(CFGS))
     stray, jit = make_tuner(list(CFGS))
     single, single_jit = make_tuner([CFGS[0]])
@@ -112,7 +134,7 @@ def test_an_unpinned_autotuner_raises_instead_of_benchmarking():
     assert jit.launches == [] and len(single_jit.launches) == 1
 
 
-def test_refusals_name_the_kernel():
+def test_refusals_name_the_kernel(CFGS):
     pruning, _ = make_tuner(list(CFGS), prune=lambda configs, nargs, **kw: configs[:1])
     with pytest.raises(ValueError, match=r"kernels: 'p' prunes its configs per launch"):
         with pin.pinned({"p": pruning}):
@@ -130,7 +152,7 @@ def test_a_class_without_its_own_run_gets_its_inherited_run_back():
 
     class Tuner(Base):
         def __init__(self):
-            self.configs = [triton.Config({}, num_warps=8), triton.Config({}, num_warps=4)]
+            self.configs = [_tt().Config({}, num_warps=8), _tt().Config({}, num_warps=4)]
 
     t = Tuner()
     with pin.pinned({"t": t}, autotuner_class=Tuner) as record:
@@ -139,7 +161,24 @@ def test_a_class_without_its_own_run_gets_its_inherited_run_back():
 
 
 # ----- part 2: the real fla-core, dry run --------------------------------------------------------
-needs_fla = pytest.mark.skipif(importlib.util.find_spec("fla") is None, reason="fla-core is not installed")
+ROOT = Path(__file__).resolve().parents[1]
+CHILD = os.environ.get("KDA_FLA_DRY_RUN_CHILD") == "1"
+needs_fla = pytest.mark.skipif(not CHILD, reason="runs in a fresh process (test_fla_dry_runs_in_a_fresh_process)")
+
+
+def test_fla_dry_runs_in_a_fresh_process():
+    """Part 2 (the tests named test_fla_dry_run_*) in a child pytest process; its failures are ours."""
+    if CHILD:
+        pytest.skip("this is the child process")
+    if importlib.util.find_spec("fla") is None:
+        pytest.skip("fla-core is not installed")
+    env = dict(os.environ, KDA_FLA_DRY_RUN_CHILD="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "fla_dry_run_",
+                           str(Path(__file__))], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    tail = (proc.stdout + proc.stderr)[-6000:]
+    assert proc.returncode == 0, tail
+    assert " passed" in proc.stdout and " failed" not in proc.stdout, tail
 
 
 def _problem(lens=(40, 30), H=2, K=64, V=64, gate="lower_bound", beta_kind="sigmoid", l2=True, layout="kv"):
@@ -166,6 +205,7 @@ PROBLEMS = {
 def dry_run(monkeypatch):
     """Compiled launches recorded, not run; every autotuned launch recorded with its config count."""
     from triton.runtime.jit import JITFunction
+    Autotuner = _tt().Autotuner
     fla_mod.autotuned_kernels()                  # fla imported, so its autotuners can be listed before a call
     seen = []
     triton_run = Autotuner.run
@@ -187,7 +227,7 @@ def _all_fla_autotuners():
             continue
         for obj in list(vars(mod).values()):
             tuner = pin.find_autotuner(obj)
-            if isinstance(tuner, Autotuner):
+            if isinstance(tuner, _tt().Autotuner):
                 found[tuner.base_fn.__name__ + "@" + tuner.base_fn.__module__] = tuner
     return found
 
@@ -195,7 +235,7 @@ def _all_fla_autotuners():
 @needs_fla
 @pytest.mark.parametrize("case", sorted(PROBLEMS))
 @pytest.mark.parametrize("route", sorted(fla_mod.CHUNK_ROUTES) + ["fused_recurrent"])
-def test_every_autotuner_the_adapter_reaches_runs_pinned(dry_run, case, route):
+def test_fla_dry_run_every_autotuner_the_adapter_reaches_runs_pinned(dry_run, case, route):
     p = PROBLEMS[case]
     b = fla_mod.FlaBackend()
     ok, why = b.accepts(p, Route(route, recipe="fla"))
@@ -223,7 +263,7 @@ def test_every_autotuner_the_adapter_reaches_runs_pinned(dry_run, case, route):
 
 
 @needs_fla
-def test_the_per_pass_path_runs_pinned(dry_run):
+def test_fla_dry_run_the_per_pass_path_runs_pinned(dry_run):
     p = PROBLEMS["lower_bound"]
     b = fla_mod.FlaBackend()
     route = Route("chunk:exact:C=32", recipe="fla")
@@ -245,12 +285,12 @@ def test_the_per_pass_path_runs_pinned(dry_run):
 
 
 @needs_fla
-def test_the_pinned_configs_are_the_rule_applied_to_flas_own_lists():
+def test_fla_dry_run_the_pinned_configs_are_the_rule_applied_to_flas_own_lists():
     kernels = fla_mod.autotuned_kernels()
     assert set(kernels) == set(fla_mod.AUTOTUNED)
     for name, kernel in kernels.items():
         tuner = pin.find_autotuner(kernel)
-        assert isinstance(tuner, Autotuner) and tuner.early_config_prune is None, name
+        assert isinstance(tuner, _tt().Autotuner) and tuner.early_config_prune is None, name
         assert len(tuner.configs) > 1, name           # every one of them would autotune unpinned
     with fla_mod.pinned_autotuners() as record:
         for name, kernel in kernels.items():
@@ -263,7 +303,7 @@ def test_the_pinned_configs_are_the_rule_applied_to_flas_own_lists():
 
 
 @needs_fla
-def test_a_missing_fla_kernel_is_named(monkeypatch):
+def test_fla_dry_run_a_missing_fla_kernel_is_named(monkeypatch):
     monkeypatch.setitem(fla_mod.AUTOTUNED, "gone", ("fla.ops.kda.gate", "no_such_kernel"))
     with pytest.raises(RuntimeError, match="fla-core layout changed: fla.ops.kda.gate has no no_such_kernel"):
         fla_mod.autotuned_kernels()
