@@ -1,6 +1,6 @@
 """Triton compile time of this process, measured through Triton's own hooks (no GPU needed).
 
-``compile_clock()`` installs, once per process, three hooks of ``triton.knobs`` (Triton 3.6),
+``compile_clock()`` installs, once per process and once Triton is imported, three hooks of ``triton.knobs`` (Triton 3.6),
 each chained to whatever was installed before it:
 
     knobs.compilation.listener         called by ``triton.compile`` at its end with Triton's own
@@ -22,6 +22,7 @@ Under ``TRITON_INTERPRET=1`` nothing is compiled: the hooks never fire and ``how
 from __future__ import annotations
 
 import os
+import sys
 import time
 from typing import Optional
 
@@ -49,10 +50,13 @@ class CompileClock:
 
     @property
     def how(self) -> str:
-        """interpreted | measured | unavailable (Triton's hooks could not be installed)."""
+        """interpreted | measured | unavailable (Triton's hooks could not be installed) |
+        no triton (not imported in this process: nothing to compile)."""
         if interpreted():
             return "interpreted"
-        return "measured" if self.installed else "unavailable"
+        if self.installed:
+            return "measured"
+        return "unavailable" if self.error else "no triton"
 
     def forget_pending(self) -> None:
         """Drop an unfinished launch-preparation interval (a kernel whose load failed)."""
@@ -117,8 +121,12 @@ def install(clock: CompileClock) -> CompileClock:
 
 
 def compile_clock() -> CompileClock:
-    """This process's clock, its hooks installed on first use."""
+    """This process's clock, its hooks installed once Triton is imported (by a backend: loading or
+    probing one that uses Triton imports it before its first call; the emulator never does, and
+    a process that runs only the emulator never imports Triton for the clock's sake)."""
     global _CLOCK
     if _CLOCK is None:
-        _CLOCK = install(CompileClock())
+        _CLOCK = CompileClock()
+    if not _CLOCK.installed and not _CLOCK.error and "triton" in sys.modules:
+        install(_CLOCK)
     return _CLOCK

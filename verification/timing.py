@@ -94,8 +94,8 @@ def breakdown(sums: dict, wall_s: float, report_s: float = 0.0, workers: Optiona
     for k in ("cells", "oracle_runs", "baseline_runs", "compiles", "compile_cache_hits"):
         bd[k] = int(sums.get(k, 0))
     hows = list(sums.get("compile_how") or [])
-    bd["compile_how"] = ("interpreted" if "interpreted" in hows and "measured" not in hows else
-                         "measured" if "measured" in hows else ("unavailable" if hows else "no kernel ran"))
+    bd["compile_how"] = ("measured" if "measured" in hows else "interpreted" if "interpreted" in hows else
+                         "unavailable" if "unavailable" in hows else "no triton" if hows else "no kernel ran")
     return bd
 
 
@@ -114,6 +114,8 @@ def part_note(bd: dict, part: str) -> str:
             return "interpreted (TRITON_INTERPRET=1): nothing compiled"
         if how == "unavailable":
             return "not measured (Triton's compile hooks unavailable)"
+        if how == "no triton":
+            return "Triton not used"
         if how != "measured":
             return how
         hits = bd.get("compile_cache_hits", 0)
