@@ -7,11 +7,13 @@ from pathlib import Path
 import pytest
 
 from kda_test_backends import write_tolerances
-from verification.cases import _fuzz_draw, fuzz_suite, get_case, get_suite
+from verification.cases import _fuzz_draw, _fuzz_params, fuzz_suite, get_case, get_suite
 from verification.cli import UsageError, main
 from verification.runner import RESULTS_FILE, read_records
 
 pytest_plugins = ["pytester"]
+PINNED_FUZZ0_000 = {"lens": [27, 130], "H": 2, "lb": -0.01, "g_scale": 4.0, "g_shift": 12.0, "rho": 0.0,
+                    "state": "none", "state_scale": 1.0}
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -20,10 +22,13 @@ def tol(tmp_path_factory):
     return write_tolerances(tmp_path_factory.mktemp("tol"))
 
 
-def test_stopping_the_draw_early_keeps_the_problems():
-    # the engine stops once n problems are drawn instead of running all 4n examples
-    for n, seed in ((20, 0), (30, 3)):
-        assert _fuzz_draw(n, seed) == _fuzz_draw(n, seed, stop_early=False)
+def test_case_i_is_the_same_in_every_draw_and_pinned_by_value():
+    # a pure function of (seed, i): the first cases of a bigger draw are the smaller draw
+    assert _fuzz_draw(30, 3)[:20] == _fuzz_draw(20, 3)
+    assert _fuzz_draw(5, 0) != _fuzz_draw(5, 1)
+    # pinned by value, so a change of the draw (or of a library under it) cannot pass unseen:
+    # a failing id must name the same problem on every machine
+    assert _fuzz_params(0, 0) == PINNED_FUZZ0_000, _fuzz_params(0, 0)
 
 
 def test_a_draw_of_2000_is_fast_and_its_ids_are_unique():
@@ -40,7 +45,7 @@ def test_a_draw_of_2000_is_fast_and_its_ids_are_unique():
 
 
 def test_a_fuzz_id_names_a_case_of_one_draw():
-    # the engine draws differently for another n: an id is looked up in the draw of its run
+    # an id is looked up in the draw of its run (the run's n and seed)
     assert get_case("fuzz/fuzz0-025", n=30).params == fuzz_suite(30)[25].params
     assert get_case("fuzz/fuzz2-004", n=8).suite_opts == {"n": 8, "seed": 2}     # the seed from the name
     assert get_case("fuzz/fuzz0-004").suite_opts == {"n": 20, "seed": 0}
