@@ -120,3 +120,45 @@ def test_verdict_dict_is_json(setting):
     assert json.loads(text)["status"] == "fail" and d["recipe"] == "flashkda" and d["route"] == "flashkda"
     assert set(d["tensors"]["o"]) >= {"err", "threshold", "margin", "metric", "baseline_err", "tolerance_key"}
     assert not math.isnan(d["tensors"]["final_state"]["err"])
+
+
+# One token whose q^.k^ is -0.003 (fuzz draw of the H200 run, seed kept): o = scale (q^.k^) beta v
+# is a near-cancellation that every recipe's bf16 rounding of q^, k^ gets 13-24% wrong.
+ONE_TOKEN = dict(lens=[1], H=1, lb=-3.0, g_scale=1.0, g_shift=-4.0, rho=0.5, state="none", state_scale=1.0)
+
+
+def _recipes(p, tr):
+    return {r: baseline_metrics(p, r, tr) for r in ("flashkda", "fla", "moonshot")}
+
+
+def test_a_cap_no_recipe_can_meet_is_lifted_to_the_best_recipe():
+    from verification.cases import build_problem
+    p = build_problem(ONE_TOKEN, 1447717590)
+    tr = truth(p)
+    base, db, recipes = baseline_metrics(p, "flashkda", tr), load_tolerances(), _recipes(p, tr)
+    assert min(m["o"]["rel_l2"] for m in recipes.values()) > 0.1            # every recipe, > the 0.05 cap
+    out = emulate(p, "flashkda")
+    capped = judge("triton", ROUTE, p, out, tr, base, db)
+    assert capped.status == "fail" and "cap 0.05" in capped.reason           # without the recipes: a false alarm
+    v = judge("triton", ROUTE, p, out, tr, base, db, recipe_baselines=lambda: recipes)
+    assert v.status == "pass", v.reason
+    lift = v.tensors["o"]["cap_lifted"]
+    tol = db.lookup("triton", ROUTE.name, "bf16", "o")
+    assert lift["best_recipe"] == "flashkda" and lift["from"] == tol.cap == 0.05
+    assert lift["to"] == pytest.approx(tol.m * lift["best_err"] + tol.floor) and lift["best_err"] > 0.1
+    assert "cap 0.05 lifted" in v.reason
+    # a kernel 3x worse than the best recipe still fails under the lifted cap
+    worse = Outputs(o=(tr.o + 3 * (out.o.double() - tr.o)).to(out.o.dtype), final_state=out.final_state)
+    bad = judge("triton", ROUTE, p, worse, tr, base, db, recipe_baselines=lambda: recipes)
+    assert bad.status == "fail" and "o:" in bad.reason
+
+
+def test_a_recipe_alone_over_the_cap_keeps_the_cap():
+    # Moonshot's recipe on correlated keys with a weak gate: flashkda meets the cap there, so no lift
+    p = get_case("smoke/correlated-weak-lb-0.01").build()
+    tr = truth(p)
+    recipes = _recipes(p, tr)
+    moon = Route(name="moonshot", recipe="moonshot")
+    v = judge("emulator", moon, p, emulate(p, "moonshot"), tr, recipes["moonshot"], load_tolerances(),
+              recipe_baselines=lambda: recipes)
+    assert v.status == "fail" and not any("cap_lifted" in t for t in v.tensors.values()), v.reason
