@@ -323,7 +323,9 @@ def run(args) -> int:
     prov = provenance.collect(device=device)
     gpu = prov["device"].get("gpu") if prov["device"].get("gpu") not in (None, "none") else f"CPU ({device})"
     if args.from_results:
-        gpu = _earlier_device(args.from_results) or gpu
+        devs = sorted({str(r.get("device")) for r in records if r.get("device")})
+        gpu = _earlier_device(args.from_results) or (
+            f"the records' device {'/'.join(devs)} (no run.json beside them)" if devs else gpu)
     where = (f"{gpu}, {prov['time_utc'][:10]}, commit {str(prov['git']['commit'])[:10]}, "
              f"suite {'+'.join(suites)}{'' if long else ' (no long cases)'}")
     proposals = []
