@@ -14,7 +14,7 @@ compiled with ``triton.compile(ASTSource(...), target=GPUTarget(...))``:
     gfx1250  GPUTarget("hip", "gfx1250", 32)
 
 Reported per kernel: compiled or the compiler's error; matrix instructions (wgmma / mma in
-the PTX and HGMMA / HMMA in the SASS; v_mfma / v_wmma in the AMDGCN); registers (ptxas) or
+the PTX and HGMMA / HMMA in the SASS; v_mfma / v_wmma in the AMDGCN); the static instruction count of the machine code (SASS / AMDGCN); registers (ptxas) or
 VGPRs / AGPRs; shared memory or LDS; spills (ptxas spill bytes, AMD vgpr/sgpr spill counts
 and scratch size).
 """
@@ -86,6 +86,7 @@ class KernelReport:
     agprs: Optional[int] = None
     shared_bytes: Optional[int] = None
     spills: dict = field(default_factory=dict)
+    instructions: Optional[int] = None             # static size of the machine code (SASS / AMDGCN)
     compile_s: float = 0.0
     note: str = ""
 
@@ -187,6 +188,7 @@ def _cuda_stats(kernel, arch_num: int) -> dict:
             sass = subprocess.run([_tool("cuobjdump"), "-sass", path], capture_output=True, text=True, timeout=120).stdout
             out["matrix"]["HGMMA (SASS)"] = len(re.findall(r"\bHGMMA\b", sass))
             out["matrix"]["HMMA (SASS)"] = len(re.findall(r"\bHMMA\b", sass))
+            out["instructions"] = len(re.findall(r"/\*[0-9a-f]{4,}\*/\s+\S", sass))   # static SASS size
         if ptx and _tool("ptxas"):
             ppath = os.path.join(d, "k.ptx")
             with open(ppath, "w") as f:
@@ -214,7 +216,8 @@ def _amd_stats(kernel) -> dict:
         return int(m.group(1)) if m else None
 
     m = re.search(r"ScratchSize:\s*(\d+)", asm)
-    return {"matrix": {"v_mfma": len(re.findall(r"^\s*v_mfma", asm, re.M)),
+    return {"instructions": len(re.findall(r"^\s+(?:[vs]_|ds_|global_|buffer_|flat_|scratch_)\w+", asm, re.M)),
+            "matrix": {"v_mfma": len(re.findall(r"^\s*v_mfma", asm, re.M)),
                        "v_wmma": len(re.findall(r"^\s*v_wmma", asm, re.M))},
             "registers": field_("vgpr_count"), "agprs": field_("agpr_count"),
             "shared": field_("group_segment_fixed_size") or getattr(kernel.metadata, "shared", None),
@@ -255,7 +258,7 @@ def compile_variant(v: Variant, arch: str) -> KernelReport:
         st = _cuda_stats(k, a) if backend == "cuda" else _amd_stats(k)
         rep.ok = True
         rep.matrix, rep.registers, rep.shared_bytes = st["matrix"], st["registers"], st["shared"]
-        rep.agprs, rep.spills = st.get("agprs"), st["spills"]
+        rep.agprs, rep.spills, rep.instructions = st.get("agprs"), st["spills"], st.get("instructions")
     except Exception as e:  # noqa: BLE001 - the compiler's error is the result
         rep.error = _last_line(e)
     rep.compile_s = time.perf_counter() - t0

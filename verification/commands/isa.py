@@ -64,7 +64,8 @@ def run(args) -> int:
 
 
 def _table(reports) -> None:
-    head = f"{'arch':8} {'ok':3} {'regs':>5} {'agpr':>4} {'smem':>7} {'spills':22} {'matrix instructions':38} kernel"
+    head = (f"{'arch':8} {'ok':3} {'regs':>5} {'agpr':>4} {'smem':>7} {'instr':>6} {'spills':22} "
+            f"{'matrix instructions':38} kernel")
     print(head)
     print("-" * len(head))
     for r in reports:
@@ -75,6 +76,6 @@ def _table(reports) -> None:
         sp = " ".join(f"{k.replace('_count', '').replace('_bytes', 'B')}={v}" for k, v in r.spills.items() if v)
         print(f"{r.arch:8} yes {r.registers if r.registers is not None else '-':>5} "
               f"{r.agprs if r.agprs is not None else '-':>4} {r.shared_bytes if r.shared_bytes is not None else '-':>7} "
-              f"{sp or 'none':22} {mat:38} {r.kernel}")
+              f"{r.instructions if r.instructions is not None else '-':>6} {sp or 'none':22} {mat:38} {r.kernel}")
         if r.note:
             print(f"         note: {r.note[:200]}")
