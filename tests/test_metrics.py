@@ -99,3 +99,34 @@ def test_flushing_negligible_values_is_not_mistrusted(varlen):
     x[0, : p.T // 2] = 0
     m = tensor_metrics(x, ref, problem=p)
     assert m["zero_frac"] > ZERO_TRUST and m["spurious_zero_frac"] == 0 and not m["mistrusted"]
+
+
+def test_host_reads_do_not_grow_with_the_sequence():
+    """On a GPU every read of a device scalar is a synchronisation: the per-chunk curve must be
+    reduced on the device and read back at once, not two reads per chunk point."""
+    from torch.overrides import TorchFunctionMode
+
+    from kda_ref.truth import truth
+    from verification.cases import build_problem
+    from verification.metrics import tensor_metrics
+
+    reads = {"n": 0}
+
+    class Count(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            name = getattr(func, "__name__", "")
+            if name in ("tolist", "item", "__float__", "__int__", "__bool__"):
+                reads["n"] += 1
+            return func(*args, **(kwargs or {}))
+
+    counts = []
+    for T in (96, 1300):                       # 3 and 41 chunk points
+        p = build_problem(dict(B=1, T=T, H=1, lb=-1.0), 5)
+        tr = truth(p)
+        x = (tr.o * (1 + 1e-3 * torch.randn_like(tr.o))).to(torch.bfloat16)
+        reads["n"] = 0
+        with Count():
+            m = tensor_metrics(x, tr.o, problem=p, tensor="o")
+        counts.append(reads["n"])
+        assert len(m["chunk_rel_l2"]) == -(-T // 32)
+    assert counts[0] == counts[1] and counts[1] <= 8, counts

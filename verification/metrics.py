@@ -79,22 +79,25 @@ def _packed_rows(t: torch.Tensor, problem) -> torch.Tensor:
     return t.reshape(problem.B * problem.T, -1)
 
 
-def _row_groups(problem, chunk: int):
-    """(tail_rows, [rows of chunk c]) as index lists over the packed token axis."""
-    tail, chunks = [], []
+def _row_groups(problem, chunk: int, rows: int) -> tuple:
+    """Per packed row: its chunk point (-1: a row outside every sequence) and whether it lies in
+    the last half of its sequence.  numpy arrays over the ``rows`` packed tokens; the number of
+    chunk points = the longest sequence's chunk count."""
+    import numpy as np
+    cid = np.full(rows, -1, dtype=np.int64)
+    tail = np.zeros(rows, dtype=bool)
     for bos, eos in problem.seq_bounds():
         n = eos - bos
-        tail.extend(range(bos + n // 2, eos))
-        for c, c0 in enumerate(range(bos, eos, chunk)):
-            while len(chunks) <= c:
-                chunks.append([])
-            chunks[c].extend(range(c0, min(c0 + chunk, eos)))
-    return tail, chunks
+        cid[bos:eos] = np.arange(n) // chunk
+        tail[bos + n // 2:eos] = True
+    return cid, tail
 
 
-def _fractions(x: torch.Tensor) -> tuple[float, float, float]:
-    n = max(x.numel(), 1)
-    return (float(torch.isnan(x).sum()) / n, float(torch.isinf(x).sum()) / n, float((x == 0).sum()) / n)
+def _ratio(num_sq: float, den_sq: float) -> float:
+    """sqrt(num_sq / den_sq) as rel_l2 defines it (0 when both are zero, inf when only den is)."""
+    if den_sq == 0.0:
+        return 0.0 if num_sq == 0.0 else math.inf
+    return math.sqrt(num_sq) / math.sqrt(den_sq)
 
 
 def tensor_metrics(x: torch.Tensor, ref: torch.Tensor, *, dtype: Optional[torch.dtype] = None,
@@ -103,7 +106,10 @@ def tensor_metrics(x: torch.Tensor, ref: torch.Tensor, *, dtype: Optional[torch.
 
     ``dtype`` is the dtype the ULP distance is counted in (default: x's dtype); ``problem``
     gives the sequence bounds (o) and the written slots (state_cache); ``chunk`` is the row
-    count of one point of the per-chunk curve."""
+    count of one point of the per-chunk curve.  rel_l2 of the whole tensor, of the tail rows and
+    of each chunk point are sqrt(sum of squared errors / sum of squared references) over those
+    rows; the sums are reduced on x's device and read back together (a handful of device
+    synchronisations per tensor, whatever the sequence length)."""
     if tuple(x.shape) != tuple(ref.shape):
         raise ValueError(f"{tensor}: expected shape {list(ref.shape)} (the oracle's), got {list(x.shape)}")
     dtype = dtype or x.dtype
@@ -119,26 +125,46 @@ def tensor_metrics(x: torch.Tensor, ref: torch.Tensor, *, dtype: Optional[torch.
         extra["untouched_changed"] = int((~same).sum())
         x, ref = x[written], ref[written]
     xf, rf = x.to(F64), ref.to(F64)
-    nan_frac, inf_frac, zero_frac = _fractions(xf)
-    finite = nan_frac == 0.0 and inf_frac == 0.0
-    err = rel_l2(xf, rf) if finite else math.nan
-    max_abs = float((xf - rf).abs().max()) if finite and xf.numel() else (0.0 if finite else math.nan)
-    tail, curve = err, []
-    if tensor == "o" and problem is not None and xf.dim() == 4:
+    n = max(xf.numel(), 1)
+    d = xf - rf
+    per_chunk = tensor == "o" and problem is not None and xf.dim() == 4
+    if per_chunk:
         xr, rr = _packed_rows(xf, problem), _packed_rows(rf, problem)
-        tail_rows, chunk_rows = _row_groups(problem, chunk)
-        if finite and tail_rows:
-            idx = torch.tensor(tail_rows, device=xr.device)
-            tail = rel_l2(xr[idx], rr[idx])
+        e2, r2 = (xr - rr).square().sum(1), rr.square().sum(1)            # per packed row
+        cid_np, tail_np = _row_groups(problem, chunk, xr.shape[0])
+        npts = int(cid_np.max()) + 1 if cid_np.size else 0
+        cid = torch.from_numpy(cid_np).to(xr.device)
+        inside = cid >= 0
+        tail_m = torch.from_numpy(tail_np).to(xr.device)
+        num = torch.zeros(npts, dtype=F64, device=xr.device).index_add_(0, cid[inside], e2[inside])
+        den = torch.zeros(npts, dtype=F64, device=xr.device).index_add_(0, cid[inside], r2[inside])
+        err_sq, ref_sq = d.square().sum(), rf.square().sum()
+        parts = [e2[tail_m].sum(), r2[tail_m].sum()]
+    else:
+        err_sq, ref_sq = d.square().sum(), rf.square().sum()
+        parts, num, den, tail_np = [], None, None, None
+    absd = d.abs()
+    head = torch.stack([torch.isnan(xf).sum().to(F64), torch.isinf(xf).sum().to(F64), (xf == 0).sum().to(F64),
+                        err_sq, ref_sq,
+                        absd.max() if xf.numel() else torch.zeros((), dtype=F64, device=xf.device),
+                        rf.abs().max() if rf.numel() else torch.zeros((), dtype=F64, device=xf.device), *parts])
+    vals = head.tolist()                                                     # one synchronisation
+    nan_frac, inf_frac, zero_frac = vals[0] / n, vals[1] / n, vals[2] / n
+    finite = nan_frac == 0.0 and inf_frac == 0.0
+    err = _ratio(vals[3], vals[4]) if finite else math.nan
+    max_abs = vals[5] if finite and xf.numel() else (0.0 if finite else math.nan)
+    tail, curve = err, []
+    if per_chunk:
+        if finite and bool(tail_np.any()):
+            tail = _ratio(vals[7], vals[8])
         elif finite:
             tail = 0.0
-        for rows in chunk_rows:
-            idx = torch.tensor(rows, device=xr.device)
-            curve.append(rel_l2(xr[idx], rr[idx]) if finite else math.nan)
-    negligible = rf.abs() <= NEGLIGIBLE * (float(rf.abs().max()) if rf.numel() else 0.0)
-    n = max(rf.numel(), 1)
-    ref_zero = float(negligible.sum()) / n
-    spurious = float(((xf == 0) & ~negligible).sum()) / n
+        pts = torch.stack([num, den], 1).tolist() if num.numel() else []
+        curve = [_ratio(a, b) if finite else math.nan for a, b in pts]
+    negligible = rf.abs() <= NEGLIGIBLE * vals[6]
+    nn = max(rf.numel(), 1)
+    counts = torch.stack([negligible.sum(), ((xf == 0) & ~negligible).sum()]).tolist()
+    ref_zero, spurious = counts[0] / nn, counts[1] / nn
     mistrusted = zero_frac > ZERO_TRUST and spurious > ZERO_TRUST
     out = {"rel_l2": err, "max_abs": max_abs, "tail_rel_l2": tail, "chunk_rel_l2": curve,
            "max_ulp": max_ulp(xf, rf, dtype) if dtype in _INT_VIEW else math.nan,
