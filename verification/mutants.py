@@ -19,6 +19,7 @@ UNSEG = "unseg:BW=32"
 SEG = "seg:cps=2:A=fused:B=prefetch:BW=32"          # fused pass A (MODE 3), prefetching scan
 SEG_TWO = "seg:cps=2:A=two:B=prefetch:BW=32"        # pass A in two launches (MODE 1 and MODE 2)
 SEG_PLAIN = "seg:cps=2:A=fused:B=plain:BW=32"       # the scan without prefetch
+HALVES = "unseg:BW=32:k1=halves"                    # K1 on the tile's two 16-row halves
 PASSES = ("K1", "A", "B", "C")
 
 
@@ -195,6 +196,26 @@ CATALOGUE: tuple = (
     _m("prefetch_reads_wrong_next_segment", "B", K,
        [("nxt = ((s + 1) * H + h).to(tl.int64)", "nxt = (s * H + h).to(tl.int64)")],
        "the prefetching scan loads the current segment again instead of the next", routes=(SEG,)),
+    # ------------------------------------------------------------------ K1 on halves (k1=halves)
+    _m("halves_bottom_cumsum_misses_top", "K1", K,
+       [("Gb = (tl.cumsum(ab, 0) + tl.sum(at, 0)[None, :]) * 1.4426950408889634",
+         "Gb = tl.cumsum(ab, 0) * 1.4426950408889634")],
+       "the bottom half's gate cumsum restarts at row 16 (the top half's decay is lost)", routes=(HALVES,)),
+    _m("halves_merge_order_swapped", "K1", K,
+       [("X10 = _dot_f32(X1, _dot_f32(L10, X0, INV_PREC), INV_PREC)",
+         "X10 = _dot_f32(X0, _dot_f32(L10, X1, INV_PREC), INV_PREC)")],
+       "the off-diagonal block of the inverse multiplied in the wrong order (X0 L10 X1)", routes=(HALVES,)),
+    _m("halves_off_block_sign", "K1", K,
+       [("L10 = -bb[:, None] * kk10", "L10 = bb[:, None] * kk10")],
+       "L's off-diagonal block without its minus sign", routes=(HALVES,)),
+    _m("halves_off_block_pivot_from_top", "K1", K,
+       [("kk10 = tl.dot(_pivoted(kb, Gb - G_po, mb), kiT)", "kk10 = tl.dot(_pivoted(kb, Gb - G_p0, mb), kiT)")],
+       "the off-diagonal block's row factors pivot on row 8, its column factors on row 16", routes=(HALVES,)),
+    _m("halves_mqk_off_block_dropped", "K1", K,
+       [("tl.store(mqk_ptr + sq_off + BC * C, qk10.to(tl.float16))",
+         "tl.store(mqk_ptr + sq_off + BC * C, tl.zeros([BC, BC], dtype=tl.float16))")],
+       "Mqk's off-diagonal block stored as zeros (rows 16..31 stop seeing rows 0..15 of their chunk)",
+       routes=(HALVES,)),
 )
 
 

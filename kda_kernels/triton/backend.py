@@ -213,7 +213,7 @@ class TritonBackend:
         if pass_name == "K1":
             ws = fw.alloc_workspace(H, plan.total_tiles, dev)
             fw.run_k1(kw["q"], kw["k"], kw["g"], kw["beta"], kw["A_log"], kw["dt_bias"], kw["scale"],
-                      kw["lower_bound"], plan, ws, inv=spec.inv)
+                      kw["lower_bound"], plan, ws, inv=spec.inv, k1=spec.k1)
             return ws
         if pass_name in ("A", "B") and not plan.segmented:
             raise ValueError(f"route {spec.name!r}: pass {pass_name} needs a segmented route (seg:cps=N)")

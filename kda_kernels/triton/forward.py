@@ -168,7 +168,7 @@ def resolve_plan(route: RouteSpec, B: int, T: int, H: int, cu_seqlens, device) -
 
 def ran_name(route: RouteSpec, plan: Plan) -> str:
     if not plan.segmented:
-        return RouteSpec(False, bw=route.bw, warps=route.warps, inv=route.inv).name
+        return RouteSpec(False, bw=route.bw, warps=route.warps, inv=route.inv, k1=route.k1).name
     return replace(route, segmented=True, cps=plan.cps).name
 
 
@@ -181,14 +181,18 @@ def alloc_workspace(H: int, tiles: int, device) -> dict:
 
 
 def run_k1(q, k, g, beta, A_log, dt_bias, scale: float, lower_bound: float, plan: Plan, ws: dict,
-           inv: str = "ieee") -> dict:
+           inv: str = "ieee", k1: str = "tile") -> dict:
     """K1 over every (tile, head): fills the workspace dict in place and returns it.  ``inv``:
-    the inverse's fp32 products, "ieee" (FMAs) or "bf16x6" (tensor cores, fp32's 24 bits)."""
+    the inverse's fp32 products, "ieee" (FMAs) or "bf16x6" (tensor cores, fp32's 24 bits);
+    ``k1``: "tile" (k1_prepare_kernel) or "halves" (k1_prepare_halves_kernel, same workspace)."""
     H = q.shape[2]
     if plan.total_tiles == 0:
         return ws
     bias = dt_bias.reshape(-1) if dt_bias is not None else A_log
-    _launch(kn.k1_prepare_kernel, (plan.total_tiles, H),
+    if k1 not in ("tile", "halves"):
+        _fail(f"k1: expected tile|halves, got {k1!r}")
+    kernel = kn.k1_prepare_kernel if k1 == "tile" else kn.k1_prepare_halves_kernel
+    _launch(kernel, (plan.total_tiles, H),
         q, k, g, beta, A_log, bias, plan.tiles,
         ws["ws_kd"], ws["ws_qd"], ws["ws_kr"], ws["ws_gt"], ws["ws_inv"], ws["ws_mqk"], ws["ws_beta"],
         *q.stride(), *k.stride(), *g.stride(), *beta.stride(),
@@ -316,7 +320,7 @@ def flashkda_forward(q, k, v, g, beta, A_log, dt_bias=None, scale: Optional[floa
             final = dense_state(final_state, state_layout)
 
     ws = run_k1(q, k, g, beta, A_log, dt_bias, scale, lower_bound, plan, alloc_workspace(H, plan.total_tiles, dev),
-                inv=spec.inv)
+                inv=spec.inv, k1=spec.k1)
     taps = {}
     if plan.segmented:
         A_seg, b_seg = run_pass_a(ws, v, plan, H, spec.pass_a, spec.bw, spec.warps, spec.scan)

@@ -164,6 +164,140 @@ def k1_prepare_kernel(
 
 
 @triton.jit
+def _k1_half(q_ptr, k_ptr, g_ptr, beta_ptr, bias_ptr, b, t0, h, r0, Lc, rate, lower_bound,
+             sqb, sqt, sqh, sqd, skb, skt, skh, skd, sgb, sgt, sgh, sgd, sbb, sbt, sbh,
+             HAS_BIAS: tl.constexpr, BC: tl.constexpr, D: tl.constexpr):
+    """Rows r0 .. r0+BC-1 of a tile: l2-normalised q, k, the gate a (0 past Lc) and beta."""
+    rows = r0 + tl.arange(0, BC)
+    cols = tl.arange(0, D)
+    rmask = rows < Lc
+    m2 = rmask[:, None]
+    tok = (t0 + rows)[:, None]
+    qx = tl.load(q_ptr + b * sqb + tok * sqt + h * sqh + cols[None, :] * sqd, mask=m2, other=0.0).to(tl.float32)
+    kx = tl.load(k_ptr + b * skb + tok * skt + h * skh + cols[None, :] * skd, mask=m2, other=0.0).to(tl.float32)
+    gx = tl.load(g_ptr + b * sgb + tok * sgt + h * sgh + cols[None, :] * sgd, mask=m2, other=0.0).to(tl.float32)
+    bx = tl.load(beta_ptr + b * sbb + (t0 + rows) * sbt + h * sbh, mask=rmask, other=0.0).to(tl.float32)
+    qx = qx / tl.sqrt(tl.sum(qx * qx, 1) + 1e-6)[:, None]
+    kx = kx / tl.sqrt(tl.sum(kx * kx, 1) + 1e-6)[:, None]
+    if HAS_BIAS:
+        gx = gx + tl.load(bias_ptr + h * D + cols).to(tl.float32)[None, :]
+    ax = tl.where(m2, lower_bound * tl.sigmoid(rate * gx), 0.0)
+    return qx, kx, ax, tl.where(rmask, tl.sigmoid(bx), 0.0), rows, m2
+
+
+@triton.jit
+def _row_of(G, rows, r):
+    """Row r of G [BC, D] as a [1, D] vector (zeros when r is not among ``rows``)."""
+    return tl.sum(tl.where(rows[:, None] == r, G, 0.0), 0)[None, :]
+
+
+@triton.jit
+def _pivoted(x, Gd, m2):
+    """bf16(x 2^Gd) on valid rows, 0 elsewhere."""
+    return tl.where(m2, x * tl.exp2(Gd), 0.0).to(tl.bfloat16)
+
+
+@triton.jit
+def _neumann(Lb, NUM_DOUBLING: tl.constexpr, INV_PREC: tl.constexpr, BC: tl.constexpr):
+    """(I - Lb)^-1 of a strictly lower [BC, BC] block: (I+D)(I+D^2)(I+D^4)(I+D^8) = sum_{n<16} D^n."""
+    i = tl.arange(0, BC)
+    inv = tl.where(i[:, None] == i[None, :], 1.0, 0.0) + Lb
+    P = _dot_f32(Lb, Lb, INV_PREC)
+    for it in tl.static_range(NUM_DOUBLING):
+        inv = inv + _dot_f32(inv, P, INV_PREC)
+        if it + 1 < NUM_DOUBLING:
+            P = _dot_f32(P, P, INV_PREC)
+    return inv
+
+
+@triton.jit
+def k1_prepare_halves_kernel(
+    q_ptr, k_ptr, g_ptr, beta_ptr, alog_ptr, bias_ptr, tile_ptr,
+    kd_ptr, qd_ptr, kr_ptr, gt_ptr, inv_ptr, mqk_ptr, wsb_ptr,
+    sqb, sqt, sqh, sqd, skb, skt, skh, skd, sgb, sgt, sgh, sgd, sbb, sbt, sbh,
+    total_tiles, scale, lower_bound,
+    HAS_BIAS: tl.constexpr, C: tl.constexpr, D: tl.constexpr, BC: tl.constexpr,
+    NUM_DOUBLING: tl.constexpr, INV_PREC: tl.constexpr,
+):
+    """K1 on the tile's two 16-row halves (route key k1=halves; C = 2*BC = 32): the same
+    workspace as k1_prepare_kernel, but the pivoted products are formed block by block,
+    kk_00, kk_11 (pivots on rows 8 and 24) and kk_10 (pivot on row 16), [16,128]x[128,16]
+    each, instead of two full [32,128]x[128,32] products of which half is thrown away, and the
+    inverse is X_b = (I - L_bb)^-1 by doubling on each 16x16 diagonal block, then
+    X_10 = X_1 L_10 X_0 (the merge), instead of doubling the masked 32x32 matrix."""
+    tile = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.load(tile_ptr + tile * 4).to(tl.int64)
+    t0 = tl.load(tile_ptr + tile * 4 + 1).to(tl.int64)
+    Lc = tl.load(tile_ptr + tile * 4 + 2)
+    rate_h = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
+    qt, kt, at, bt, rt, mt = _k1_half(q_ptr, k_ptr, g_ptr, beta_ptr, bias_ptr, b, t0, h, 0, Lc, rate_h, lower_bound,
+                                      sqb, sqt, sqh, sqd, skb, skt, skh, skd, sgb, sgt, sgh, sgd, sbb, sbt, sbh,
+                                      HAS_BIAS, BC, D)
+    qb, kb, ab, bb, rb, mb = _k1_half(q_ptr, k_ptr, g_ptr, beta_ptr, bias_ptr, b, t0, h, BC, Lc, rate_h, lower_bound,
+                                      sqb, sqt, sqh, sqd, skb, skt, skh, skd, sgb, sgt, sgh, sgd, sbb, sbt, sbh,
+                                      HAS_BIAS, BC, D)
+    Gt = tl.cumsum(at, 0) * 1.4426950408889634
+    Gb = (tl.cumsum(ab, 0) + tl.sum(at, 0)[None, :]) * 1.4426950408889634
+    G_last = _row_of(Gt, rt, Lc - 1) + _row_of(Gb, rb, Lc - 1)
+
+    ws = (h * total_tiles + tile).to(tl.int64)
+    cols = tl.arange(0, D)
+    off_t = ws * (C * D) + rt[:, None] * D + cols[None, :]
+    off_b = ws * (C * D) + rb[:, None] * D + cols[None, :]
+    eGt = tl.exp2(Gt)
+    eGb = tl.exp2(Gb)
+    tl.store(kd_ptr + off_t, tl.where(mt, kt * eGt, 0.0).to(tl.bfloat16))
+    tl.store(kd_ptr + off_b, tl.where(mb, kb * eGb, 0.0).to(tl.bfloat16))
+    tl.store(qd_ptr + off_t, tl.where(mt, (scale * qt) * eGt, 0.0).to(tl.bfloat16))
+    tl.store(qd_ptr + off_b, tl.where(mb, (scale * qb) * eGb, 0.0).to(tl.bfloat16))
+    tl.store(kr_ptr + off_t, tl.where(mt, kt * tl.exp2(G_last - Gt), 0.0).to(tl.bfloat16))
+    tl.store(kr_ptr + off_b, tl.where(mb, kb * tl.exp2(G_last - Gb), 0.0).to(tl.bfloat16))
+    tl.store(gt_ptr + ws * D + cols[None, :], tl.exp2(G_last))
+    tl.store(wsb_ptr + ws * C + rt, bt)
+    tl.store(wsb_ptr + ws * C + rb, bb)
+
+    # pivots as k1_prepare_kernel: rows 8 and 24 for the diagonal blocks, row 16 off the diagonal
+    p0 = tl.minimum(BC // 2, Lc - 1)
+    p1 = tl.minimum(BC + BC // 2, Lc - 1)
+    po = tl.minimum(BC, Lc - 1)
+    G_p0 = _row_of(Gt, rt, p0) + _row_of(Gb, rb, p0)
+    G_p1 = _row_of(Gt, rt, p1) + _row_of(Gb, rb, p1)
+    G_po = _row_of(Gt, rt, po) + _row_of(Gb, rb, po)
+    sqt_ = scale * qt
+    sqb_ = scale * qb
+    kiT = tl.trans(_pivoted(kt, G_p0 - Gt, mt))
+    kk00 = tl.dot(_pivoted(kt, Gt - G_p0, mt), kiT)
+    qk00 = tl.dot(_pivoted(sqt_, Gt - G_p0, mt), kiT)
+    kiT = tl.trans(_pivoted(kb, G_p1 - Gb, mb))
+    kk11 = tl.dot(_pivoted(kb, Gb - G_p1, mb), kiT)
+    qk11 = tl.dot(_pivoted(sqb_, Gb - G_p1, mb), kiT)
+    kiT = tl.trans(_pivoted(kt, G_po - Gt, mt))
+    kk10 = tl.dot(_pivoted(kb, Gb - G_po, mb), kiT)
+    qk10 = tl.dot(_pivoted(sqb_, Gb - G_po, mb), kiT)
+
+    i = tl.arange(0, BC)
+    lower = i[:, None] > i[None, :]
+    on_or_below = i[:, None] >= i[None, :]
+    sq_off = ws * (C * C) + i[:, None] * C + i[None, :]
+    tl.store(mqk_ptr + sq_off, tl.where(on_or_below, qk00, 0.0).to(tl.float16))
+    tl.store(mqk_ptr + sq_off + BC, tl.zeros([BC, BC], dtype=tl.float16))
+    tl.store(mqk_ptr + sq_off + BC * C, qk10.to(tl.float16))
+    tl.store(mqk_ptr + sq_off + BC * C + BC, tl.where(on_or_below, qk11, 0.0).to(tl.float16))
+
+    L00 = tl.where(lower, -bt[:, None] * kk00, 0.0)
+    L11 = tl.where(lower, -bb[:, None] * kk11, 0.0)
+    L10 = -bb[:, None] * kk10
+    X0 = _neumann(L00, NUM_DOUBLING, INV_PREC, BC)
+    X1 = _neumann(L11, NUM_DOUBLING, INV_PREC, BC)
+    X10 = _dot_f32(X1, _dot_f32(L10, X0, INV_PREC), INV_PREC)
+    tl.store(inv_ptr + sq_off, X0.to(tl.float16))
+    tl.store(inv_ptr + sq_off + BC, tl.zeros([BC, BC], dtype=tl.float16))
+    tl.store(inv_ptr + sq_off + BC * C, X10.to(tl.float16))
+    tl.store(inv_ptr + sq_off + BC * C + BC, X1.to(tl.float16))
+
+
+@triton.jit
 def _state_offsets(row, h, sn, sh, sk, sv, kk, cols):
     """Offsets of the [K, BW] tile of state `row` in a K-first view with strides (sn, sh, sk, sv)."""
     return row.to(tl.int64) * sn + h * sh + kk[:, None].to(tl.int64) * sk + cols[None, :].to(tl.int64) * sv

@@ -2,8 +2,8 @@
 
 A route name is ``MODE[:key=value]...``:
 
-    unseg[:BW=32][:nw=4][:inv=ieee|bf16x6]           one segment per sequence: pass C alone
-    seg[:cps=N][:A=two|fused][:B=plain|prefetch][:BW=32][:nw=4][:scan=split|bf16][:inv=ieee|bf16x6]
+    unseg[:BW=32][:nw=4][:inv=ieee|bf16x6][:k1=tile|halves]     one segment per sequence: pass C alone
+    seg[:cps=N][:A=two|fused][:B=plain|prefetch][:BW=32][:nw=4][:scan=split|bf16][:inv=ieee|bf16x6][:k1=tile|halves]
         cps  chunks (of 32 tokens) per segment; absent = the occupancy heuristic, which may
              pick "unsegmented" when the grid already fills the device
         A    pass A as two launches (b_seg, then A_seg) or one fused launch
@@ -15,8 +15,11 @@ A route name is ``MODE[:key=value]...``:
              the production recipe, which drifts ~2x the unsegmented error on large states)
         inv  K1's fp32 products of the inverse: "ieee" (default: FMAs, the production recipe) or
              "bf16x6" (six bf16 tensor-core products of 3-way splits, fp32's 24 bits; faster)
+        k1   K1's shape: "tile" (default: the 32-row tile, two full pivoted products of which the
+             block structure keeps half) or "halves" (the two 16-row halves: the three kept
+             blocks and 16x16 inverses only; the same workspace, less work)
 
-Canonical names spell every key of the mode except ``nw``, ``scan`` and ``inv`` at their defaults
+Canonical names spell every key of the mode except ``nw``, ``scan``, ``inv`` and ``k1`` at their defaults
 (``seg:cps=4:A=fused:B=prefetch:BW=32``; the heuristic's is ``seg:A=fused:B=prefetch:BW=32``).
 """
 from __future__ import annotations
@@ -32,6 +35,8 @@ DEFAULT_WARPS = 4
 DEFAULT_SCAN = "split"
 DEFAULT_INV = "ieee"
 INV_CHOICES = ("ieee", "bf16x6")
+DEFAULT_K1 = "tile"
+K1_CHOICES = ("tile", "halves")
 WARP_CHOICES = (4, 8)
 
 
@@ -49,11 +54,13 @@ class RouteSpec:
     warps: int = DEFAULT_WARPS
     scan: str = DEFAULT_SCAN
     inv: str = DEFAULT_INV          # K1's inverse products: "ieee" | "bf16x6"
+    k1: str = DEFAULT_K1            # K1's shape: "tile" | "halves"
 
     @property
     def name(self) -> str:
         nw = "" if self.warps == DEFAULT_WARPS else f":nw={self.warps}"
-        inv = "" if self.inv == DEFAULT_INV else f":inv={self.inv}"
+        inv = ("" if self.inv == DEFAULT_INV else f":inv={self.inv}") + \
+            ("" if self.k1 == DEFAULT_K1 else f":k1={self.k1}")
         if not self.segmented:
             return f"unseg:BW={self.bw}{nw}{inv}"
         cps = "" if self.cps is None else f":cps={self.cps}"
@@ -69,7 +76,7 @@ def parse_route(name: str) -> RouteSpec:
     mode, rest = parts[0], parts[1:]
     if mode not in ("unseg", "seg"):
         raise RouteError(f"route {name!r}: expected it to start with 'unseg' or 'seg', got {mode!r}")
-    allowed = ("BW", "nw", "inv") if mode == "unseg" else ("cps", "A", "B", "BW", "nw", "scan", "inv")
+    allowed = ("BW", "nw", "inv", "k1") if mode == "unseg" else ("cps", "A", "B", "BW", "nw", "scan", "inv", "k1")
     vals: dict[str, str] = {}
     for part in rest:
         key, eq, val = part.partition("=")
@@ -88,8 +95,11 @@ def parse_route(name: str) -> RouteSpec:
     inv = vals.get("inv", DEFAULT_INV)
     if inv not in INV_CHOICES:
         raise RouteError(f"route {name!r}: expected inv={'|'.join(INV_CHOICES)}, got inv={inv}")
+    k1 = vals.get("k1", DEFAULT_K1)
+    if k1 not in K1_CHOICES:
+        raise RouteError(f"route {name!r}: expected k1={'|'.join(K1_CHOICES)}, got k1={k1}")
     if mode == "unseg":
-        return RouteSpec(segmented=False, bw=bw, warps=nw, inv=inv)
+        return RouteSpec(segmented=False, bw=bw, warps=nw, inv=inv, k1=k1)
     cps = None
     if "cps" in vals:
         cps = _int(name, "cps", vals["cps"])
@@ -104,7 +114,8 @@ def parse_route(name: str) -> RouteSpec:
     scan = vals.get("scan", DEFAULT_SCAN)
     if scan not in ("split", "bf16"):
         raise RouteError(f"route {name!r}: expected scan=split|bf16, got scan={scan}")
-    return RouteSpec(segmented=True, cps=cps, pass_a=pass_a, pass_b=pass_b, bw=bw, warps=nw, scan=scan, inv=inv)
+    return RouteSpec(segmented=True, cps=cps, pass_a=pass_a, pass_b=pass_b, bw=bw, warps=nw, scan=scan, inv=inv,
+                     k1=k1)
 
 
 def _int(name: str, key: str, val: str) -> int:
@@ -117,8 +128,8 @@ def _int(name: str, key: str, val: str) -> int:
 def route_names() -> list[str]:
     """The pinned routes the backend lists (canonical names): unsegmented at BW 32 / 64 / 8 warps;
     the heuristic, cps=1 and cps=4 crossed with both pass-A and both pass-B variants; cps=32, BW=64,
-    8 warps and the bf16 scan on the default variants; the fast configuration (BW=64 with the
-    bf16x6 inverse), unsegmented and on the heuristic.  Any other well-formed name also runs (``parse_route``)."""
+    8 warps and the bf16 scan on the default variants; BW=64 with the bf16x6 inverse and BW=64 with
+    K1 on halves, each unsegmented and on the heuristic.  Any other well-formed name also runs (``parse_route``)."""
     names = [RouteSpec(False, bw=32).name, RouteSpec(False, bw=64).name, RouteSpec(False, bw=32, warps=8).name]
     for cps in (None, 1, 4):
         for a in ("two", "fused"):
@@ -126,5 +137,6 @@ def route_names() -> list[str]:
                 names.append(RouteSpec(True, cps, a, b, DEFAULT_BW).name)
     names += [RouteSpec(True, 32).name, RouteSpec(True, None, bw=64).name, RouteSpec(True, None, warps=8).name,
               RouteSpec(True, None, scan="bf16").name, RouteSpec(True, 1, scan="bf16").name,
-              RouteSpec(False, bw=64, inv="bf16x6").name, RouteSpec(True, None, bw=64, inv="bf16x6").name]
+              RouteSpec(False, bw=64, inv="bf16x6").name, RouteSpec(True, None, bw=64, inv="bf16x6").name,
+              RouteSpec(False, bw=64, k1="halves").name, RouteSpec(True, None, bw=64, k1="halves").name]
     return names
