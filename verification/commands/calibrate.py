@@ -250,6 +250,15 @@ def _earlier_records(out_dir: str, backend: str, routes: list, cases: list) -> l
     return recs
 
 
+def _is_long(case_id: str) -> bool:
+    """Whether a recorded case id names one of the long cases (False when it is unknown here)."""
+    from verification.cases import get_case
+    try:
+        return False if case_id.startswith("fuzz/") else bool(get_case(case_id).long)     # fuzz cases are short
+    except Exception:  # noqa: BLE001 - an id from another version of the suites
+        return False
+
+
 def _earlier_device(out_dir: str):
     """The GPU name an earlier run recorded in its run.json, if any."""
     import json
@@ -297,6 +306,7 @@ def run(args) -> int:
     if args.from_results:
         records = _earlier_records(args.from_results, args.backend, split_list(args.route), split_list(args.case))
         suites = sorted({r.get("suite", "?") for r in records}) or ["?"]
+        long = any(_is_long(r.get("case", "")) for r in records)      # what the records hold, not this machine
     else:
         if not suites:
             raise UsageError("--suite: expected at least one suite (or --from-results DIR), got none")
