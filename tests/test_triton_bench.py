@@ -59,3 +59,15 @@ def test_bench_runs_on_the_gpu(tmp_path, capsys):
     assert rc == 0
     data = json.loads(out.read_text())
     assert len(data["results"]) == 2 and all(r["time_us"] > 0 for r in data["results"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bench_passes_on_the_gpu(tmp_path):
+    out = tmp_path / "p.json"
+    rc = main(["bench", "--backend", "triton", "--shapes", "1x2048x12", "--routes", "seg:cps=4,unseg:k1=halves",
+               "--reps", "5", "--passes", "--json", str(out)])
+    assert rc == 0
+    p = {r["route"]: r for r in json.loads(out.read_text())["passes"]}
+    assert all(p["seg:cps=4"][k] > 0 for k in ("k1", "A", "B", "C", "total"))
+    assert "A" not in p["unseg:k1=halves"] and p["unseg:k1=halves"]["k1"] > 0

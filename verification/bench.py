@@ -213,6 +213,66 @@ def bench_one(backend: str, route: str, shape: tuple, device, reps: int = 50, wa
                        tflops=flops / (t * 1e-6) / 1e12, route_ran=fn.info.get("route_ran", route))
 
 
+def pass_times(route: str, shape: tuple, device, reps: int = 20, warmup: int = 3, seed: int = 0) -> dict:
+    """Median time (us) of each pass of our Triton FlashKDA on one shape, each pass launched alone
+    on the workspace of the same inputs: ``k1``, ``A``, ``B``, ``C`` (segmented routes; ``C``
+    only when the plan is unsegmented) and ``total`` (the whole forward), plus ``cps`` and
+    ``segments`` of the plan that ran.  CUDA: events around the pass, the L2 flushed before each
+    repetition; CPU (Triton's interpreter, for tests): wall time."""
+    import time
+
+    from kda_kernels.triton import forward as fw
+    from kda_kernels.triton.routes import parse_route
+
+    B, T, H = shape
+    x = make_inputs(B, T, H, device, seed)
+    spec = parse_route(route)
+    plan = fw.resolve_plan(spec, B, T, H, None, device)
+    ws = fw.alloc_workspace(H, plan.total_tiles, device)
+    cuda = torch.device(device).type == "cuda"
+    flush = torch.empty(FLUSH_BYTES // 4 if cuda else 1, dtype=torch.int32, device=device)
+
+    def med(fn):
+        for _ in range(max(1, warmup)):
+            fn()
+        ts = []
+        for i in range(reps):
+            flush.fill_(i)
+            if cuda:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                torch.cuda.synchronize(device)
+                ts.append(1e3 * a.elapsed_time(b))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                ts.append(1e6 * (time.perf_counter() - t0))
+        return statistics.median(ts)
+
+    k1 = lambda: fw.run_k1(x["q"], x["k"], x["g"], x["beta"], x["A_log"], x["dt_bias"], x["scale"],  # noqa: E731
+                           x["lower_bound"], plan, ws, inv=spec.inv, k1=spec.k1)
+    out = {"cps": plan.cps, "segments": plan.num_segs, "k1": med(k1)}
+    o = torch.empty_like(x["v"])
+    final = fw.dense_state(torch.empty(plan.N, H, K, V, device=device), "kv")
+    with torch.inference_mode():
+        if plan.segmented:
+            a_args = (ws, x["v"], plan, H, spec.pass_a, spec.bw, spec.warps, spec.scan)
+            A_seg, b_seg = fw.run_pass_a(*a_args)
+            out["A"] = med(lambda: fw.run_pass_a(*a_args))
+            b_args = (A_seg, b_seg, plan, H, None, spec.pass_b == "prefetch", fw.SCAN_BW, spec.warps, spec.scan)
+            h_in = fw.run_pass_b(*b_args)
+            out["B"] = med(lambda: fw.run_pass_b(*b_args))
+            out["C"] = med(lambda: fw.run_pass_c(ws, x["v"], o, plan, H, h_in=h_in, final=final, bw=spec.bw,
+                                                 warps=spec.warps))
+        else:
+            out["C"] = med(lambda: fw.run_pass_c(ws, x["v"], o, plan, H, final=final, bw=spec.bw, warps=spec.warps))
+        call = triton_callable(route)
+        out["total"] = med(lambda: call(x))
+    return out
+
+
 def geomean(xs) -> float:
     xs = [x for x in xs if x and math.isfinite(x) and x > 0]
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else math.nan

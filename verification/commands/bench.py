@@ -19,6 +19,8 @@ def add_arguments(p):
     p.add_argument("--reps", type=int, default=50, help="timed repetitions per cell (default 50)")
     p.add_argument("--warmup", type=int, default=5, help="untimed calls first (default 5)")
     p.add_argument("--graph", action="store_true", help="replay CUDA graphs (no host launch cost)")
+    p.add_argument("--passes", action="store_true",
+                   help="also time each pass of our Triton routes alone (K1, A, B, C) per shape")
     p.add_argument("--device", default="cuda", help="CUDA device (default cuda)")
     p.add_argument("--json", metavar="OUT", help="also write the results as JSON to OUT")
 
@@ -84,6 +86,22 @@ def run(args) -> int:
                 print(f"{backend:7} {route:44} {sh:>12} {r.time_us:9.1f} {r.p10_us:8.1f} {r.p90_us:8.1f} "
                       f"{r.bandwidth_gbs:7.0f} {r.tflops:8.1f} {r.floor_us:8.1f} {r.time_us / r.floor_us:7.2f}  "
                       f"{r.route_ran}", flush=True)
+    passes = []
+    if getattr(args, "passes", False) and "triton" in backends:
+        print(f"\n{'route':44} {'shape':>12} {'cps':>4} {'segs':>5} {'K1 us':>8} {'A us':>8} {'B us':>8} "
+              f"{'C us':>8} {'total us':>9}")
+        for shape in shapes:
+            for route in routes:
+                sh = "x".join(str(x) for x in shape)
+                try:
+                    t = bench.pass_times(route, shape, device, reps=max(3, min(args.reps, 20)), warmup=args.warmup)
+                except Exception as e:  # noqa: BLE001 - one failing cell is a result
+                    print(f"{route:44} {sh:>12}  error: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+                    continue
+                passes.append(dict(route=route, shape=sh, **t))
+                f = lambda k: f"{t[k]:8.1f}" if k in t else f"{'-':>8}"  # noqa: E731
+                print(f"{route:44} {sh:>12} {str(t['cps'] or '-'):>4} {t['segments']:5d} {f('k1')} {f('A')} "
+                      f"{f('B')} {f('C')} {t['total']:9.1f}", flush=True)
     sp = bench.speedups(results)
     for (b, r), d in sp.items():
         worst = min(d["per_shape"].items(), key=lambda kv: kv[1]) if d["per_shape"] else None
@@ -91,7 +109,7 @@ def run(args) -> int:
               + (f", worst {worst[1]:.2f}x at {'x'.join(map(str, worst[0]))}" if worst else ""))
     if args.json:
         payload = {"graph": args.graph, "reps": args.reps, "device": torch.cuda.get_device_name(device),
-                   "results": [r.as_dict() for r in results],
+                   "results": [r.as_dict() for r in results], "passes": passes,
                    "speedup_vs_fla": {f"{b}|{r}": {"geomean": d["geomean"],
                                                    "per_shape": {"x".join(map(str, k)): v
                                                                  for k, v in d["per_shape"].items()}}
