@@ -127,22 +127,20 @@ def tensor_metrics(x: torch.Tensor, ref: torch.Tensor, *, dtype: Optional[torch.
     xf, rf = x.to(F64), ref.to(F64)
     n = max(xf.numel(), 1)
     d = xf - rf
+    err_sq, ref_sq = d.square().sum(), rf.square().sum()
     per_chunk = tensor == "o" and problem is not None and xf.dim() == 4
+    parts, num, den, tail_np = [], None, None, None
     if per_chunk:
-        xr, rr = _packed_rows(xf, problem), _packed_rows(rf, problem)
-        e2, r2 = (xr - rr).square().sum(1), rr.square().sum(1)            # per packed row
-        cid_np, tail_np = _row_groups(problem, chunk, xr.shape[0])
+        e2 = _packed_rows(d, problem).square().sum(1)                   # per packed row
+        r2 = _packed_rows(rf, problem).square().sum(1)
+        cid_np, tail_np = _row_groups(problem, chunk, e2.shape[0])
         npts = int(cid_np.max()) + 1 if cid_np.size else 0
-        cid = torch.from_numpy(cid_np).to(xr.device)
+        cid = torch.from_numpy(cid_np).to(e2.device)
         inside = cid >= 0
-        tail_m = torch.from_numpy(tail_np).to(xr.device)
-        num = torch.zeros(npts, dtype=F64, device=xr.device).index_add_(0, cid[inside], e2[inside])
-        den = torch.zeros(npts, dtype=F64, device=xr.device).index_add_(0, cid[inside], r2[inside])
-        err_sq, ref_sq = d.square().sum(), rf.square().sum()
+        tail_m = torch.from_numpy(tail_np).to(e2.device)
+        num = torch.zeros(npts, dtype=F64, device=e2.device).index_add_(0, cid[inside], e2[inside])
+        den = torch.zeros(npts, dtype=F64, device=e2.device).index_add_(0, cid[inside], r2[inside])
         parts = [e2[tail_m].sum(), r2[tail_m].sum()]
-    else:
-        err_sq, ref_sq = d.square().sum(), rf.square().sum()
-        parts, num, den, tail_np = [], None, None, None
     absd = d.abs()
     head = torch.stack([torch.isnan(xf).sum().to(F64), torch.isinf(xf).sum().to(F64), (xf == 0).sum().to(F64),
                         err_sq, ref_sq,
