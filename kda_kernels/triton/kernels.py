@@ -78,6 +78,30 @@ def _dot_f32(a, b, PREC: tl.constexpr):
 
 
 @triton.jit
+def _k1_rows(q_ptr, k_ptr, g_ptr, beta_ptr, bias_ptr, b, t0, h, r0, Lc, rate, lower_bound,
+             sqb, sqt, sqh, sqd, skb, skt, skh, skd, sgb, sgt, sgh, sgd, sbb, sbt, sbh,
+             HAS_BIAS: tl.constexpr, R: tl.constexpr, D: tl.constexpr):
+    """Rows r0 .. r0+R-1 of a tile (the whole tile, or one half for k1=halves): l2-normalised
+    q, k, the gate a (0 past Lc), beta (0 past Lc), the row indices and the row mask [R, 1]."""
+    rows = r0 + tl.arange(0, R)
+    cols = tl.arange(0, D)
+    rmask = rows < Lc
+    m2 = rmask[:, None]
+    tok = (t0 + rows)[:, None]
+    q = tl.load(q_ptr + b * sqb + tok * sqt + h * sqh + cols[None, :] * sqd, mask=m2, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + b * skb + tok * skt + h * skh + cols[None, :] * skd, mask=m2, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + b * sgb + tok * sgt + h * sgh + cols[None, :] * sgd, mask=m2, other=0.0).to(tl.float32)
+    braw = tl.load(beta_ptr + b * sbb + (t0 + rows) * sbt + h * sbh, mask=rmask, other=0.0).to(tl.float32)
+    q = q / tl.sqrt(tl.sum(q * q, 1) + 1e-6)[:, None]
+    k = k / tl.sqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
+    if HAS_BIAS:
+        g = g + tl.load(bias_ptr + h * D + cols).to(tl.float32)[None, :]
+    a = tl.where(m2, lower_bound * tl.sigmoid(rate * g), 0.0)
+    beta = tl.where(rmask, tl.sigmoid(braw), 0.0)
+    return q, k, a, beta, rows, m2
+
+
+@triton.jit
 def k1_prepare_kernel(
     q_ptr, k_ptr, g_ptr, beta_ptr, alog_ptr, bias_ptr, tile_ptr,
     kd_ptr, qd_ptr, kr_ptr, gt_ptr, inv_ptr, mqk_ptr, wsb_ptr,
@@ -91,26 +115,14 @@ def k1_prepare_kernel(
     b = tl.load(tile_ptr + tile * 4).to(tl.int64)
     t0 = tl.load(tile_ptr + tile * 4 + 1).to(tl.int64)
     Lc = tl.load(tile_ptr + tile * 4 + 2)
-    rows = tl.arange(0, C)
     cols = tl.arange(0, D)
-    rmask = rows < Lc
-    m2 = rmask[:, None]
-    tok = (t0 + rows)[:, None]
-    q = tl.load(q_ptr + b * sqb + tok * sqt + h * sqh + cols[None, :] * sqd, mask=m2, other=0.0).to(tl.float32)
-    k = tl.load(k_ptr + b * skb + tok * skt + h * skh + cols[None, :] * skd, mask=m2, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + b * sgb + tok * sgt + h * sgh + cols[None, :] * sgd, mask=m2, other=0.0).to(tl.float32)
-    braw = tl.load(beta_ptr + b * sbb + (t0 + rows) * sbt + h * sbh, mask=rmask, other=0.0).to(tl.float32)
-
-    q = q / tl.sqrt(tl.sum(q * q, 1) + 1e-6)[:, None]
-    k = k / tl.sqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
     rate = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
-    if HAS_BIAS:
-        g = g + tl.load(bias_ptr + h * D + cols).to(tl.float32)[None, :]
-    a = tl.where(m2, lower_bound * tl.sigmoid(rate * g), 0.0)
+    q, k, a, beta, rows, m2 = _k1_rows(q_ptr, k_ptr, g_ptr, beta_ptr, bias_ptr, b, t0, h, 0, Lc, rate, lower_bound,
+                                       sqb, sqt, sqh, sqd, skb, skt, skh, skd, sgb, sgt, sgh, sgd, sbb, sbt, sbh,
+                                       HAS_BIAS, C, D)
     G = tl.cumsum(a, 0) * 1.4426950408889634
     ri = rows[:, None]
     G_last = tl.sum(tl.where(ri == Lc - 1, G, 0.0), 0)
-    beta = tl.where(rmask, tl.sigmoid(braw), 0.0)
 
     ws = (h * total_tiles + tile).to(tl.int64)
     tile_off = ws * (C * D) + ri * D + cols[None, :]
@@ -164,28 +176,6 @@ def k1_prepare_kernel(
 
 
 @triton.jit
-def _k1_half(q_ptr, k_ptr, g_ptr, beta_ptr, bias_ptr, b, t0, h, r0, Lc, rate, lower_bound,
-             sqb, sqt, sqh, sqd, skb, skt, skh, skd, sgb, sgt, sgh, sgd, sbb, sbt, sbh,
-             HAS_BIAS: tl.constexpr, BC: tl.constexpr, D: tl.constexpr):
-    """Rows r0 .. r0+BC-1 of a tile: l2-normalised q, k, the gate a (0 past Lc) and beta."""
-    rows = r0 + tl.arange(0, BC)
-    cols = tl.arange(0, D)
-    rmask = rows < Lc
-    m2 = rmask[:, None]
-    tok = (t0 + rows)[:, None]
-    qx = tl.load(q_ptr + b * sqb + tok * sqt + h * sqh + cols[None, :] * sqd, mask=m2, other=0.0).to(tl.float32)
-    kx = tl.load(k_ptr + b * skb + tok * skt + h * skh + cols[None, :] * skd, mask=m2, other=0.0).to(tl.float32)
-    gx = tl.load(g_ptr + b * sgb + tok * sgt + h * sgh + cols[None, :] * sgd, mask=m2, other=0.0).to(tl.float32)
-    bx = tl.load(beta_ptr + b * sbb + (t0 + rows) * sbt + h * sbh, mask=rmask, other=0.0).to(tl.float32)
-    qx = qx / tl.sqrt(tl.sum(qx * qx, 1) + 1e-6)[:, None]
-    kx = kx / tl.sqrt(tl.sum(kx * kx, 1) + 1e-6)[:, None]
-    if HAS_BIAS:
-        gx = gx + tl.load(bias_ptr + h * D + cols).to(tl.float32)[None, :]
-    ax = tl.where(m2, lower_bound * tl.sigmoid(rate * gx), 0.0)
-    return qx, kx, ax, tl.where(rmask, tl.sigmoid(bx), 0.0), rows, m2
-
-
-@triton.jit
 def _row_of(G, rows, r):
     """Row r of G [BC, D] as a [1, D] vector (zeros when r is not among ``rows``)."""
     return tl.sum(tl.where(rows[:, None] == r, G, 0.0), 0)[None, :]
@@ -231,10 +221,10 @@ def k1_prepare_halves_kernel(
     t0 = tl.load(tile_ptr + tile * 4 + 1).to(tl.int64)
     Lc = tl.load(tile_ptr + tile * 4 + 2)
     rate_h = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
-    qt, kt, at, bt, rt, mt = _k1_half(q_ptr, k_ptr, g_ptr, beta_ptr, bias_ptr, b, t0, h, 0, Lc, rate_h, lower_bound,
+    qt, kt, at, bt, rt, mt = _k1_rows(q_ptr, k_ptr, g_ptr, beta_ptr, bias_ptr, b, t0, h, 0, Lc, rate_h, lower_bound,
                                       sqb, sqt, sqh, sqd, skb, skt, skh, skd, sgb, sgt, sgh, sgd, sbb, sbt, sbh,
                                       HAS_BIAS, BC, D)
-    qb, kb, ab, bb, rb, mb = _k1_half(q_ptr, k_ptr, g_ptr, beta_ptr, bias_ptr, b, t0, h, BC, Lc, rate_h, lower_bound,
+    qb, kb, ab, bb, rb, mb = _k1_rows(q_ptr, k_ptr, g_ptr, beta_ptr, bias_ptr, b, t0, h, BC, Lc, rate_h, lower_bound,
                                       sqb, sqt, sqh, sqd, skb, skt, skh, skd, sgb, sgt, sgh, sgd, sbb, sbt, sbh,
                                       HAS_BIAS, BC, D)
     Gt = tl.cumsum(at, 0) * 1.4426950408889634
