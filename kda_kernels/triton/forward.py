@@ -15,7 +15,7 @@ import torch
 
 from . import kernels as kn
 from .plan import C, Plan, bounds_of, choose_chunks_per_seg, get_plan, num_sms
-from .routes import RouteSpec, parse_route
+from .routes import K1_CHOICES, RouteSpec, parse_route
 
 D = 128          # K == V == 128
 BC = 16          # diagonal block of the inverse
@@ -167,9 +167,8 @@ def resolve_plan(route: RouteSpec, B: int, T: int, H: int, cu_seqlens, device) -
 
 
 def ran_name(route: RouteSpec, plan: Plan) -> str:
-    if not plan.segmented:
-        return RouteSpec(False, bw=route.bw, warps=route.warps, inv=route.inv, k1=route.k1).name
-    return replace(route, segmented=True, cps=plan.cps).name
+    """The route that ran: the heuristic's choice of cps (or of no segments) filled in."""
+    return replace(route, segmented=plan.segmented, cps=plan.cps).name
 
 
 # ----------------------------------------------------------------------------------- passes
@@ -189,8 +188,8 @@ def run_k1(q, k, g, beta, A_log, dt_bias, scale: float, lower_bound: float, plan
     if plan.total_tiles == 0:
         return ws
     bias = dt_bias.reshape(-1) if dt_bias is not None else A_log
-    if k1 not in ("tile", "halves"):
-        _fail(f"k1: expected tile|halves, got {k1!r}")
+    if k1 not in K1_CHOICES:
+        _fail(f"k1: expected {'|'.join(K1_CHOICES)}, got {k1!r}")
     kernel = kn.k1_prepare_kernel if k1 == "tile" else kn.k1_prepare_halves_kernel
     _launch(kernel, (plan.total_tiles, H),
         q, k, g, beta, A_log, bias, plan.tiles,
