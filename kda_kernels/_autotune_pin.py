@@ -21,8 +21,18 @@ machine (fla filters some lists by the device's shared memory at import):
 
 Steps 2 and 3 pick the least shared memory the library itself offers, so the choice fits any
 device the library's own list was built for (an H200 has 228 KB per SM) and runs under
-TRITON_INTERPRET=1, where warps and stages mean nothing.  An autotuner with an
-``early_config_prune`` is refused: which configs it would drop depends on the launch's
+TRITON_INTERPRET=1, where warps and stages mean nothing.
+
+A caller whose library states its own choice passes another rule (``rule=``, a sort key over
+``(index, config)`` like ``rule_key``).  ``first_matching(**meta)`` is the one in use: the first
+config in the library's own order whose meta-parameters include ``meta``, else the library's
+first config.  kda_kernels.aiter pins with ``first_matching(BW=32)``: step 1's reason is a
+Hopper one (aiter targets AMD GPUs: 64-lane wavefronts, no wgmma); BW=32 is the K2 tile width
+aiter's own segmentation heuristic assumes ("the config the tuner usually lands on"); and
+K1's list (no BW) begins with aiter's default config (2 warps, 1 stage).  On aiter's 2026-08
+K2 list (BW 16/32/64) the default rule would pick BW=64 with 4 warps instead.
+
+Whatever the rule, an autotuner with an ``early_config_prune`` is refused: which configs it would drop depends on the launch's
 arguments, so a choice made ahead of the launch could be one it rejects.
 
 While pinned, ``Autotuner.run`` itself is wrapped (class-wide, restored afterwards) so that every
@@ -33,15 +43,16 @@ never silently autotuned.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 _MAX_WRAPPERS = 8  # heuristics wrappers are one or two deep; a loop guard, not a limit in practice
 
 
 def find_autotuner(kernel) -> Optional[Any]:
     """The Autotuner inside a kernel object, or None: the kernel itself, or one reached through
-    ``.fn`` from ``triton.heuristics`` wrappers (Heuristics -> Autotuner -> JITFunction).
-    Mirrors kda_kernels.aiter._autotuner; an object counts as an autotuner when it has ``configs``."""
+    ``.fn`` from ``triton.heuristics`` wrappers (Heuristics -> Autotuner -> JITFunction, or
+    Autotuner -> Heuristics -> JITFunction).  An object counts as an autotuner when it has
+    ``configs``."""
     obj = kernel
     for _ in range(_MAX_WRAPPERS):
         if obj is None or hasattr(obj, "configs"):
@@ -65,11 +76,27 @@ def rule_key(index: int, config) -> tuple:
     return (warps != 4, warps, stages, tiles, index)
 
 
-def choose_config(configs):
-    """The config the rule picks from a non-empty list (one of the list's own objects)."""
+def first_matching(**meta) -> Callable[[int, Any], tuple]:
+    """A rule (sort key over ``(index, config)``) for ``choose_config`` / ``pinned``: the first
+    config in the library's own order whose meta-parameters include every ``name=value`` of
+    ``meta``; when none does (or a kernel has no such meta-parameter), the library's first config."""
+    if not meta:
+        raise ValueError("meta: expected at least one meta-parameter to match (e.g. BW=32), got none")
+
+    def key(index: int, config) -> tuple:
+        kwargs = getattr(config, "kwargs", None) or {}
+        matches = all(name in kwargs and kwargs[name] == value for name, value in meta.items())
+        return (not matches, index)
+    key.__name__ = "first_matching(" + ", ".join(f"{k}={v!r}" for k, v in meta.items()) + ")"
+    return key
+
+
+def choose_config(configs, rule: Callable[[int, Any], Any] = rule_key):
+    """The config ``rule`` picks from a non-empty list (one of the list's own objects): the one
+    with the smallest ``rule(index, config)``; by default the pinning rule of the module docstring."""
     if not configs:
         raise ValueError("configs: expected at least one autotune config, got none")
-    return min(enumerate(configs), key=lambda ic: rule_key(*ic))[1]
+    return min(enumerate(configs), key=lambda ic: rule(*ic))[1]
 
 
 def describe(config) -> str:
@@ -90,10 +117,12 @@ class UnpinnedAutotuneError(RuntimeError):
 
 
 @contextlib.contextmanager
-def pinned(kernels: Mapping[str, Any], autotuner_class=None, context: str = "") -> Iterator[dict]:
+def pinned(kernels: Mapping[str, Any], autotuner_class=None, context: str = "",
+           rule: Callable[[int, Any], Any] = rule_key) -> Iterator[dict]:
     """Pin every autotuner among ``kernels`` (name -> kernel object, heuristics wrappers allowed)
-    to the rule's config for the duration of the ``with`` block; restore each one's own list
-    afterwards, also when the block raises.
+    to the config ``rule`` picks (``choose_config``; the module docstring's rule by default) for
+    the duration of the ``with`` block; restore each one's own list afterwards, also when the
+    block raises.
 
     Yields a dict filled while the block runs, name -> {"config": describe(...), "of": number
     of configs it had, "launches": n}.  ``launches`` counts launches through the wrapped
@@ -113,10 +142,10 @@ def pinned(kernels: Mapping[str, Any], autotuner_class=None, context: str = "") 
         if getattr(tuner, "early_config_prune", None) is not None:
             raise ValueError(f"kernels: {name!r} prunes its configs per launch (early_config_prune); "
                              "a config chosen ahead of the launch could be one it drops")
-        config = choose_config(list(tuner.configs))
+        config = choose_config(list(tuner.configs), rule)
         chosen[id(tuner)] = name
         record[name] = {"config": describe(config), "of": len(tuner.configs), "launches": 0}
-        saved.append((tuner, tuner.configs))
+        saved.append((tuner, tuner.configs, config))
     original_run = autotuner_class.__dict__.get("run")
     inherited = original_run is None
     base_run = autotuner_class.run
@@ -133,8 +162,8 @@ def pinned(kernels: Mapping[str, Any], autotuner_class=None, context: str = "") 
         return base_run(self, *args, **kwargs)
 
     try:
-        for tuner, configs in saved:
-            tuner.configs = [choose_config(list(configs))]
+        for tuner, _, config in saved:
+            tuner.configs = [config]
         autotuner_class.run = guarded_run
         yield record
     finally:
@@ -142,5 +171,5 @@ def pinned(kernels: Mapping[str, Any], autotuner_class=None, context: str = "") 
             del autotuner_class.run
         else:
             autotuner_class.run = original_run
-        for tuner, configs in reversed(saved):
+        for tuner, configs, _ in reversed(saved):
             tuner.configs = configs

@@ -17,7 +17,10 @@ prefetch routes say so when the installed module lacks it.
 Flags are set around each call and restored afterwards, so routes never leak into each
 other; afterwards the adapter confirms which kernels actually launched (it counts
 launches of the module's kernel objects) instead of trusting the flags, and refuses a
-result whose launches contradict the route.
+result whose launches contradict the route.  Each Triton kernel that would autotune among
+several configs is pinned to one for the call (kda_kernels._autotune_pin with PIN_RULE: the
+first config with BW=32 in aiter's order, else aiter's first), and any other autotuner launched
+with several configs raises instead of benchmarking inside a verdict.
 No AMD GPU exists where this project is developed: the Gluon routes are untested here.
 
 ``debug_plan`` / ``run_pass`` (verification.debug) launch the 2026-08 module's Triton kernels one
@@ -37,6 +40,7 @@ import torch
 
 from kda_ref.problem import Problem
 
+from . import _autotune_pin
 from .base import Outputs, Route
 
 LAYOUTS = (
@@ -48,6 +52,9 @@ SEGMENTATIONS = ("unseg", "seg", "seg:cps=1", "seg:cps=4")
 TRITON_KERNELS = {"K1": "_flash_kda_prepare_kernel", "K2": "_flash_kda_segment_kernel",
                   "scan": "_flash_kda_seg_scan_kernel"}
 PINNED_BW = 32  # the K2 tile width each route pins where aiter would autotune among several
+# Which config an autotuned aiter kernel is pinned to (kda_kernels._autotune_pin says why aiter's
+# rule is not the fla one): the first with BW == PINNED_BW in aiter's order, else aiter's first.
+PIN_RULE = _autotune_pin.first_matching(BW=PINNED_BW)
 _ROUTE_RE = re.compile(r"^(triton|gluon|gluon-k1|gluon-k2):(unseg|seg(?::cps=(\d+))?)(?::prefetch=(on|off))?$")
 
 
@@ -78,14 +85,6 @@ def current_arch() -> str:
     if gcn:
         return gcn.split(":")[0]
     return f"sm{props.major}{props.minor}"
-
-
-def _autotuner(kernel):
-    """The Autotuner inside a kernel object (it may sit under heuristics wrappers, via ``.fn``)."""
-    obj, seen = kernel, 0
-    while obj is not None and not hasattr(obj, "configs") and seen < 8:
-        obj, seen = getattr(obj, "fn", None), seen + 1
-    return obj
 
 
 class _LaunchCounter:
@@ -205,10 +204,13 @@ class AiterBackend:
     # ----- running ---------------------------------------------------------------------
     @contextlib.contextmanager
     def _pinned(self, r: dict, counts: dict):
-        """Set the route's module flags and count kernel launches; restore everything after."""
+        """Set the route's module flags, count kernel launches and pin every Triton kernel that
+        would autotune among several configs to one (``_autotune_pin.pinned`` with PIN_RULE,
+        which also makes any other autotuner launched with several configs raise); restore
+        everything after."""
         mod = self._mod
         saved = {}
-        saved_configs = []
+        to_pin = {}
 
         def setattr_saved(name, value):
             if hasattr(mod, name):
@@ -224,24 +226,21 @@ class AiterBackend:
         for key, attr in TRITON_KERNELS.items():
             if hasattr(mod, attr):
                 kernel = getattr(mod, attr)
-                tuner = _autotuner(kernel)
-                configs = getattr(tuner, "configs", None)
+                configs = getattr(_autotune_pin.find_autotuner(kernel), "configs", None)
                 if configs and len(configs) > 1:  # pin one config: no autotuning inside a verdict
-                    pinned = [c for c in configs if c.kwargs.get("BW") == PINNED_BW] or configs[:1]
-                    saved_configs.append((tuner, configs))
-                    tuner.configs = pinned[:1]
-                    counts[f"{key}:config"] = str(pinned[0].kwargs)
+                    to_pin[key] = kernel
                 setattr_saved(attr, _LaunchCounter(kernel, counts, key))
         for attr in [a for a in dir(mod) if "gluon" in a.lower() and callable(getattr(mod, a, None))
                      and hasattr(getattr(mod, a), "__getitem__") and not a.startswith("AITER")]:
             setattr_saved(attr, _LaunchCounter(getattr(mod, attr), counts, f"gluon:{attr}"))
         try:
-            yield
+            with _autotune_pin.pinned(to_pin, context=f"aiter ({self._layout} layout)", rule=PIN_RULE):
+                for key, kernel in to_pin.items():   # the one config each holds while pinned
+                    counts[f"{key}:config"] = str(_autotune_pin.find_autotuner(kernel).configs[0].kwargs)
+                yield
         finally:
             for name, value in saved.items():
                 setattr(mod, name, value)
-            for kernel, configs in saved_configs:
-                kernel.configs = configs
             if env_saved is not None:
                 os.environ["CHUNK_DELTA_ATTN_FLASH_KDA_SEG"] = env_saved
 

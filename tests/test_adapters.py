@@ -160,6 +160,91 @@ def test_aiter_flags_are_restored_and_gluon_needs_gfx950():
     assert not ok and "AITER_FDA_SCAN_PREFETCH" in why
 
 
+class _RecordingJit:
+    """Stands in for a JITFunction under a real Triton Autotuner: records each launch's keywords."""
+
+    def __init__(self):
+        self.launches = []
+
+        def kernel(x):
+            pass
+        self.fn, self.arg_names = kernel, ["x"]
+
+    def run(self, *args, grid=None, warmup=False, **kwargs):
+        self.launches.append(kwargs)
+
+
+def _autotuned(configs, prune=None):
+    """A real triton.runtime.autotuner.Autotuner over a recording stand-in (imported when a test runs)."""
+    from triton.runtime.autotuner import Autotuner
+    jit = _RecordingJit()
+    return Autotuner(jit, jit.arg_names, list(configs), key=["x"], reset_to_zero=None, restore_value=None,
+                     prune_configs_by={"early_config_prune": prune} if prune else None), jit
+
+
+def _aiter_2026_08_lists():
+    """K1's configs with aiter's autotune flag on (its default, 2 warps 1 stage, first) and K2's
+    with the flag off (BW 16/32/64), as aiter 2026-08 builds them."""
+    import triton
+    k1 = [triton.Config({}, num_warps=nw, num_stages=ns) for nw in (2, 4) for ns in (1, 2)]
+    k2 = [triton.Config({"BW": 16}, num_warps=2, num_stages=2), triton.Config({"BW": 32}, num_warps=2, num_stages=2),
+          triton.Config({"BW": 64}, num_warps=4, num_stages=2)]
+    return k1, k2
+
+
+def test_aiter_pins_real_autotuners_by_its_own_rule_through_the_shared_helper():
+    """First BW=32 in aiter's order, else aiter's first (not fla's 4-warps-first rule)."""
+    k1, k2 = _aiter_2026_08_lists()
+    fake = _fake_aiter()
+    fake._flash_kda_prepare_kernel, jit1 = _autotuned(k1)
+    fake._flash_kda_segment_kernel, jit2 = _autotuned(k2)
+    tuner1, tuner2 = fake._flash_kda_prepare_kernel, fake._flash_kda_segment_kernel
+    out = aiter_mod.AiterBackend(module=fake).run(_problem(T=200), Route("triton:seg:cps=1"))
+    assert [(c["num_warps"], c["num_stages"]) for c in jit1.launches] == [(2, 1)]
+    assert [(c["BW"], c["num_warps"], c["num_stages"]) for c in jit2.launches] == [(32, 2, 2)] * 2
+    ran = out.info["route_ran"]
+    assert "K1:config={}" in ran and "K2:config={'BW': 32}" in ran and "K2x2" in ran and "scanx1" in ran
+    assert tuner1.configs == k1 and tuner2.configs == k2          # aiter's own lists back after the call
+    assert fake._flash_kda_prepare_kernel is tuner1 and fake._flash_kda_segment_kernel is tuner2
+    from triton.runtime.autotuner import Autotuner
+    assert Autotuner.run is Autotuner.__dict__["run"] and Autotuner.run.__name__ == "run"   # Triton's run back
+
+
+def test_aiter_a_single_config_autotuner_is_left_alone_and_unrecorded():
+    k1, _ = _aiter_2026_08_lists()
+    fake = _fake_aiter()
+    fake._flash_kda_prepare_kernel, jit1 = _autotuned(k1[:1])
+    out = aiter_mod.AiterBackend(module=fake).run(_problem(), Route("triton:unseg"))
+    assert len(jit1.launches) == 1 and "config" not in out.info["route_ran"]
+
+
+def test_aiter_an_autotuner_it_did_not_pin_raises_instead_of_benchmarking():
+    k1, k2 = _aiter_2026_08_lists()
+    fake = _fake_aiter(with_gluon=True)
+    stray, jit = _autotuned(k2)
+    fwd = fake.flash_kda_fwd
+
+    def with_a_stray_launch(*a, **kw):
+        stray[(1,)](0)
+        return fwd(*a, **kw)
+    fake.flash_kda_fwd = with_a_stray_launch
+    with pytest.raises(aiter_mod._autotune_pin.UnpinnedAutotuneError,
+                       match=r"would autotune among 3 configs in aiter \(recorded layout\)"):
+        aiter_mod.AiterBackend(module=fake).run(_problem(), Route("triton:unseg"))
+    assert jit.launches == [] and fake.AITER_FDA_USE_GLUON_K1 is True          # flags restored
+
+
+def test_aiter_a_pruning_autotuner_is_refused_and_everything_restored():
+    k1, _ = _aiter_2026_08_lists()
+    fake = _fake_aiter(with_gluon=True)
+    tuner, jit = _autotuned(k1, prune=lambda configs, nargs, **kw: configs[:1])
+    fake._flash_kda_prepare_kernel = tuner
+    with pytest.raises(ValueError, match=r"kernels: 'K1' prunes its configs per launch"):
+        aiter_mod.AiterBackend(module=fake).run(_problem(), Route("triton:unseg"))
+    assert fake._flash_kda_prepare_kernel is tuner and tuner.configs == k1 and jit.launches == []
+    assert fake.AITER_FDA_USE_GLUON_K1 is True and fake.AITER_FDA_USE_GLUON_K2 is True
+
+
 def test_aiter_paged_only_where_supported():
     paged = _problem(layout="paged", state=False).replace(
         state_cache=torch.zeros(4, 2, 128, 128), state_indices=torch.tensor([2], dtype=torch.int32),

@@ -84,6 +84,45 @@ def test_rule_prefers_four_warps_then_fewest_stages_then_smallest_tiles(CFGS):
         pin.choose_config([])
 
 
+def _aiter_lists():
+    """aiter 2026-08's K2 lists (its global autotune flag off, then on) and K1's list (flag on)."""
+    Config = _tt().Config
+    off = [Config({"BW": 16}, num_warps=2, num_stages=2), Config({"BW": 32}, num_warps=2, num_stages=2),
+           Config({"BW": 64}, num_warps=4, num_stages=2)]
+    on = [Config({"BW": bw}, num_warps=nw, num_stages=ns) for bw in (16, 32, 64) for nw in (2, 4) for ns in (1, 2)]
+    k1 = [Config({}, num_warps=nw, num_stages=ns) for nw in (2, 4) for ns in (1, 2)]
+    return off, on, k1
+
+
+def test_first_matching_keeps_the_librarys_order():
+    off, on, k1 = _aiter_lists()
+    rule = pin.first_matching(BW=32)
+    assert pin.choose_config(off, rule) is off[1]     # BW=32, 2 warps ...
+    assert pin.choose_config(off) is off[2]           # ... where the default rule takes BW=64, 4 warps
+    assert pin.choose_config(on, rule) is on[4]       # the first BW=32 in order (2 warps, 1 stage),
+    assert pin.choose_config(on) is on[2]             # not BW=16 with 4 warps, as the default rule takes
+    assert pin.choose_config(k1, rule) is k1[0]       # no BW meta-parameter at all: the library's first
+    assert pin.choose_config(k1) is k1[2]
+    no_match = [_tt().Config({"BW": 64}), _tt().Config({"BW": 16})]
+    assert pin.choose_config(no_match, rule) is no_match[0]
+    both = [_tt().Config({"BW": 32, "BK": 32}), _tt().Config({"BW": 64, "BK": 64}),
+            _tt().Config({"BW": 32, "BK": 64})]
+    assert pin.choose_config(both, pin.first_matching(BW=32, BK=64)) is both[2]   # every name must match
+    with pytest.raises(ValueError, match=r"meta: expected at least one meta-parameter to match"):
+        pin.first_matching()
+
+
+def test_pinned_applies_the_rule_it_is_given(CFGS):
+    tuner, jit = make_tuner(list(CFGS))
+    own = tuner.configs
+    with pin.pinned({"k": tuner}, rule=pin.first_matching(BLOCK=64)) as record:
+        assert tuner.configs == [CFGS[0]]               # the first BLOCK=64, with its 8 warps
+        tuner.run(1, grid=(1,), warmup=False)
+    assert tuner.configs is own
+    assert record == {"k": {"config": "BLOCK=64 warps=8 stages=2", "of": 5, "launches": 1}}
+    assert jit.launches[0]["BLOCK"] == 64 and jit.launches[0]["num_warps"] == 8
+
+
 def test_pinned_during_the_call_and_restored_after(CFGS):
     tuner, jit = make_tuner(list(CFGS))
     own = tuner.configs
