@@ -530,17 +530,25 @@ def apply_known_failure(rec: dict, db) -> dict:
     """Mark a failing cell that tolerances.yaml lists as a known failure ``known-fail`` (with the
     entry's reason); note on a passing one that the entry may be stale."""
     finder = getattr(db, "known_failure", None)
-    kf = finder(rec["backend"], rec["route"], rec["case"]) if finder else None
+    kf = finder(rec["backend"], rec["route"], rec["case"], rec.get("params")) if finder else None
     if kf is None:
         return rec
     where = f"tolerances.yaml line {kf.line}" if kf.line else "tolerances.yaml"
+    conditions = kf.describe_params() if hasattr(kf, "describe_params") else ""
     if rec["status"] in ("fail", "mistrusted"):
         rec["known_failure"] = {"reason": kf.reason, "evidence": kf.evidence, "line": kf.line,
                                 "status": rec["status"]}
+        if conditions:
+            rec["known_failure"]["params"] = conditions
         rec["status"] = "known-fail"
-        rec["reason"] = f"known failure ({where}: {kf.reason}): {rec['reason']}"
+        matched = f", parameters {conditions}" if conditions else ""
+        rec["reason"] = f"known failure ({where}{matched}: {kf.reason}): {rec['reason']}"
     elif rec["status"] == "pass":
-        rec["reason"] = f"{rec['reason']} [passes although listed as a known failure at {where}: remove the entry?]"
+        if conditions:   # a parameter region, not one case: one pass inside it does not make it stale
+            rec["reason"] = (f"{rec['reason']} [passes although its parameters ({conditions}) match the "
+                             f"known failure at {where}: once no case of that region fails, remove the entry]")
+        else:
+            rec["reason"] = f"{rec['reason']} [passes although listed as a known failure at {where}: remove the entry?]"
     return rec
 
 

@@ -18,12 +18,26 @@ Schema (version 1)::
       - backend: emulator        # glob
         route: moonshot          # glob
         case: "*/correlated-*"   # glob over case ids
+        params: {rho: ">=0.9", lb: [">=-0.3", "<0"]}   # optional: conditions on the case's parameters
         reason: one line: why it fails (a property of the algorithm, a library bug, ...)
         evidence: what was measured, where
 
+A cell matches an entry when its backend, route and case id match the globs and, where the entry
+has ``params``, every condition holds on the case's parameters (``Case.params``: the named
+cases' recipes, and for a fuzz case ``fuzz/fuzz{S}-{i}`` the parameters its draw recorded,
+verification.cases._fuzz_params), so a fuzz case with the parameters of a known failure is
+matched although its id says nothing.  ``params`` maps a numeric case parameter (NUMERIC_PARAMS
+of verification.cases) to a condition: a number (equal to it), a comparison ``"<op><number>"``
+with op one of >=, >, <=, <, ==, or a list of these (all must hold: a range).  A parameter the
+case does not set never satisfies a condition (no defaults are filled in), nor does a value
+that is not a number.
+
 A failing or mistrusted cell that matches a known failure is reported as ``known-fail``
 (it does not fail the run, and the report lists it with its reason); a matching cell that
-passes is reported as a pass with a note that the entry may be stale.  Only a failure the
+passes is reported as a pass with a note that the entry may be stale (for an entry with
+``params``, that the case lies in the entry's region although it passes: a region is where the
+failure happens, not a promise that every case in it fails, so the entry is stale only once no
+case of it fails).  Only a failure the
 project can explain belongs here: it is a record, not a way to go green.
 
 Rule (verification.verdict): err <= m * baseline_err + floor and err <= cap.  An unknown key
@@ -35,15 +49,20 @@ fields, then the longest patterns; ties go to the first entry in the file.
 from __future__ import annotations
 
 import fnmatch
+import math
+import operator
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Mapping, Optional
 
 from verification.cli import UsageError
 
 TOP_KEYS = ("schema", "entries", "known_failures")
 KNOWN_FIELDS = ("backend", "route", "case", "reason", "evidence")
+KNOWN_OPTIONAL = ("params",)
+PARAM_OPS = (">=", "<=", ">", "<", "==")     # two-character operators first (parsing order)
 KEY_FIELDS = ("backend", "route", "dtype", "tensor")
 NUM_FIELDS = ("m", "floor", "cap")
 TEXT_FIELDS = ("reason", "calibrated_on")
@@ -78,6 +97,30 @@ def _is_glob(p: str) -> bool:
     return any(ch in p for ch in "*?[")
 
 
+_COMPARE = {">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt, "==": operator.eq}
+_CONDITION = re.compile(r"^\s*(>=|<=|>|<|==)\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*$")
+
+
+@dataclass(frozen=True)
+class ParamCondition:
+    """One condition of a known failure's ``params``: case parameter ``name`` ``op`` ``value``."""
+    name: str
+    op: str
+    value: float
+
+    def holds(self, params: Optional[Mapping]) -> bool:
+        """Whether the case's parameters satisfy it (an unset or non-numeric parameter never does)."""
+        if not isinstance(params, Mapping) or self.name not in params:
+            return False
+        got = params[self.name]
+        if isinstance(got, bool) or not isinstance(got, (int, float)) or not math.isfinite(got):
+            return False
+        return _COMPARE[self.op](float(got), self.value)
+
+    def __str__(self) -> str:
+        return f"{self.name}{self.op}{self.value:g}"
+
+
 @dataclass(frozen=True)
 class KnownFailure:
     backend: str
@@ -86,10 +129,17 @@ class KnownFailure:
     reason: str
     evidence: str
     line: int = 0
+    params: tuple = ()       # ParamCondition, all of which must hold; () = no condition on parameters
 
-    def matches(self, backend: str, route: str, case_id: str) -> bool:
+    def matches(self, backend: str, route: str, case_id: str, params: Optional[Mapping] = None) -> bool:
+        """Backend, route and case id match the globs and every ``params`` condition holds on
+        the case's parameters (``params``: the record's ``params``, i.e. ``Case.params``)."""
         return (fnmatch.fnmatchcase(backend, self.backend) and fnmatch.fnmatchcase(route, self.route)
-                and fnmatch.fnmatchcase(case_id, self.case))
+                and fnmatch.fnmatchcase(case_id, self.case) and all(c.holds(params) for c in self.params))
+
+    def describe_params(self) -> str:
+        """'rho>=0.9, beta_raw>=4, lb>=-0.3' ('' without conditions)."""
+        return ", ".join(str(c) for c in self.params)
 
 
 class ToleranceDB:
@@ -98,10 +148,12 @@ class ToleranceDB:
         self.path = path
         self.known_failures = list(known_failures or [])
 
-    def known_failure(self, backend: str, route: str, case_id: str) -> Optional[KnownFailure]:
-        """The first known-failure entry matching this cell, or None."""
+    def known_failure(self, backend: str, route: str, case_id: str,
+                      params: Optional[Mapping] = None) -> Optional[KnownFailure]:
+        """The first known-failure entry matching this cell (``params``: the case's parameters,
+        which entries with ``params`` conditions need to match), or None."""
         for kf in self.known_failures:
-            if kf.matches(str(backend), str(route), str(case_id)):
+            if kf.matches(str(backend), str(route), str(case_id), params):
                 return kf
         return None
 
@@ -207,15 +259,49 @@ def parse_tolerances(text: str, path: str = "<string>") -> ToleranceDB:
             raise _err(path, top["known_failures"][0].start_mark.line + 1, "known_failures: expected a list")
         for node in node_list.value:
             line = node.start_mark.line + 1
-            fields = _fields(node, KNOWN_FIELDS, "known failure", path)
+            fields = _fields(node, KNOWN_FIELDS + KNOWN_OPTIONAL, "known failure", path)
             for f in KNOWN_FIELDS:
                 if f not in fields:
                     raise _err(path, line, f"known failure: missing field {f!r}")
                 val, ln = fields[f]
                 if not isinstance(val, str) or not val.strip():
                     raise _err(path, ln, f"{f}: expected a non-empty string, got {val!r}")
-            known.append(KnownFailure(line=line, **{f: fields[f][0].strip() for f in KNOWN_FIELDS}))
+            text = {f: fields[f][0].strip() for f in KNOWN_FIELDS}
+            conditions = ()
+            if "params" in fields:
+                entry = f"known failure {text['backend']}/{text['route']}/{text['case']}"
+                conditions = _param_conditions(*fields["params"], entry=entry, path=path)
+            known.append(KnownFailure(line=line, params=conditions, **text))
     return ToleranceDB(entries, path, known)
+
+
+def _param_conditions(value, line: int, entry: str, path: str) -> tuple:
+    """The ParamConditions of a known failure's ``params`` field (module docstring), or a
+    ToleranceError naming the file and line, the entry, the field, what was expected and what came."""
+    from verification.cases import NUMERIC_PARAMS
+
+    form = f"a number or a comparison '<op><number>' with op one of {', '.join(PARAM_OPS)}"
+    if not isinstance(value, dict) or not value:
+        raise _err(path, line, f"{entry}: params: expected a mapping of case parameter to condition "
+                               f"(e.g. {{rho: \">=0.9\"}}), got {value!r}")
+    out = []
+    for name, cond in value.items():
+        if name not in NUMERIC_PARAMS:
+            raise _err(path, line, f"{entry}: params: expected numeric case parameters "
+                                   f"({', '.join(NUMERIC_PARAMS)}), got {name!r}")
+        field = f"params.{name}"
+        items = cond if isinstance(cond, list) else [cond]
+        if not items:
+            raise _err(path, line, f"{entry}: {field}: expected {form}, or a non-empty list of them, got []")
+        for item in items:
+            if isinstance(item, (int, float)) and not isinstance(item, bool) and math.isfinite(item):
+                out.append(ParamCondition(name, "==", float(item)))
+                continue
+            m = _CONDITION.match(item) if isinstance(item, str) else None
+            if m is None:
+                raise _err(path, line, f"{entry}: {field}: expected {form}, or a list of them, got {item!r}")
+            out.append(ParamCondition(name, m.group(1), float(m.group(2))))
+    return tuple(out)
 
 
 def load_tolerances(path: Optional[str] = None) -> ToleranceDB:

@@ -63,7 +63,8 @@ def collect_groups(records: list[dict], db) -> dict[tuple, Group]:
         if r.get("status") in ("skipped", "crashed", "error", "known-fail"):
             continue          # known failures are explained in tolerances.yaml, not the error level to expect
         finder = getattr(db, "known_failure", None)
-        if finder and r.get("status") != "pass" and finder(r["backend"], r["route"], r.get("case", "")):
+        if finder and r.get("status") != "pass" and finder(r["backend"], r["route"], r.get("case", ""),
+                                                           r.get("params")):
             continue          # a record written before its failure was listed
         for tname, met in (r.get("metrics") or {}).items():
             base = (r.get("baseline") or {}).get(tname) or {}
