@@ -22,7 +22,8 @@ BC = 16          # diagonal block of the inverse
 NUM_DOUBLING = BC.bit_length() - 2
 K1_WARPS = 4
 STEP_WARPS = 4
-STEP_STAGES = 2
+STEP_STAGES = 3      # software-pipelined workspace loads of the chunk walk (H200: 3 beat 2 by 7-30% on pass C
+                     # and matched it on pass A; 4 lost on the segmented and batched shapes)
 SCAN_WARPS = 4
 SCAN_BW = 16             # state columns per scan program, whatever the route's BW: the scan is one
                          # dependent [K,K] x [K,BW] product per segment, so narrower programs finish
