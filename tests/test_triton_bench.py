@@ -59,6 +59,7 @@ def test_bench_runs_on_the_gpu(tmp_path, capsys):
     assert rc == 0
     data = json.loads(out.read_text())
     assert len(data["results"]) == 2 and all(r["time_us"] > 0 for r in data["results"])
+    assert all(r["host_us"] > 0 and isinstance(r["host_bound"], bool) for r in data["results"])
 
 
 @pytest.mark.gpu
@@ -71,3 +72,38 @@ def test_bench_passes_on_the_gpu(tmp_path):
     p = {r["route"]: r for r in json.loads(out.read_text())["passes"]}
     assert all(p["seg:cps=4"][k] > 0 for k in ("k1", "A", "B", "C", "total"))
     assert "A" not in p["unseg:k1=halves"] and p["unseg:k1=halves"]["k1"] > 0
+
+
+@pytest.mark.parametrize("time_us, host_us, flush_us, graph, expected", [
+    (700.0, 100.0, 55.0, False, False),     # the GPU ran long after the launches were issued
+    (180.0, 250.0, 55.0, False, True),      # the launches outlasted the flush and set the end
+    (40.0, 50.0, 55.0, False, False),       # issued while the flush ran: the events saw the GPU alone
+    (180.0, 250.0, 55.0, True, False),      # graph replay is one launch
+    (180.0, math.nan, 55.0, False, False),  # not measured
+    (math.nan, 250.0, 55.0, False, False),
+])
+def test_host_bound_means_the_launches_set_the_measured_time(time_us, host_us, flush_us, graph, expected):
+    assert bench.is_host_bound(time_us, host_us, flush_us, graph) is expected
+
+
+def test_bench_marks_host_bound_rows_and_says_what_to_do(monkeypatch, capsys, tmp_path):
+    def fake(backend, route, shape, device, reps=50, warmup=5, graph=False, seed=0):
+        B, T, H = shape
+        host = 300.0 if T == 256 else 50.0
+        t = 200.0 if T == 256 else 900.0
+        return bench.BenchResult(backend, route, B, T, H, time_us=t, p10_us=t, p90_us=t, reps=reps, graph=graph,
+                                 bytes=1, flops=1, bandwidth_gbs=1.0, tflops=1.0, floor_us=1.0, route_ran=route,
+                                 host_us=host, host_bound=bench.is_host_bound(t, host, 55.0, graph))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "fake GPU")
+    monkeypatch.setattr(bench, "bench_one", fake)
+    out = tmp_path / "b.json"
+    assert main(["bench", "--backend", "triton", "--routes", "seg", "--shapes", "1x256x12;1x16384x12",
+                 "--device", "cpu", "--json", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    small = [ln for ln in lines if "1x256x12" in ln][0]
+    large = [ln for ln in lines if "1x16384x12" in ln][0]
+    assert "[host-bound: 300 us to launch]" in small and "host-bound" not in large
+    assert any(ln.startswith("host-bound:") and "--graph" in ln for ln in lines)
+    rows = {r["T"]: r for r in json.loads(out.read_text())["results"]}
+    assert rows[256]["host_bound"] is True and rows[16384]["host_bound"] is False and rows[256]["host_us"] == 300.0

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import os
 import statistics
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional
 
@@ -30,6 +31,7 @@ DEFAULT_SHAPES = ((1, 256, 12), (1, 512, 12), (1, 1664, 12), (1, 2048, 12), (1, 
 H200_HBM_BYTES_S = 4.8e12
 H200_BF16_FLOPS = 790e12
 FLUSH_BYTES = 256 * 1024 * 1024
+HOST_BOUND_RATIO = 0.75  # the host's launching (past the flush) spanned this share of the measured time: its pace
 K = V = 128
 C = 32
 
@@ -54,6 +56,8 @@ class BenchResult:
     route_ran: str = ""
     error: str = ""
     extra: dict = field(default_factory=dict)
+    host_us: float = math.nan      # median host time to issue one call's launches, us
+    host_bound: bool = False       # the host's launching, not the GPU, set the measured time (is_host_bound)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -150,8 +154,23 @@ def fla_available() -> tuple[bool, str]:
 
 
 # ----------------------------------------------------------------------------------- timing
-def time_call(fn: Callable, inputs: list, reps: int, warmup: int, graph: bool, device) -> list:
-    """Per-repetition device times (us) of fn(inputs[i % len]) with the L2 flushed before each."""
+def is_host_bound(time_us: float, host_us: float, flush_us: float, graph: bool) -> bool:
+    """Whether a timed call was paced by the host.  Each repetition queues the L2 flush, the start
+    event, the call and the end event without waiting, so the host issues the call's launches while
+    the device runs the flush (``flush_us``).  A call whose launches take the host ``host_us`` ends
+    no earlier than ``host_us - flush_us`` after the start event: when that is at least
+    HOST_BOUND_RATIO of the measured time, the device was waiting for launches and the time is the
+    host's (Python and launch costs), not the kernels'.  Graph replay is one launch: never flagged."""
+    if graph or not (time_us > 0) or math.isnan(host_us) or math.isnan(flush_us):
+        return False
+    return host_us - flush_us >= HOST_BOUND_RATIO * time_us
+
+
+def time_call(fn: Callable, inputs: list, reps: int, warmup: int, graph: bool, device,
+              stats: Optional[dict] = None) -> list:
+    """Per-repetition device times (us) of fn(inputs[i % len]) with the L2 flushed before each.
+    ``stats``, when a dict, receives ``host_us`` (each repetition's host time to issue the call)
+    and ``flush_us`` (the flush's own device time, median of 5)."""
     flush = torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device=device)
     with torch.inference_mode():
         for i in range(max(1, warmup)):
@@ -177,11 +196,24 @@ def time_call(fn: Callable, inputs: list, reps: int, warmup: int, graph: bool, d
             torch.cuda.synchronize(device)
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        if stats is not None:
+            fl = []
+            for i in range(5):
+                starts[0].record()
+                flush.fill_(i)
+                ends[0].record()
+                torch.cuda.synchronize(device)
+                fl.append(1e3 * starts[0].elapsed_time(ends[0]))
+            stats["flush_us"], stats["host_us"] = statistics.median(fl), []
         for i in range(reps):
             flush.fill_(i)
             starts[i].record()
+            t0 = time.perf_counter()
             runners[i % len(runners)]()
+            t1 = time.perf_counter()
             ends[i].record()
+            if stats is not None:
+                stats["host_us"].append(1e6 * (t1 - t0))
         torch.cuda.synchronize(device)
     return [1e3 * s.elapsed_time(e) for s, e in zip(starts, ends)]
 
@@ -200,7 +232,8 @@ def bench_one(backend: str, route: str, shape: tuple, device, reps: int = 50, wa
     try:
         fn = triton_callable(route) if backend == "triton" else fla_callable(route)
         inputs = [make_inputs(B, T, H, device, seed + i) for i in range(rotation_count(B, T, H))]
-        times = time_call(fn, inputs, reps, warmup, graph, device)
+        stats: dict = {}
+        times = time_call(fn, inputs, reps, warmup, graph, device, stats=stats)
     except Exception as e:  # noqa: BLE001 - one failing cell is a result, not the end of the bench
         msg = f"{type(e).__name__}: {e}".splitlines()[0][:300]
         return BenchResult(**base, time_us=math.nan, p10_us=math.nan, p90_us=math.nan, bandwidth_gbs=math.nan,
@@ -209,8 +242,10 @@ def bench_one(backend: str, route: str, shape: tuple, device, reps: int = 50, wa
         torch.cuda.empty_cache()
     t = statistics.median(times)
     q = statistics.quantiles(times, n=10) if len(times) >= 2 else [t] * 9
+    host_us = statistics.median(stats["host_us"]) if stats.get("host_us") else math.nan
     return BenchResult(**base, time_us=t, p10_us=q[0], p90_us=q[-1], bandwidth_gbs=nbytes / (t * 1e-6) / 1e9,
-                       tflops=flops / (t * 1e-6) / 1e12, route_ran=fn.info.get("route_ran", route))
+                       tflops=flops / (t * 1e-6) / 1e12, route_ran=fn.info.get("route_ran", route),
+                       host_us=host_us, host_bound=is_host_bound(t, host_us, stats.get("flush_us", math.nan), graph))
 
 
 def pass_times(route: str, shape: tuple, device, reps: int = 20, warmup: int = 3, seed: int = 0) -> dict:

@@ -83,9 +83,10 @@ def run(args) -> int:
             if r.error:
                 print(f"{backend:7} {route:44} {sh:>12}  error: {r.error}")
             else:
+                mark = f"  [host-bound: {r.host_us:.0f} us to launch]" if r.host_bound else ""
                 print(f"{backend:7} {route:44} {sh:>12} {r.time_us:9.1f} {r.p10_us:8.1f} {r.p90_us:8.1f} "
                       f"{r.bandwidth_gbs:7.0f} {r.tflops:8.1f} {r.floor_us:8.1f} {r.time_us / r.floor_us:7.2f}  "
-                      f"{r.route_ran}", flush=True)
+                      f"{r.route_ran}{mark}", flush=True)
     passes = []
     if getattr(args, "passes", False) and "triton" in backends:
         print(f"\n{'route':44} {'shape':>12} {'cps':>4} {'segs':>5} {'K1 us':>8} {'A us':>8} {'B us':>8} "
@@ -102,6 +103,9 @@ def run(args) -> int:
                 f = lambda k: f"{t[k]:8.1f}" if k in t else f"{'-':>8}"  # noqa: E731
                 print(f"{route:44} {sh:>12} {str(t['cps'] or '-'):>4} {t['segments']:5d} {f('k1')} {f('A')} "
                       f"{f('B')} {f('C')} {t['total']:9.1f}", flush=True)
+    if any(r.host_bound for r in results):
+        print("host-bound: the device waited for the host to launch the call, so that time is the host's "
+              "(Python and launch costs), not the kernels'; --graph times the GPU alone")
     sp = bench.speedups(results)
     for (b, r), d in sp.items():
         worst = min(d["per_shape"].items(), key=lambda kv: kv[1]) if d["per_shape"] else None
