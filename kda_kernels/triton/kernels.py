@@ -163,13 +163,7 @@ def k1_prepare_kernel(
     sq_off = ws * (C * C) + ri * C + cj
     tl.store(mqk_ptr + sq_off, mqk.to(tl.float16))
 
-    Dm = tl.where(same_block, L, 0.0)
-    inv = tl.where(ri == cj, 1.0, 0.0) + Dm
-    P = _dot_f32(Dm, Dm, INV_PREC)
-    for it in tl.static_range(NUM_DOUBLING):
-        inv = inv + _dot_f32(inv, P, INV_PREC)
-        if it + 1 < NUM_DOUBLING:
-            P = _dot_f32(P, P, INV_PREC)
+    inv = _neumann(tl.where(same_block, L, 0.0), NUM_DOUBLING, INV_PREC, C)   # both diagonal blocks at once
     L_off = tl.where(same_block, 0.0, L)
     inv = inv + _dot_f32(inv, _dot_f32(L_off, inv, INV_PREC), INV_PREC)
     tl.store(inv_ptr + sq_off, inv.to(tl.float16))
@@ -189,7 +183,9 @@ def _pivoted(x, Gd, m2):
 
 @triton.jit
 def _neumann(Lb, NUM_DOUBLING: tl.constexpr, INV_PREC: tl.constexpr, BC: tl.constexpr):
-    """(I - Lb)^-1 of a strictly lower [BC, BC] block: (I+D)(I+D^2)(I+D^4)(I+D^8) = sum_{n<16} D^n."""
+    """(I - Lb)^-1 of a strictly lower [BC, BC] matrix whose powers vanish from the 16th on (one
+    16x16 block, or the tile's two diagonal blocks side by side):
+    (I+D)(I+D^2)(I+D^4)(I+D^8) = sum_{n<16} D^n."""
     i = tl.arange(0, BC)
     inv = tl.where(i[:, None] == i[None, :], 1.0, 0.0) + Lb
     P = _dot_f32(Lb, Lb, INV_PREC)
