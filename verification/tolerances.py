@@ -97,8 +97,9 @@ def _is_glob(p: str) -> bool:
     return any(ch in p for ch in "*?[")
 
 
-_COMPARE = {">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt, "==": operator.eq}
-_CONDITION = re.compile(r"^\s*(>=|<=|>|<|==)\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*$")
+_COMPARE = dict(zip(PARAM_OPS, (operator.ge, operator.le, operator.gt, operator.lt, operator.eq)))
+_CONDITION = re.compile(r"^\s*(" + "|".join(map(re.escape, PARAM_OPS)) +
+                        r")\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*$")
 
 
 @dataclass(frozen=True)
