@@ -254,8 +254,6 @@ def pass_times(route: str, shape: tuple, device, reps: int = 20, warmup: int = 3
     only when the plan is unsegmented) and ``total`` (the whole forward), plus ``cps`` and
     ``segments`` of the plan that ran.  CUDA: events around the pass, the L2 flushed before each
     repetition; CPU (Triton's interpreter, for tests): wall time."""
-    import time
-
     from kda_kernels.triton import forward as fw
     from kda_kernels.triton.routes import parse_route
 
