@@ -105,6 +105,8 @@ def test_statuses_skipped_error_fail_mistrusted_and_the_exit_code(tmp_path, run_
     assert by["test-raising"]["status"] == "error"
     assert "RuntimeError: deliberate failure inside run()" in by["test-raising"]["reason"]
     assert "traceback" in by["test-raising"]
+    assert by["test-raising"]["timings"]["compiles"] == 0             # compile time is recorded for a raising call too
+    assert "kernel_s" not in by["test-raising"]["timings"]
     assert by["test-nan"]["status"] == "fail"
     assert by["test-zeros"]["status"] in ("mistrusted", "fail")
     assert by["test-exact"]["status"] == "pass"

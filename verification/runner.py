@@ -478,6 +478,7 @@ def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: Base
     clock.forget_pending()
     c0, n0, h0 = clock.seconds, clock.compiles, clock.cache_hits
     timings["compile_how"] = clock.how
+    failure = None
     try:
         run_problem = _fresh_state(problem)
         _sync(device)
@@ -493,13 +494,13 @@ def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: Base
         if guard is not None:          # the call alone; the guards' allocations and checks apart
             timings["guards_s"] = kernel_s - guard.kernel_s
             kernel_s = guard.kernel_s
-        timings.update(compile_s=clock.seconds - c0, compiles=clock.compiles - n0,
-                       compile_cache_hits=clock.cache_hits - h0)
-        timings["kernel_s"] = max(0.0, kernel_s - timings["compile_s"])
     except Exception as e:  # noqa: BLE001 - the kernel failing is a result, not a harness crash
-        timings.update(compile_s=clock.seconds - c0, compiles=clock.compiles - n0,
-                       compile_cache_hits=clock.cache_hits - h0)
-        return _errored(rec, e, f"{backend.name} {route.name} run")
+        failure = e
+    timings.update(compile_s=clock.seconds - c0, compiles=clock.compiles - n0,   # whether it ran or raised
+                   compile_cache_hits=clock.cache_hits - h0)
+    if failure is not None:
+        return _errored(rec, failure, f"{backend.name} {route.name} run")
+    timings["kernel_s"] = max(0.0, kernel_s - timings["compile_s"])
     rec["info"] = jsonable(getattr(outputs, "info", {}) or {})
     # metrics and verdict
     try:
