@@ -12,6 +12,12 @@ Method, per (backend, route, shape):
 Per shape: time, effective bandwidth (q, k, v, g, beta read and o written once, plus the
 final state written), TFLOP/s with FLOPs = B·T·H·2·(32·K + 32·V + 2·K·V), and the floor
 max(bytes / HBM bandwidth, FLOPs / bf16 peak) for the H200 (4.8 TB/s, 790 TFLOP/s).
+
+Per pass (``pass_times``, ``bench --passes``): each pass of our four-pass Triton FlashKDA (K1,
+pass A, pass B = the scan, pass C) also gets its own bandwidth floor, the minimum HBM bytes it
+moves in our design (``pass_traffic``: inputs, workspace, A_seg / b_seg / h_in, o and the final
+state, each byte once) / 4.8 TB/s.  Their sum, the design floor, exceeds the forward's floor by
+the workspace's and the segment states' round trips through HBM (and v read by passes A and C).
 """
 from __future__ import annotations
 
@@ -94,6 +100,60 @@ def traffic(B: int, T: int, H: int) -> tuple[int, int]:
 def floor_us(B: int, T: int, H: int) -> float:
     nbytes, flops = traffic(B, T, H)
     return 1e6 * max(nbytes / H200_HBM_BYTES_S, flops / H200_BF16_FLOPS)
+
+
+INPUT_BYTES = {"q": 2, "k": 2, "v": 2, "g": 2, "beta": 4}    # element sizes of make_inputs' tensors
+PASS_KEYS = ("k1", "A", "B", "C")                           # pass_times' keys of the four passes
+PASS_A_WS = ("ws_kd", "ws_kr", "ws_inv", "ws_gt", "ws_beta")  # the workspace buffers pass A reads
+
+
+def pass_traffic(plan, H: int, spec, in_bytes: Optional[dict] = None) -> dict:
+    """Minimum HBM bytes each pass of our Triton FlashKDA moves on ``plan`` (a forward.Plan) with
+    ``H`` heads and route ``spec`` (a RouteSpec: its ``pass_a`` and ``scan``): {"k1", "A", "B",
+    "C"}, A and B only for a segmented plan.  Each byte is counted once: the column-block programs
+    of one (segment, head) re-reading the same workspace tile hit the L2 and are not counted.
+
+    With tok = tokens (the sum of the plan's sequence lengths; B*T for fixed length), Nt =
+    plan.total_tiles, S = plan.num_segs, N = plan.N, C = 32, D = K = V = 128, sizes in bytes from
+    ``in_bytes`` (q, k, v, g, beta; default INPUT_BYTES: bf16, fp32 beta; o has v's size) and from
+    forward.WORKSPACE_DTYPES / A_SEG_DTYPE[spec.scan]:
+        W  = ws_kd + ws_qd + ws_kr [C,D] + ws_gt [D] + ws_inv + ws_mqk [C,C] + ws_beta [C]
+             (one (tile, head); bf16 / fp32 / fp16 / fp32: 29312 B)
+        WA = ws_kd + ws_kr + ws_inv + ws_gt + ws_beta (what pass A reads: 19072 B)
+        k1 = tok*H*D*(q + k + g) + tok*H*beta + Nt*H*W                        (read, workspace written)
+        A  = Nt*H*WA*(2 if spec.pass_a == "two" else 1) + tok*H*D*v            (read)
+             + S*H*K*K*A_seg + S*H*K*V*4                                      (A_seg, b_seg fp32 written)
+        B  = S*H*K*K*A_seg + S*H*K*V*4 + S*H*K*V*4                            (A_seg, b_seg read, h_in written)
+        C  = Nt*H*W + tok*H*D*v [+ S*H*K*V*4 h_in, segmented]                  (read)
+             + tok*H*V*v + N*H*K*V*4                                          (o, final state fp32 written)
+    K1's A_log / dt_bias (H and H*K values) and the plan's index tables are left out."""
+    from kda_kernels.triton import forward as fw
+
+    sz = dict(INPUT_BYTES, **(in_bytes or {}))
+    C_, D = fw.C, fw.D
+    shapes = {"ws_kd": C_ * D, "ws_qd": C_ * D, "ws_kr": C_ * D, "ws_gt": D, "ws_inv": C_ * C_,
+              "ws_mqk": C_ * C_, "ws_beta": C_}
+    per = {n: e * fw.WORKSPACE_DTYPES[n].itemsize for n, e in shapes.items()}
+    ws_all = plan.total_tiles * H * sum(per.values())
+    ws_a = plan.total_tiles * H * sum(per[n] for n in PASS_A_WS)
+    tok = sum(t1 - t0 for _, t0, t1 in plan.bounds)
+    state = H * D * D * 4                                       # one fp32 [K,V] state per head
+    v_bytes = tok * H * D * sz["v"]
+    out = {"k1": tok * H * D * (sz["q"] + sz["k"] + sz["g"]) + tok * H * sz["beta"] + ws_all}
+    if plan.segmented:
+        S = plan.num_segs
+        a_seg = S * H * D * D * fw.A_SEG_DTYPE[spec.scan].itemsize
+        out["A"] = ws_a * (2 if spec.pass_a == "two" else 1) + v_bytes + a_seg + S * state
+        out["B"] = a_seg + S * state + S * state
+        out["C"] = ws_all + v_bytes + S * state + v_bytes + plan.N * state
+    else:
+        out["C"] = ws_all + v_bytes + v_bytes + plan.N * state
+    return out
+
+
+def pass_floors(nbytes: dict) -> dict:
+    """Each pass's bandwidth floor in us: its bytes (``pass_traffic``) / H200_HBM_BYTES_S."""
+    return {k: 1e6 * b / H200_HBM_BYTES_S for k, b in nbytes.items()}
 
 
 def make_inputs(B: int, T: int, H: int, device, seed: int) -> dict:
@@ -252,8 +312,10 @@ def pass_times(route: str, shape: tuple, device, reps: int = 20, warmup: int = 3
     """Median time (us) of each pass of our Triton FlashKDA on one shape, each pass launched alone
     on the workspace of the same inputs: ``k1``, ``A``, ``B``, ``C`` (segmented routes; ``C``
     only when the plan is unsegmented) and ``total`` (the whole forward), plus ``cps`` and
-    ``segments`` of the plan that ran.  CUDA: events around the pass, the L2 flushed before each
-    repetition; CPU (Triton's interpreter, for tests): wall time."""
+    ``segments`` of the plan that ran; ``bytes`` and ``floors`` (us), per pass, its minimum HBM
+    traffic and bandwidth floor (``pass_traffic``, ``pass_floors``), ``design_floor`` (the sum
+    of the passes' floors) and ``floor`` (the forward's, ``floor_us``).  CUDA: events around the
+    pass, the L2 flushed before each repetition; CPU (Triton's interpreter, for tests): wall time."""
     from kda_kernels.triton import forward as fw
     from kda_kernels.triton.routes import parse_route
 
@@ -286,7 +348,10 @@ def pass_times(route: str, shape: tuple, device, reps: int = 20, warmup: int = 3
 
     k1 = lambda: fw.run_k1(x["q"], x["k"], x["g"], x["beta"], x["A_log"], x["dt_bias"], x["scale"],  # noqa: E731
                            x["lower_bound"], plan, ws, inv=spec.inv, k1=spec.k1)
-    out = {"cps": plan.cps, "segments": plan.num_segs, "k1": med(k1)}
+    nbytes = pass_traffic(plan, H, spec, {n: x[n].element_size() for n in INPUT_BYTES})
+    floors = pass_floors(nbytes)
+    out = {"cps": plan.cps, "segments": plan.num_segs, "bytes": nbytes, "floors": floors,
+           "design_floor": sum(floors.values()), "floor": floor_us(B, T, H), "k1": med(k1)}
     o = torch.empty_like(x["v"])
     final = fw.dense_state(torch.empty(plan.N, H, K, V, device=device), "kv")
     with torch.inference_mode():

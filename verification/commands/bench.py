@@ -42,6 +42,18 @@ def _shapes(args):
         raise UsageError(str(e)) from None
 
 
+def _us(x: float) -> str:
+    """A floor in us, three significant digits (no exponent from 100 up)."""
+    return f"{x:.0f}" if x >= 99.5 else f"{x:.3g}"
+
+
+def _vs_floor(t: float, floor: float, width: int) -> str:
+    """``t`` us and its ratio to ``floor``, e.g. ' 402.0 (5.8x)', right-aligned in ``width``."""
+    r = t / floor if floor > 0 else float("nan")
+    x = f"{r:.1f}" if r < 99.95 else f"{r:.0f}" if r < 1e5 else f"{r:.0e}"
+    return f"{t:.1f} ({x}x)".rjust(width)
+
+
 def run(args) -> int:
     import torch
 
@@ -89,8 +101,9 @@ def run(args) -> int:
                       f"{r.route_ran}{mark}", flush=True)
     passes = []
     if getattr(args, "passes", False) and "triton" in backends:
-        print(f"\n{'route':44} {'shape':>12} {'cps':>4} {'segs':>5} {'K1 us':>8} {'A us':>8} {'B us':>8} "
-              f"{'C us':>8} {'total us':>9}")
+        designs = []
+        print(f"\n{'route':44} {'shape':>12} {'cps':>4} {'segs':>5} {'K1 us (x floor)':>16} {'A us (x floor)':>16} "
+              f"{'B us (x floor)':>16} {'C us (x floor)':>16} {'total us (x fwd floor)':>22}")
         for shape in shapes:
             for route in routes:
                 sh = "x".join(str(x) for x in shape)
@@ -100,9 +113,16 @@ def run(args) -> int:
                     print(f"{route:44} {sh:>12}  error: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
                     continue
                 passes.append(dict(route=route, shape=sh, **t))
-                f = lambda k: f"{t[k]:8.1f}" if k in t else f"{'-':>8}"  # noqa: E731
-                print(f"{route:44} {sh:>12} {str(t['cps'] or '-'):>4} {t['segments']:5d} {f('k1')} {f('A')} "
-                      f"{f('B')} {f('C')} {t['total']:9.1f}", flush=True)
+                cells = [_vs_floor(t[k], t["floors"][k], 16) if k in t else f"{'-':>16}" for k in bench.PASS_KEYS]
+                print(f"{route:44} {sh:>12} {str(t['cps'] or '-'):>4} {t['segments']:5d} {' '.join(cells)} "
+                      f"{_vs_floor(t['total'], t['floor'], 22)}", flush=True)
+                fl = t["floors"]
+                terms = " + ".join(f"{name} {_us(fl[k])}" for k, name in zip(bench.PASS_KEYS, ("K1", "A", "B", "C"))
+                                   if k in fl)
+                designs.append(f"design floor {sh} {route}: {terms} = {_us(t['design_floor'])} us = "
+                               f"{t['design_floor'] / t['floor']:.1f}x the forward's floor of {_us(t['floor'])} us")
+        for line in designs:
+            print(line)
     if any(r.host_bound for r in results):
         print("host-bound: the device waited for the host to launch the call, so that time is the host's "
               "(Python and launch costs), not the kernels'; --graph times the GPU alone")
