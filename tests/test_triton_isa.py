@@ -21,7 +21,7 @@ def test_isa_gfx950_and_sm90_compile_with_matrix_instructions_and_no_spills():
     reports = json.loads(res.stdout)
     assert {r["arch"] for r in reports} == {"gfx950", "sm90"}
     kernels = {r["kernel"].split("[")[0] for r in reports}
-    assert kernels == {"k1_prepare_kernel", "segment_kernel", "scan_kernel"}
+    assert kernels == {"k1_prepare_kernel", "segment_kernel", "segment_map_kernel", "scan_kernel"}
     for r in reports:
         assert r["ok"], r
         assert r["registers"] and r["registers"] > 0 and r["shared_bytes"] is not None

@@ -202,24 +202,15 @@ def run_k1(q, k, g, beta, A_log, dt_bias, scale: float, lower_bound: float, plan
     return ws
 
 
-def _step(grid, plan, ws, H, mode, v=None, o=None, h0: Optional[StateRef] = None, h0_mode=kn.H0_NONE,
-          final: Optional[StateRef] = None, A_seg=None, b_seg=None, bw=32, warps=STEP_WARPS):
+def _walk_maps(plan, ws, H, mode, v=None, A_seg=None, b_seg=None, bw=32, warps=STEP_WARPS):
+    """Launch segment_map_kernel (pass A) in ``mode`` (kernels.MODE_B / MODE_A / MODE_AB)."""
     any_t = ws["ws_gt"] if ws["ws_gt"].numel() else plan.segs
-    v_ = v if v is not None else any_t
-    o_ = o if o is not None else any_t
-    sv = v.stride() if v is not None else (0, 0, 0, 0)
-    so = o.stride() if o is not None else (0, 0, 0, 0)
-    hs = h0 if h0 is not None else StateRef(any_t, (0, 0, 0, 0))
-    fs = final if final is not None else StateRef(any_t, (0, 0, 0, 0))
-    _launch(kn.segment_kernel, grid,
-        plan.segs, v_, *sv, o_, *so,
-        ws["ws_kd"], ws["ws_qd"], ws["ws_kr"], ws["ws_gt"], ws["ws_inv"], ws["ws_mqk"], ws["ws_beta"],
-        hs.tensor, hs.indices if hs.paged else any_t, hs.has if hs.paged else any_t, *hs.strides,
-        fs.tensor, fs.indices if fs.paged else any_t, *fs.strides,
+    _launch(kn.segment_map_kernel, (plan.num_segs * H, D // bw),
+        plan.segs, v if v is not None else any_t, *(v.stride() if v is not None else (0, 0, 0, 0)),
+        ws["ws_kd"], ws["ws_kr"], ws["ws_gt"], ws["ws_inv"], ws["ws_beta"],
         A_seg if A_seg is not None else any_t, b_seg if b_seg is not None else any_t,
         H, plan.total_tiles, no_tokens=plan.total_tiles == 0,
-        MODE=mode, H0=h0_mode, PAGED=hs.paged, STORE_FINAL=final is not None, FINAL_PAGED=fs.paged,
-        C=C, K=D, V=D, BW=bw, num_warps=warps, num_stages=STEP_STAGES)
+        MODE=mode, C=C, K=D, V=D, BW=bw, num_warps=warps, num_stages=STEP_STAGES)
 
 
 def run_pass_a(ws: dict, v, plan: Plan, H: int, variant: str = "fused", bw: int = 32, warps: int = STEP_WARPS,
@@ -228,12 +219,11 @@ def run_pass_a(ws: dict, v, plan: Plan, H: int, variant: str = "fused", bw: int 
     dev = ws["ws_gt"].device
     A_seg = _empty("A_seg", (plan.num_segs, H, D, D), A_SEG_DTYPE[scan], dev)
     b_seg = _empty("b_seg", (plan.num_segs, H, D, D), torch.float32, dev)
-    grid = (plan.num_segs * H, D // bw)
     if variant == "fused":
-        _step(grid, plan, ws, H, kn.MODE_AB, v=v, A_seg=A_seg, b_seg=b_seg, bw=bw, warps=warps)
+        _walk_maps(plan, ws, H, kn.MODE_AB, v=v, A_seg=A_seg, b_seg=b_seg, bw=bw, warps=warps)
     elif variant == "two":
-        _step(grid, plan, ws, H, kn.MODE_B, v=v, b_seg=b_seg, bw=bw, warps=warps)
-        _step(grid, plan, ws, H, kn.MODE_A, A_seg=A_seg, bw=bw, warps=warps)
+        _walk_maps(plan, ws, H, kn.MODE_B, v=v, b_seg=b_seg, bw=bw, warps=warps)
+        _walk_maps(plan, ws, H, kn.MODE_A, A_seg=A_seg, bw=bw, warps=warps)
     else:
         _fail(f"pass A variant: expected two|fused, got {variant!r}")
     return A_seg, b_seg
@@ -264,8 +254,17 @@ def run_pass_c(ws: dict, v, o, plan: Plan, H: int, h_in=None, h0: Optional[State
         src, mode = StateRef(h_in, tuple(h_in.stride())), kn.H0_SEG
     else:
         src, mode = h0, (kn.H0_NONE if h0 is None else kn.H0_SEQ)
-    _step((plan.num_segs * H, D // bw), plan, ws, H, kn.MODE_C, v=v, o=o, h0=src, h0_mode=mode,
-          final=final, bw=bw, warps=warps)
+    any_t = ws["ws_gt"] if ws["ws_gt"].numel() else plan.segs
+    hs = src if src is not None else StateRef(any_t, (0, 0, 0, 0))
+    fs = final if final is not None else StateRef(any_t, (0, 0, 0, 0))
+    _launch(kn.segment_kernel, (plan.num_segs * H, D // bw),
+        plan.segs, v, *v.stride(), o, *o.stride(),
+        ws["ws_kd"], ws["ws_qd"], ws["ws_kr"], ws["ws_gt"], ws["ws_inv"], ws["ws_mqk"], ws["ws_beta"],
+        hs.tensor, hs.indices if hs.paged else any_t, hs.has if hs.paged else any_t, *hs.strides,
+        fs.tensor, fs.indices if fs.paged else any_t, *fs.strides,
+        H, plan.total_tiles, no_tokens=plan.total_tiles == 0,
+        H0=mode, PAGED=hs.paged, STORE_FINAL=final is not None, FINAL_PAGED=fs.paged,
+        C=C, K=D, V=D, BW=bw, num_warps=warps, num_stages=STEP_STAGES)
     return o
 
 

@@ -1,5 +1,5 @@
-"""The Triton kernels of our FlashKDA forward: K1 (prepare), the chunk-step kernel (pass A
-and pass C), and the segment scan (pass B).  Math: DESIGN §2 and research/flashkda.md §3.
+"""The Triton kernels of our FlashKDA forward: K1 (prepare), the chunk walks (pass A's maps,
+pass C's outputs), and the segment scan (pass B).  Math: DESIGN §2 and research/flashkda.md §3.
 
 K1, one program per (tile, head), C = 32 rows x D = 128 channels, all in fp32:
     q^, k^ = x / sqrt(sum x^2 + 1e-6)
@@ -21,9 +21,10 @@ Chunk step (fp32 state S [K, BW], bf16 dot operands, fp32 accumulation):
     U = INV fp16(beta (v - kd bf16(S)))
     o = qd bf16(S) + Mqk fp16(U)
     S <- diag(gt) S + kr^T bf16(U)
-Pass A runs it from S = 0 with v (-> b_seg) and from S = I without v (u = -beta kd S,
--> A_seg); pass C runs it from h_in with outputs.  Columns of S are independent, so the
-state is split over programs BW columns at a time.
+Pass C (segment_kernel) runs it from h_in with outputs.  Pass A (segment_map_kernel) runs it
+from S = 0 with v (-> b_seg) and from S = I without v (u = -beta kd S, -> A_seg), on the
+transposed state S^T [BW, K], so that its products have BW rows instead of C = 32.  Columns
+of S are independent, so the state is split over programs BW columns at a time.
 """
 from __future__ import annotations
 
@@ -36,8 +37,7 @@ _install_interpreter_compat()
 
 LOG2E = 1.4426950408889634
 
-# chunk-step modes
-MODE_C = 0        # outputs (+ final state) from an initial state
+# pass-A modes of segment_map_kernel
 MODE_B = 1        # b_seg: from 0, with v
 MODE_A = 2        # A_seg: from I, without v
 MODE_AB = 3       # both in one launch (K == V)
@@ -312,13 +312,12 @@ def segment_kernel(
     kd_ptr, qd_ptr, kr_ptr, gt_ptr, inv_ptr, mqk_ptr, wsb_ptr,
     h0_ptr, idx_ptr, has_ptr, shn, shh, shk, shv,
     fs_ptr, fidx_ptr, sfn, sfh, sfk, sfv,
-    aseg_ptr, bseg_ptr,
     H, total_tiles,
-    MODE: tl.constexpr, H0: tl.constexpr, PAGED: tl.constexpr, STORE_FINAL: tl.constexpr,
-    FINAL_PAGED: tl.constexpr,
+    H0: tl.constexpr, PAGED: tl.constexpr, STORE_FINAL: tl.constexpr, FINAL_PAGED: tl.constexpr,
     C: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BW: tl.constexpr,
 ):
-    """One program = (segment s, head h) x BW state columns; walks the segment's chunks."""
+    """Pass C, one program = (segment s, head h) x BW state columns: walks the segment's chunks
+    from its initial state S [K, BW], writing o and (last segment) the final state."""
     pid = tl.program_id(0)
     s = pid // H
     h = pid % H
@@ -332,19 +331,10 @@ def segment_kernel(
     b = tl.load(seg_ptr + s * 8 + 4).to(tl.int64)
     t0 = tl.load(seg_ptr + s * 8 + 5)
     t_end = tl.load(seg_ptr + s * 8 + 6)
-
-    if MODE == 0:
-        if H0 == 2:
-            S = _initial_state(h0_ptr, idx_ptr, has_ptr, s, h, shn, shh, shk, shv, kk, cols, H0, PAGED, K, BW)
-        else:
-            S = _initial_state(h0_ptr, idx_ptr, has_ptr, n, h, shn, shh, shk, shv, kk, cols, H0, PAGED, K, BW)
-    elif MODE == 1:
-        S = tl.zeros([K, BW], dtype=tl.float32)
-    elif MODE == 2:
-        S = tl.where(kk[:, None] == cols[None, :], 1.0, 0.0)
+    if H0 == 2:
+        S = _initial_state(h0_ptr, idx_ptr, has_ptr, s, h, shn, shh, shk, shv, kk, cols, H0, PAGED, K, BW)
     else:
-        S = tl.zeros([K, BW], dtype=tl.float32)                    # b part
-        SA = tl.where(kk[:, None] == cols[None, :], 1.0, 0.0)       # A part
+        S = _initial_state(h0_ptr, idx_ptr, has_ptr, n, h, shn, shh, shk, shv, kk, cols, H0, PAGED, K, BW)
 
     tile_off = rows[:, None] * K + kk[None, :]
     sq_off = rows[:, None] * C + rows[None, :]
@@ -355,45 +345,90 @@ def segment_kernel(
         inv = tl.load(inv_ptr + ws * (C * C) + sq_off)
         gt = tl.load(gt_ptr + ws * K + kk)
         beta = tl.load(wsb_ptr + ws * C + rows)
-        krT = tl.trans(kr)
         tok = t0 + j * C + rows
-        if MODE != 2:
-            vmask = (tok < t_end)[:, None]
-            v = tl.load(v_ptr + b * svb + tok[:, None].to(tl.int64) * svt + h * svh + cols[None, :] * svd,
-                        mask=vmask, other=0.0).to(tl.float32)
-        if MODE == 2:
-            u = -beta[:, None] * tl.dot(kd, S.to(tl.bfloat16))
-        else:
-            Sb = S.to(tl.bfloat16)
-            u = beta[:, None] * (v - tl.dot(kd, Sb))
+        vmask = (tok < t_end)[:, None]
+        v = tl.load(v_ptr + b * svb + tok[:, None].to(tl.int64) * svt + h * svh + cols[None, :] * svd,
+                    mask=vmask, other=0.0).to(tl.float32)
+        Sb = S.to(tl.bfloat16)
+        u = beta[:, None] * (v - tl.dot(kd, Sb))
         U = tl.dot(inv, u.to(tl.float16))
-        if MODE == 0:
-            qd = tl.load(qd_ptr + ws * (C * K) + tile_off)
-            mqk = tl.load(mqk_ptr + ws * (C * C) + sq_off)
-            o = tl.dot(qd, Sb) + tl.dot(mqk, U.to(tl.float16))
-            tl.store(o_ptr + b * sob + tok[:, None].to(tl.int64) * sot + h * soh + cols[None, :] * sod,
-                     o.to(o_ptr.dtype.element_ty), mask=vmask)
-        S = S * gt[:, None] + tl.dot(krT, U.to(tl.bfloat16))
-        if MODE == 3:
-            uA = -beta[:, None] * tl.dot(kd, SA.to(tl.bfloat16))
-            UA = tl.dot(inv, uA.to(tl.float16))
-            SA = SA * gt[:, None] + tl.dot(krT, UA.to(tl.bfloat16))
+        qd = tl.load(qd_ptr + ws * (C * K) + tile_off)
+        mqk = tl.load(mqk_ptr + ws * (C * C) + sq_off)
+        o = tl.dot(qd, Sb) + tl.dot(mqk, U.to(tl.float16))
+        tl.store(o_ptr + b * sob + tok[:, None].to(tl.int64) * sot + h * soh + cols[None, :] * sod,
+                 o.to(o_ptr.dtype.element_ty), mask=vmask)
+        S = S * gt[:, None] + tl.dot(tl.trans(kr), U.to(tl.bfloat16))
 
-    seg_off = (s * H + h).to(tl.int64) * K * V + kk[:, None] * V + cols[None, :]
-    if MODE == 0:
-        if STORE_FINAL:
-            if FINAL_PAGED:
-                off = _state_offsets(tl.load(fidx_ptr + n), h, sfn, sfh, sfk, sfv, kk, cols)
-            else:
-                off = _state_offsets(n, h, sfn, sfh, sfk, sfv, kk, cols)
-            tl.store(fs_ptr + off, S, mask=(is_last != 0) & (off >= 0))
-    elif MODE == 1:
-        tl.store(bseg_ptr + seg_off, S)
-    elif MODE == 2:
-        tl.store(aseg_ptr + (s * H + h).to(tl.int64) * K * K + kk[:, None] * K + cols[None, :], S.to(aseg_ptr.dtype.element_ty))
+    if STORE_FINAL:
+        if FINAL_PAGED:
+            off = _state_offsets(tl.load(fidx_ptr + n), h, sfn, sfh, sfk, sfv, kk, cols)
+        else:
+            off = _state_offsets(n, h, sfn, sfh, sfk, sfv, kk, cols)
+        tl.store(fs_ptr + off, S, mask=(is_last != 0) & (off >= 0))
+
+
+@triton.jit
+def segment_map_kernel(
+    seg_ptr, v_ptr, svb, svt, svh, svd,
+    kd_ptr, kr_ptr, gt_ptr, inv_ptr, wsb_ptr,
+    aseg_ptr, bseg_ptr,
+    H, total_tiles,
+    MODE: tl.constexpr, C: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BW: tl.constexpr,
+):
+    """Pass A, one program = (segment s, head h) x BW columns of the segment's map: the chunk step
+    from S = 0 with v (MODE_B -> b_seg), from S = I without v (MODE_A -> A_seg), or both (MODE_AB).
+    The state is held transposed, S^T [BW, K], so that every product has BW rows (M = BW: wgmma
+    on sm90 at BW = 64, where the [K, BW] form of pass C gives M = C = 32):
+        u^T = beta (v^T - bf16(S^T) kd^T),  U^T = fp16(u^T) INV^T,  S^T <- S^T diag(gt) + bf16(U^T) kr
+    the same products as segment_kernel's, transposed (bitwise the same results on the H200)."""
+    pid = tl.program_id(0)
+    s = pid // H
+    h = pid % H
+    cols = tl.program_id(1) * BW + tl.arange(0, BW)
+    kk = tl.arange(0, K)
+    rows = tl.arange(0, C)
+    chunk_base = tl.load(seg_ptr + s * 8)
+    nch = tl.load(seg_ptr + s * 8 + 1)
+    b = tl.load(seg_ptr + s * 8 + 4).to(tl.int64)
+    t0 = tl.load(seg_ptr + s * 8 + 5)
+    t_end = tl.load(seg_ptr + s * 8 + 6)
+    eye = tl.where(cols[:, None] == kk[None, :], 1.0, 0.0)
+    if MODE == 2:
+        S = eye                                       # A part alone
     else:
-        tl.store(bseg_ptr + seg_off, S)
-        tl.store(aseg_ptr + (s * H + h).to(tl.int64) * K * K + kk[:, None] * K + cols[None, :], SA.to(aseg_ptr.dtype.element_ty))
+        S = tl.zeros([BW, K], dtype=tl.float32)       # b part
+        SA = eye                                      # A part (MODE_AB)
+
+    tile_off = rows[:, None] * K + kk[None, :]
+    sq_off = rows[:, None] * C + rows[None, :]
+    for j in range(0, nch):
+        ws = (h * total_tiles + chunk_base + j).to(tl.int64)
+        kdT = tl.trans(tl.load(kd_ptr + ws * (C * K) + tile_off))
+        kr = tl.load(kr_ptr + ws * (C * K) + tile_off)
+        invT = tl.trans(tl.load(inv_ptr + ws * (C * C) + sq_off))
+        gt = tl.load(gt_ptr + ws * K + kk)
+        beta = tl.load(wsb_ptr + ws * C + rows)
+        if MODE == 2:
+            u = -beta[None, :] * tl.dot(S.to(tl.bfloat16), kdT)
+        else:
+            tok = t0 + j * C + rows
+            vT = tl.load(v_ptr + b * svb + tok[None, :].to(tl.int64) * svt + h * svh + cols[:, None] * svd,
+                         mask=(tok < t_end)[None, :], other=0.0).to(tl.float32)
+            u = beta[None, :] * (vT - tl.dot(S.to(tl.bfloat16), kdT))
+        U = tl.dot(u.to(tl.float16), invT)
+        S = S * gt[None, :] + tl.dot(U.to(tl.bfloat16), kr)
+        if MODE == 3:
+            uA = -beta[None, :] * tl.dot(SA.to(tl.bfloat16), kdT)
+            UA = tl.dot(uA.to(tl.float16), invT)
+            SA = SA * gt[None, :] + tl.dot(UA.to(tl.bfloat16), kr)
+
+    a_off = (s * H + h).to(tl.int64) * K * K + kk[None, :] * K + cols[:, None]
+    if MODE == 2:
+        tl.store(aseg_ptr + a_off, S.to(aseg_ptr.dtype.element_ty))
+    else:
+        tl.store(bseg_ptr + (s * H + h).to(tl.int64) * K * V + kk[None, :] * V + cols[:, None], S)
+        if MODE == 3:
+            tl.store(aseg_ptr + a_off, SA.to(aseg_ptr.dtype.element_ty))
 
 
 @triton.jit
