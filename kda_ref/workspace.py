@@ -64,6 +64,11 @@ class Workspace:
     def tiles(self) -> int:
         return self.grid.tiles
 
+    @property
+    def ws_L(self) -> torch.Tensor:
+        """L under the name of the buffer our Triton K1 stores it in between its two launches."""
+        return self.L
+
     def heads(self, name: str) -> torch.Tensor:
         """A ws tensor viewed as [HV, tiles, ...] (no copy)."""
         x = getattr(self, name)

@@ -33,6 +33,7 @@ def test_an_unsegmented_plan_has_k1_and_c_only():
 WS_TILE = 3 * 32 * 128 * 2 + 128 * 4 + 2 * 32 * 32 * 2 + 32 * 4          # 29312
 WS_PASS_A = 2 * 32 * 128 * 2 + 128 * 4 + 32 * 32 * 2 + 32 * 4           # kd, kr, gt, inv, beta: 19072
 STATE = 128 * 128 * 4                                                     # one fp32 [K,V] state
+WS_L = 2 * 32 * 32 * 4            # the tile K1's ws_L (fp32 [32,32]), written by its first launch, read by its second
 
 
 def _traffic(route, shape):
@@ -48,7 +49,7 @@ def test_pass_bytes_of_a_segmented_and_an_unsegmented_plan_by_hand():
     # 96 tokens, one head, one chunk per segment: 3 tiles, 3 segments, 1 sequence; A_seg fp32 (scan=split)
     seg = _traffic("seg:cps=1", (1, 96, 1))
     assert seg == {
-        "k1": 3 * 96 * 128 * 2 + 96 * 4 + 3 * WS_TILE,                        # q, k, g, beta read; workspace
+        "k1": 3 * 96 * 128 * 2 + 96 * 4 + 3 * WS_TILE + 3 * WS_L,             # q, k, g, beta read; workspace
         "A": 3 * WS_PASS_A + 96 * 128 * 2 + 3 * STATE + 3 * STATE,            # ws, v read; A_seg, b_seg
         "B": 3 * STATE + 3 * STATE + 3 * STATE,                               # A_seg, b_seg read; h_in
         "C": 3 * WS_TILE + 96 * 128 * 2 + 3 * STATE + 96 * 128 * 2 + STATE,   # ws, v, h_in; o, final
@@ -60,8 +61,10 @@ def test_pass_bytes_of_a_segmented_and_an_unsegmented_plan_by_hand():
     assert (seg["A"] - bf16["A"], seg["B"] - bf16["B"]) == (3 * 128 * 128 * 2, 3 * 128 * 128 * 2)
     # two heads, two batch rows of 40 tokens: 2 tiles per row (32 + 8 rows), 4 tiles, 2 sequences
     uns = _traffic("unseg", (2, 40, 2))
-    assert uns == {"k1": 80 * 2 * 128 * 3 * 2 + 80 * 2 * 4 + 4 * 2 * WS_TILE,
+    assert uns == {"k1": 80 * 2 * 128 * 3 * 2 + 80 * 2 * 4 + 4 * 2 * WS_TILE + 4 * 2 * WS_L,
                    "C": 4 * 2 * WS_TILE + 80 * 2 * 128 * 2 + 80 * 2 * 128 * 2 + 2 * 2 * STATE}
+    halves = _traffic("unseg:k1=halves", (2, 40, 2))                       # one K1 launch: no ws_L
+    assert uns["k1"] - halves["k1"] == 4 * 2 * WS_L and halves["C"] == uns["C"]
     floors = bench.pass_floors(uns)
     assert floors["C"] == pytest.approx(1e6 * uns["C"] / 4.8e12)
 
@@ -87,7 +90,7 @@ def test_pass_times_carries_the_floors_and_bench_prints_the_design_floor(monkeyp
     lines = capsys.readouterr().out.splitlines()
     row = json.loads(out.read_text())["passes"][0]
     us = {k: 1e6 * b / 4.8e12 for k, b in {                                    # the byte counts above
-        "k1": 3 * 96 * 128 * 2 + 96 * 4 + 3 * WS_TILE, "A": 3 * WS_PASS_A + 96 * 128 * 2 + 6 * STATE,
+        "k1": 3 * 96 * 128 * 2 + 96 * 4 + 3 * (WS_TILE + WS_L), "A": 3 * WS_PASS_A + 96 * 128 * 2 + 6 * STATE,
         "B": 9 * STATE, "C": 3 * WS_TILE + 2 * 96 * 128 * 2 + 4 * STATE}.items()}
     fwd = 1e6 * (96 * (4 * 128 * 2 + 4 + 128 * 2) + STATE) / 4.8e12
     assert row["floors"] == pytest.approx(us) and row["design_floor"] == pytest.approx(sum(us.values()))

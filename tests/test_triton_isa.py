@@ -21,7 +21,7 @@ def test_isa_gfx950_and_sm90_compile_with_matrix_instructions_and_no_spills():
     reports = json.loads(res.stdout)
     assert {r["arch"] for r in reports} == {"gfx950", "sm90"}
     kernels = {r["kernel"].split("[")[0] for r in reports}
-    assert kernels == {"k1_prepare_kernel", "segment_kernel", "segment_map_kernel", "scan_kernel"}
+    assert kernels == {"k1_prepare_kernel", "k1_inverse_kernel", "segment_kernel", "segment_map_kernel", "scan_kernel"}
     for r in reports:
         assert r["ok"], r
         assert r["registers"] and r["registers"] > 0 and r["shared_bytes"] is not None
@@ -29,6 +29,9 @@ def test_isa_gfx950_and_sm90_compile_with_matrix_instructions_and_no_spills():
         m = r["matrix"]
         if r["arch"] == "gfx950":
             assert m["v_mfma"] > 0, r                                    # every kernel's dots became MFMA
+        elif r["kernel"].startswith("k1_inverse_kernel") and "INV_PREC=ieee" in r["kernel"]:
+            # the IEEE inverse's fp32 products are FMAs on NVIDIA (no fp32 tensor-core product is IEEE)
+            assert m["mma (PTX)"] + m["wgmma (PTX)"] == 0, r
         else:
             assert m["mma (PTX)"] + m["wgmma (PTX)"] > 0, r
             assert m["HMMA (SASS)"] + m["HGMMA (SASS)"] > 0, r

@@ -121,6 +121,7 @@ def pass_traffic(plan, H: int, spec, in_bytes: Optional[dict] = None) -> dict:
              (one (tile, head); bf16 / fp32 / fp16 / fp32: 29312 B)
         WA = ws_kd + ws_kr + ws_inv + ws_gt + ws_beta (what pass A reads: 19072 B)
         k1 = tok*H*D*(q + k + g) + tok*H*beta + Nt*H*W                        (read, workspace written)
+             [+ 2*Nt*H*C*C*4 with spec.k1 == "tile": ws_L, fp32, written and read between K1's launches]
         A  = Nt*H*WA*(2 if spec.pass_a == "two" else 1) + tok*H*D*v            (read)
              + S*H*K*K*A_seg + S*H*K*V*4                                      (A_seg, b_seg fp32 written)
         B  = S*H*K*K*A_seg + S*H*K*V*4 + S*H*K*V*4                            (A_seg, b_seg read, h_in written)
@@ -140,6 +141,8 @@ def pass_traffic(plan, H: int, spec, in_bytes: Optional[dict] = None) -> dict:
     state = H * D * D * 4                                       # one fp32 [K,V] state per head
     v_bytes = tok * H * D * sz["v"]
     out = {"k1": tok * H * D * (sz["q"] + sz["k"] + sz["g"]) + tok * H * sz["beta"] + ws_all}
+    if spec.k1 == "tile":
+        out["k1"] += 2 * plan.total_tiles * H * C_ * C_ * 4
     if plan.segmented:
         S = plan.num_segs
         a_seg = S * H * D * D * fw.A_SEG_DTYPE[spec.scan].itemsize

@@ -4,7 +4,7 @@ its error enters.
 For a FlashKDA-style backend (ours; aiter's launchers where exposed) the passes and what
 flows between them are
 
-    K1  problem inputs            -> ws_kd ws_qd ws_kr ws_gt ws_inv ws_mqk ws_beta
+    K1  problem inputs            -> ws_kd ws_qd ws_kr ws_gt ws_inv ws_mqk ws_beta (+ ws_L: ours)
     A   ws_*                      -> A_seg b_seg             (segmented routes)
     B   A_seg b_seg (+ the initial state)  -> h_in          (segmented routes)
     C   ws_* (+ h_in, or the initial state) -> o final_state
@@ -46,7 +46,7 @@ PASS_INPUTS = {
     "C": ("ws_kd", "ws_qd", "ws_kr", "ws_gt", "ws_inv", "ws_mqk", "ws_beta", "h_in"),
 }
 PASS_OUTPUTS = {
-    "K1": ("ws_kd", "ws_qd", "ws_kr", "ws_gt", "ws_inv", "ws_mqk", "ws_beta"),
+    "K1": ("ws_kd", "ws_qd", "ws_kr", "ws_gt", "ws_L", "ws_inv", "ws_mqk", "ws_beta"),   # ws_L: ours only
     "A": ("A_seg", "b_seg"),
     "B": ("h_in",),
     "C": ("o", "final_state"),
@@ -63,6 +63,7 @@ THRESHOLDS = {
     "ws_kr": (1e-2, "bf16 store: rounding alone gives ~1e-3 per row"),
     "ws_gt": (1e-4, "fp32 exp2 of an fp32 cumsum over <= 32 rows"),
     "ws_beta": (1e-5, "fp32 sigmoid"),
+    "ws_L": (3e-2, "fp32 store of a bf16-factor dot product times beta (our K1's L; max row 4e-3..6e-3 on smoke, stress)"),
     "ws_inv": (3e-2, "fp16 store of an fp32 construction from bf16-rounded factors, times the conditioning"),
     "ws_mqk": (3e-2, "fp16 store of a bf16-factor dot product"),
     "A_seg": (5e-2, "bf16 store of a product of up to 64 chunk maps with bf16 dot operands"),
@@ -131,7 +132,7 @@ def oracle_intermediates(p: Problem, chunk_size: int, chunks_per_seg: Optional[i
     A_seg, b_seg = pass_a(ws, plan, p.K, p.V)
     h_in, _ = pass_b(plan, A_seg, b_seg, pp.S0)
     o, final = pass_c(pp, ws, plan, h_in)
-    out = dict(ws.tensors())
+    out = dict(ws.tensors(), ws_L=ws.ws_L)
     out.update(A_seg=A_seg, b_seg=b_seg, h_in=h_in, o=o.reshape(p.B, p.T, p.HV, p.V), final_state=final)
     return {"tensors": out, "grid": ws.grid, "plan": plan, "HV": p.HV}
 

@@ -21,6 +21,8 @@ D = 128          # K == V == 128
 BC = 16          # diagonal block of the inverse
 NUM_DOUBLING = BC.bit_length() - 2
 K1_WARPS = 4
+K1_INV_WARPS = {"bf16x6": 2,     # k1_inverse_kernel (H200, 1x16384x12: 371 us for K1 with 2 warps, 414 with 4;
+                "ieee": 4}       # IEEE: 435 with 4, 438 with 2, and 2 spill on sm90)
 STEP_WARPS = 4
 STEP_STAGES = 3      # software-pipelined workspace loads of the chunk walk (H200: 3 beat 2 by 7-30% on pass C
                      # and matched it on pass A; 4 lost on the segmented and batched shapes)
@@ -184,21 +186,29 @@ def run_k1(q, k, g, beta, A_log, dt_bias, scale: float, lower_bound: float, plan
            inv: str = "ieee", k1: str = "tile") -> dict:
     """K1 over every (tile, head): fills the workspace dict in place and returns it.  ``inv``:
     the inverse's fp32 products, "ieee" (FMAs) or "bf16x6" (tensor cores, fp32's 24 bits);
-    ``k1``: "tile" (k1_prepare_kernel) or "halves" (k1_prepare_halves_kernel, same workspace)."""
+    ``k1``: "tile" (k1_prepare_kernel, then k1_inverse_kernel from L, which it adds to the dict
+    as ws_L, fp32 [H*tiles, C, C]) or "halves" (k1_prepare_halves_kernel, one launch, same workspace)."""
     H = q.shape[2]
     if plan.total_tiles == 0:
         return ws
     bias = dt_bias.reshape(-1) if dt_bias is not None else A_log
     if k1 not in K1_CHOICES:
         _fail(f"k1: expected {'|'.join(K1_CHOICES)}, got {k1!r}")
-    kernel = kn.k1_prepare_kernel if k1 == "tile" else kn.k1_prepare_halves_kernel
-    _launch(kernel, (plan.total_tiles, H),
-        q, k, g, beta, A_log, bias, plan.tiles,
-        ws["ws_kd"], ws["ws_qd"], ws["ws_kr"], ws["ws_gt"], ws["ws_inv"], ws["ws_mqk"], ws["ws_beta"],
-        *q.stride(), *k.stride(), *g.stride(), *beta.stride(),
-        plan.total_tiles, float(scale), float(lower_bound),
-        HAS_BIAS=dt_bias is not None, C=C, D=D, BC=BC, NUM_DOUBLING=NUM_DOUBLING, INV_PREC=inv,
-        num_warps=K1_WARPS)
+    rows = (q, k, g, beta, A_log, bias, plan.tiles)
+    strides = (*q.stride(), *k.stride(), *g.stride(), *beta.stride(), plan.total_tiles, float(scale),
+               float(lower_bound))
+    if k1 == "halves":
+        _launch(kn.k1_prepare_halves_kernel, (plan.total_tiles, H), *rows,
+            ws["ws_kd"], ws["ws_qd"], ws["ws_kr"], ws["ws_gt"], ws["ws_inv"], ws["ws_mqk"], ws["ws_beta"], *strides,
+            HAS_BIAS=dt_bias is not None, C=C, D=D, BC=BC, NUM_DOUBLING=NUM_DOUBLING, INV_PREC=inv,
+            num_warps=K1_WARPS)
+        return ws
+    ws["ws_L"] = _empty("ws_L", (H * plan.total_tiles, C, C), torch.float32, q.device)
+    _launch(kn.k1_prepare_kernel, (plan.total_tiles, H), *rows,
+        ws["ws_kd"], ws["ws_qd"], ws["ws_kr"], ws["ws_gt"], ws["ws_L"], ws["ws_mqk"], ws["ws_beta"], *strides,
+        HAS_BIAS=dt_bias is not None, C=C, D=D, BC=BC, num_warps=K1_WARPS)
+    _launch(kn.k1_inverse_kernel, (H * plan.total_tiles,), ws["ws_L"], ws["ws_inv"],
+        C=C, BC=BC, NUM_DOUBLING=NUM_DOUBLING, INV_PREC=inv, num_warps=K1_INV_WARPS[inv])
     return ws
 
 

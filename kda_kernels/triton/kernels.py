@@ -11,7 +11,8 @@ K1, one program per (tile, head), C = 32 rows x D = 128 channels, all in fp32:
         kp = bf16(k^ 2^G~), qp = bf16(scale q^ 2^G~), ki = bf16(k^ 2^-G~)
     L   = -beta_i (kp ki^T)_ij  for i > j   (selected with tl.where: the upper triangle may be inf)
     Mqk = (qp ki^T)_ij           for i >= j
-    INV = (I - L)^-1: the 16x16 diagonal blocks D by Neumann doubling
+    INV = (I - L)^-1 (a second launch, k1_inverse_kernel, from L stored fp32 as ws_L):
+          the 16x16 diagonal blocks D by Neumann doubling
           (I+D)(I+D^2)(I+D^4)(I+D^8) = sum_{n<16} D^n, then one merge
           INV <- INV + INV (L_off INV), all fp32 dots: IEEE FMAs (INV_PREC = "ieee", the
           production recipe) or "bf16x6", six bf16 tensor-core products of 3-way bf16 splits,
@@ -104,12 +105,13 @@ def _k1_rows(q_ptr, k_ptr, g_ptr, beta_ptr, bias_ptr, b, t0, h, r0, Lc, rate, lo
 @triton.jit
 def k1_prepare_kernel(
     q_ptr, k_ptr, g_ptr, beta_ptr, alog_ptr, bias_ptr, tile_ptr,
-    kd_ptr, qd_ptr, kr_ptr, gt_ptr, inv_ptr, mqk_ptr, wsb_ptr,
+    kd_ptr, qd_ptr, kr_ptr, gt_ptr, l_ptr, mqk_ptr, wsb_ptr,
     sqb, sqt, sqh, sqd, skb, skt, skh, skd, sgb, sgt, sgh, sgd, sbb, sbt, sbh,
     total_tiles, scale, lower_bound,
     HAS_BIAS: tl.constexpr, C: tl.constexpr, D: tl.constexpr, BC: tl.constexpr,
-    NUM_DOUBLING: tl.constexpr, INV_PREC: tl.constexpr,
 ):
+    """K1 but the inverse: the workspace tiles, ws_mqk, ws_gt, ws_beta and L (fp32, ws_L), which
+    k1_inverse_kernel turns into ws_inv."""
     tile = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.load(tile_ptr + tile * 4).to(tl.int64)
@@ -162,7 +164,20 @@ def k1_prepare_kernel(
     mqk = tl.where(ri >= cj, qk, 0.0)
     sq_off = ws * (C * C) + ri * C + cj
     tl.store(mqk_ptr + sq_off, mqk.to(tl.float16))
+    tl.store(l_ptr + sq_off, L)
 
+
+@triton.jit
+def k1_inverse_kernel(l_ptr, inv_ptr, C: tl.constexpr, BC: tl.constexpr, NUM_DOUBLING: tl.constexpr,
+                      INV_PREC: tl.constexpr):
+    """The second launch of K1, one program per (tile, head): ws_inv = (I - L)^-1 from ws_L.
+    Apart from k1_prepare_kernel it needs a fraction of the registers, so more programs share an
+    SM (H200, 1x16384x12: K1 402 -> 371 us with bf16x6, the same workspace bit for bit)."""
+    ri = tl.arange(0, C)[:, None]
+    cj = tl.arange(0, C)[None, :]
+    same_block = (ri // BC) == (cj // BC)
+    sq_off = tl.program_id(0).to(tl.int64) * (C * C) + ri * C + cj
+    L = tl.load(l_ptr + sq_off)
     inv = _neumann(tl.where(same_block, L, 0.0), NUM_DOUBLING, INV_PREC, C)   # both diagonal blocks at once
     L_off = tl.where(same_block, 0.0, L)
     inv = inv + _dot_f32(inv, _dot_f32(L_off, inv, INV_PREC), INV_PREC)
