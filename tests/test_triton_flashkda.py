@@ -345,6 +345,8 @@ def test_heuristic_on_an_h200():
     assert choose_chunks_per_seg(512, 1, 12, 128, 32, sms) is not None          # 1x16384x12: segment
     assert choose_chunks_per_seg(512, 1, 64, 128, 32, sms) is None              # 256 programs: full already
     assert choose_chunks_per_seg(8, 1, 12, 128, 32, sms) is None                # too short to pay
+    assert choose_chunks_per_seg(32, 1, 12, 128, 64, sms) is None               # 1x1024x12: unsegmented is faster
+    assert choose_chunks_per_seg(48, 1, 12, 128, 64, sms) is not None           # 1x1536x12: segments
     assert choose_chunks_per_seg(128, 8, 16, 128, 32, sms) is None
     cps = choose_chunks_per_seg(64, 1, 12, 128, 32, sms)
     segs = -(-64 // cps)

@@ -29,7 +29,9 @@ import torch
 C = 32
 SEG_BLOCKS_PER_SM = 2  # chunk-step programs resident per SM (~210 registers/thread at 4 warps: 2 fit)
 SEG_MIN_SEGMENTS = 4   # segmenting triples the chunk steps; fewer segments cannot pay for it
-SEG_MIN_CHUNKS = 16    # shorter sequences: three launches cost more than the chunk walk saves
+SEG_MIN_CHUNKS = 48    # shorter sequences stay unsegmented: H200 with graphs, 1x512x12 (16 chunks) 48 vs 68 us
+                       # segmented, 1x1024x12 (32) 84 vs 99; 1x2048x12 (64) segmented wins, 132 vs 144
+                       # (without graphs segmenting also adds three launches of host time)
 
 
 @dataclass
