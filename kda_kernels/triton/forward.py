@@ -194,18 +194,18 @@ def run_k1(q, k, g, beta, A_log, dt_bias, scale: float, lower_bound: float, plan
     bias = dt_bias.reshape(-1) if dt_bias is not None else A_log
     if k1 not in K1_CHOICES:
         _fail(f"k1: expected {'|'.join(K1_CHOICES)}, got {k1!r}")
-    rows = (q, k, g, beta, A_log, bias, plan.tiles)
-    strides = (*q.stride(), *k.stride(), *g.stride(), *beta.stride(), plan.total_tiles, float(scale),
+    inputs = (q, k, g, beta, A_log, bias, plan.tiles)
+    scalars = (*q.stride(), *k.stride(), *g.stride(), *beta.stride(), plan.total_tiles, float(scale),
                float(lower_bound))
     if k1 == "halves":
-        _launch(kn.k1_prepare_halves_kernel, (plan.total_tiles, H), *rows,
-            ws["ws_kd"], ws["ws_qd"], ws["ws_kr"], ws["ws_gt"], ws["ws_inv"], ws["ws_mqk"], ws["ws_beta"], *strides,
+        _launch(kn.k1_prepare_halves_kernel, (plan.total_tiles, H), *inputs,
+            ws["ws_kd"], ws["ws_qd"], ws["ws_kr"], ws["ws_gt"], ws["ws_inv"], ws["ws_mqk"], ws["ws_beta"], *scalars,
             HAS_BIAS=dt_bias is not None, C=C, D=D, BC=BC, NUM_DOUBLING=NUM_DOUBLING, INV_PREC=inv,
             num_warps=K1_WARPS)
         return ws
     ws["ws_L"] = _empty("ws_L", (H * plan.total_tiles, C, C), torch.float32, q.device)
-    _launch(kn.k1_prepare_kernel, (plan.total_tiles, H), *rows,
-        ws["ws_kd"], ws["ws_qd"], ws["ws_kr"], ws["ws_gt"], ws["ws_L"], ws["ws_mqk"], ws["ws_beta"], *strides,
+    _launch(kn.k1_prepare_kernel, (plan.total_tiles, H), *inputs,
+        ws["ws_kd"], ws["ws_qd"], ws["ws_kr"], ws["ws_gt"], ws["ws_L"], ws["ws_mqk"], ws["ws_beta"], *scalars,
         HAS_BIAS=dt_bias is not None, C=C, D=D, BC=BC, num_warps=K1_WARPS)
     _launch(kn.k1_inverse_kernel, (H * plan.total_tiles,), ws["ws_L"], ws["ws_inv"],
         C=C, BC=BC, NUM_DOUBLING=NUM_DOUBLING, INV_PREC=inv, num_warps=K1_INV_WARPS[inv])

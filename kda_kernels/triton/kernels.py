@@ -171,8 +171,8 @@ def k1_prepare_kernel(
 def k1_inverse_kernel(l_ptr, inv_ptr, C: tl.constexpr, BC: tl.constexpr, NUM_DOUBLING: tl.constexpr,
                       INV_PREC: tl.constexpr):
     """The second launch of K1, one program per (tile, head): ws_inv = (I - L)^-1 from ws_L.
-    Apart from k1_prepare_kernel it needs a fraction of the registers, so more programs share an
-    SM (H200, 1x16384x12: K1 402 -> 371 us with bf16x6, the same workspace bit for bit)."""
+    Launched on its own it needs far fewer registers than the rest of K1, so more programs share
+    an SM (H200, 1x16384x12: K1 402 -> 371 us with bf16x6, the same workspace bit for bit)."""
     ri = tl.arange(0, C)[:, None]
     cj = tl.arange(0, C)[None, :]
     same_block = (ri // BC) == (cj // BC)
@@ -322,6 +322,15 @@ def _initial_state(h0_ptr, idx_ptr, has_ptr, row, h, sn, sh, sk, sv, kk, cols,
 
 
 @triton.jit
+def _segment(seg_ptr, s):
+    """Segment s of the plan (8 int32 per segment): its first chunk (tile index), chunk count,
+    sequence n, is-last flag, batch row b (int64), first token and end token."""
+    return (tl.load(seg_ptr + s * 8), tl.load(seg_ptr + s * 8 + 1), tl.load(seg_ptr + s * 8 + 2),
+            tl.load(seg_ptr + s * 8 + 3), tl.load(seg_ptr + s * 8 + 4).to(tl.int64),
+            tl.load(seg_ptr + s * 8 + 5), tl.load(seg_ptr + s * 8 + 6))
+
+
+@triton.jit
 def segment_kernel(
     seg_ptr, v_ptr, svb, svt, svh, svd, o_ptr, sob, sot, soh, sod,
     kd_ptr, qd_ptr, kr_ptr, gt_ptr, inv_ptr, mqk_ptr, wsb_ptr,
@@ -339,13 +348,7 @@ def segment_kernel(
     cols = tl.program_id(1) * BW + tl.arange(0, BW)
     kk = tl.arange(0, K)
     rows = tl.arange(0, C)
-    chunk_base = tl.load(seg_ptr + s * 8)
-    nch = tl.load(seg_ptr + s * 8 + 1)
-    n = tl.load(seg_ptr + s * 8 + 2)
-    is_last = tl.load(seg_ptr + s * 8 + 3)
-    b = tl.load(seg_ptr + s * 8 + 4).to(tl.int64)
-    t0 = tl.load(seg_ptr + s * 8 + 5)
-    t_end = tl.load(seg_ptr + s * 8 + 6)
+    chunk_base, nch, n, is_last, b, t0, t_end = _segment(seg_ptr, s)
     if H0 == 2:
         S = _initial_state(h0_ptr, idx_ptr, has_ptr, s, h, shn, shh, shk, shv, kk, cols, H0, PAGED, K, BW)
     else:
@@ -402,11 +405,7 @@ def segment_map_kernel(
     cols = tl.program_id(1) * BW + tl.arange(0, BW)
     kk = tl.arange(0, K)
     rows = tl.arange(0, C)
-    chunk_base = tl.load(seg_ptr + s * 8)
-    nch = tl.load(seg_ptr + s * 8 + 1)
-    b = tl.load(seg_ptr + s * 8 + 4).to(tl.int64)
-    t0 = tl.load(seg_ptr + s * 8 + 5)
-    t_end = tl.load(seg_ptr + s * 8 + 6)
+    chunk_base, nch, _, _, b, t0, t_end = _segment(seg_ptr, s)
     eye = tl.where(cols[:, None] == kk[None, :], 1.0, 0.0)
     if MODE == 2:
         S = eye                                       # A part alone
