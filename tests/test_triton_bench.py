@@ -64,10 +64,11 @@ def test_bench_runs_on_the_gpu(tmp_path, capsys):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_bench_passes_on_the_gpu(tmp_path):
+@pytest.mark.parametrize("graph", [[], ["--graph"]], ids=["events", "graph"])
+def test_bench_passes_on_the_gpu(tmp_path, graph):
     out = tmp_path / "p.json"
     rc = main(["bench", "--backend", "triton", "--shapes", "1x2048x12", "--routes", "seg:cps=4,unseg:k1=halves",
-               "--reps", "5", "--passes", "--json", str(out)])
+               "--reps", "5", "--passes", "--json", str(out), *graph])
     assert rc == 0
     p = {r["route"]: r for r in json.loads(out.read_text())["passes"]}
     assert all(p["seg:cps=4"][k] > 0 for k in ("k1", "A", "B", "C", "total"))

@@ -229,6 +229,22 @@ def is_host_bound(time_us: float, host_us: float, flush_us: float, graph: bool) 
     return host_us - flush_us >= HOST_BOUND_RATIO * time_us
 
 
+def graph_replay(fn: Callable, device) -> Callable:
+    """fn() captured once in a CUDA graph (after a run on a side stream, so lazy allocations and
+    compilations happen outside the capture); returns the graph's replay, run once already."""
+    stream = torch.cuda.Stream(device=device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize(device)
+    return g.replay
+
+
 def time_call(fn: Callable, inputs: list, reps: int, warmup: int, graph: bool, device,
               stats: Optional[dict] = None) -> list:
     """Per-repetition device times (us) of fn(inputs[i % len]) with the L2 flushed before each.
@@ -241,22 +257,7 @@ def time_call(fn: Callable, inputs: list, reps: int, warmup: int, graph: bool, d
         torch.cuda.synchronize(device)
         runners = [lambda x=x: fn(x) for x in inputs]
         if graph:
-            graphs = []
-            stream = torch.cuda.Stream(device=device)
-            stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(stream):
-                for x in inputs:
-                    fn(x)
-            torch.cuda.current_stream(device).wait_stream(stream)
-            for x in inputs:
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    fn(x)
-                graphs.append(g)
-            runners = [g.replay for g in graphs]
-            for r in runners:
-                r()
-            torch.cuda.synchronize(device)
+            runners = [graph_replay(r, device) for r in runners]
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
         if stats is not None:
@@ -311,14 +312,17 @@ def bench_one(backend: str, route: str, shape: tuple, device, reps: int = 50, wa
                        host_us=host_us, host_bound=is_host_bound(t, host_us, stats.get("flush_us", math.nan), graph))
 
 
-def pass_times(route: str, shape: tuple, device, reps: int = 20, warmup: int = 3, seed: int = 0) -> dict:
+def pass_times(route: str, shape: tuple, device, reps: int = 20, warmup: int = 3, seed: int = 0,
+               graph: bool = False) -> dict:
     """Median time (us) of each pass of our Triton FlashKDA on one shape, each pass launched alone
     on the workspace of the same inputs: ``k1``, ``A``, ``B``, ``C`` (segmented routes; ``C``
     only when the plan is unsegmented) and ``total`` (the whole forward), plus ``cps`` and
     ``segments`` of the plan that ran; ``bytes`` and ``floors`` (us), per pass, its minimum HBM
     traffic and bandwidth floor (``pass_traffic``, ``pass_floors``), ``design_floor`` (the sum
     of the passes' floors) and ``floor`` (the forward's, ``floor_us``).  CUDA: events around the
-    pass, the L2 flushed before each repetition; CPU (Triton's interpreter, for tests): wall time."""
+    pass, the L2 flushed before each repetition; with ``graph`` each pass is captured in a CUDA
+    graph and its replay timed, so the host's launch cost (Python, argument packing) is left out;
+    CPU (Triton's interpreter, for tests): wall time (``graph`` ignored)."""
     from kda_kernels.triton import forward as fw
     from kda_kernels.triton.routes import parse_route
 
@@ -333,6 +337,8 @@ def pass_times(route: str, shape: tuple, device, reps: int = 20, warmup: int = 3
     def med(fn):
         for _ in range(max(1, warmup)):
             fn()
+        if cuda and graph:
+            fn = graph_replay(fn, device)
         ts = []
         for i in range(reps):
             flush.fill_(i)

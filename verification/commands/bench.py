@@ -20,7 +20,8 @@ def add_arguments(p):
     p.add_argument("--warmup", type=int, default=5, help="untimed calls first (default 5)")
     p.add_argument("--graph", action="store_true", help="replay CUDA graphs (no host launch cost)")
     p.add_argument("--passes", action="store_true",
-                   help="also time each pass of our Triton routes alone (K1, A, B, C) per shape")
+                   help="also time each pass of our Triton routes alone (K1, A, B, C) per shape, against its "
+                        "own bandwidth floor (with --graph: each pass as a CUDA-graph replay)")
     p.add_argument("--device", default="cuda", help="CUDA device (default cuda)")
     p.add_argument("--json", metavar="OUT", help="also write the results as JSON to OUT")
 
@@ -108,7 +109,8 @@ def run(args) -> int:
             for route in routes:
                 sh = "x".join(str(x) for x in shape)
                 try:
-                    t = bench.pass_times(route, shape, device, reps=max(3, min(args.reps, 20)), warmup=args.warmup)
+                    t = bench.pass_times(route, shape, device, reps=max(3, min(args.reps, 20)), warmup=args.warmup,
+                                         graph=args.graph)
                 except Exception as e:  # noqa: BLE001 - one failing cell is a result
                     print(f"{route:44} {sh:>12}  error: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
                     continue
