@@ -103,6 +103,14 @@ def _k1_rows(q_ptr, k_ptr, g_ptr, beta_ptr, bias_ptr, b, t0, h, r0, Lc, rate, lo
 
 
 @triton.jit
+def _tile(tile_ptr, tile):
+    """Tile `tile` of the plan (4 int32 per tile): its batch row b and first token t0 (int64),
+    and its valid rows Lc."""
+    return (tl.load(tile_ptr + tile * 4).to(tl.int64), tl.load(tile_ptr + tile * 4 + 1).to(tl.int64),
+            tl.load(tile_ptr + tile * 4 + 2))
+
+
+@triton.jit
 def k1_prepare_kernel(
     q_ptr, k_ptr, g_ptr, beta_ptr, alog_ptr, bias_ptr, tile_ptr,
     kd_ptr, qd_ptr, kr_ptr, gt_ptr, l_ptr, mqk_ptr, wsb_ptr,
@@ -114,9 +122,7 @@ def k1_prepare_kernel(
     k1_inverse_kernel turns into ws_inv."""
     tile = tl.program_id(0)
     h = tl.program_id(1)
-    b = tl.load(tile_ptr + tile * 4).to(tl.int64)
-    t0 = tl.load(tile_ptr + tile * 4 + 1).to(tl.int64)
-    Lc = tl.load(tile_ptr + tile * 4 + 2)
+    b, t0, Lc = _tile(tile_ptr, tile)
     cols = tl.arange(0, D)
     rate = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
     q, k, a, beta, rows, m2 = _k1_rows(q_ptr, k_ptr, g_ptr, beta_ptr, bias_ptr, b, t0, h, 0, Lc, rate, lower_bound,
@@ -228,9 +234,7 @@ def k1_prepare_halves_kernel(
     X_10 = X_1 L_10 X_0 (the merge), instead of doubling the masked 32x32 matrix."""
     tile = tl.program_id(0)
     h = tl.program_id(1)
-    b = tl.load(tile_ptr + tile * 4).to(tl.int64)
-    t0 = tl.load(tile_ptr + tile * 4 + 1).to(tl.int64)
-    Lc = tl.load(tile_ptr + tile * 4 + 2)
+    b, t0, Lc = _tile(tile_ptr, tile)
     rate_h = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
     qt, kt, at, bt, rt, mt = _k1_rows(q_ptr, k_ptr, g_ptr, beta_ptr, bias_ptr, b, t0, h, 0, Lc, rate_h, lower_bound,
                                       sqb, sqt, sqh, sqd, skb, skt, skh, skd, sgb, sgt, sgh, sgd, sbb, sbt, sbh,
