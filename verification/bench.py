@@ -132,9 +132,7 @@ def pass_traffic(plan, H: int, spec, in_bytes: Optional[dict] = None) -> dict:
 
     sz = dict(INPUT_BYTES, **(in_bytes or {}))
     C_, D = fw.C, fw.D
-    shapes = {"ws_kd": C_ * D, "ws_qd": C_ * D, "ws_kr": C_ * D, "ws_gt": D, "ws_inv": C_ * C_,
-              "ws_mqk": C_ * C_, "ws_beta": C_}
-    per = {n: e * fw.WORKSPACE_DTYPES[n].itemsize for n, e in shapes.items()}
+    per = {n: math.prod(shape) * fw.WORKSPACE_DTYPES[n].itemsize for n, shape in fw.WORKSPACE_TILE_SHAPES.items()}
     ws_all = plan.total_tiles * H * sum(per.values())
     ws_a = plan.total_tiles * H * sum(per[n] for n in PASS_A_WS)
     tok = sum(t1 - t0 for _, t0, t1 in plan.bounds)

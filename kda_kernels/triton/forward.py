@@ -43,6 +43,8 @@ def scan_warps(warps: int, scan: str) -> int:
 WORKSPACE_DTYPES = {"ws_kd": torch.bfloat16, "ws_qd": torch.bfloat16, "ws_kr": torch.bfloat16,
                     "ws_gt": torch.float32, "ws_inv": torch.float16, "ws_mqk": torch.float16,
                     "ws_beta": torch.float32}
+WORKSPACE_TILE_SHAPES = {"ws_kd": (C, D), "ws_qd": (C, D), "ws_kr": (C, D), "ws_gt": (D,),   # per (tile, head)
+                         "ws_inv": (C, C), "ws_mqk": (C, C), "ws_beta": (C,)}
 A_SEG_DTYPE = {"split": torch.float32, "bf16": torch.bfloat16}     # by the route's scan precision
 
 
@@ -176,10 +178,8 @@ def ran_name(route: RouteSpec, plan: Plan) -> str:
 
 # ----------------------------------------------------------------------------------- passes
 def alloc_workspace(H: int, tiles: int, device) -> dict:
-    rows = H * tiles
-    shapes = {"ws_kd": (rows, C, D), "ws_qd": (rows, C, D), "ws_kr": (rows, C, D), "ws_gt": (rows, D),
-              "ws_inv": (rows, C, C), "ws_mqk": (rows, C, C), "ws_beta": (rows, C)}
-    return {n: _empty(n, s, WORKSPACE_DTYPES[n], device) for n, s in shapes.items()}
+    """The seven workspace buffers, [H*tiles, *WORKSPACE_TILE_SHAPES[name]] each."""
+    return {n: _empty(n, (H * tiles, *s), WORKSPACE_DTYPES[n], device) for n, s in WORKSPACE_TILE_SHAPES.items()}
 
 
 def run_k1(q, k, g, beta, A_log, dt_bias, scale: float, lower_bound: float, plan: Plan, ws: dict,
