@@ -93,8 +93,8 @@ def _k1_rows(q_ptr, k_ptr, g_ptr, beta_ptr, bias_ptr, b, t0, h, r0, Lc, rate, lo
     k = tl.load(k_ptr + b * skb + tok * skt + h * skh + cols[None, :] * skd, mask=m2, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + b * sgb + tok * sgt + h * sgh + cols[None, :] * sgd, mask=m2, other=0.0).to(tl.float32)
     braw = tl.load(beta_ptr + b * sbb + (t0 + rows) * sbt + h * sbh, mask=rmask, other=0.0).to(tl.float32)
-    q = q / tl.sqrt(tl.sum(q * q, 1) + 1e-6)[:, None]
-    k = k / tl.sqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
+    q = q * (1.0 / tl.sqrt(tl.sum(q * q, 1) + 1e-6))[:, None]    # one division per row, not per element
+    k = k * (1.0 / tl.sqrt(tl.sum(k * k, 1) + 1e-6))[:, None]
     if HAS_BIAS:
         g = g + tl.load(bias_ptr + h * D + cols).to(tl.float32)[None, :]
     a = tl.where(m2, lower_bound * tl.sigmoid(rate * g), 0.0)
@@ -125,9 +125,12 @@ def k1_prepare_kernel(
     b, t0, Lc = _tile(tile_ptr, tile)
     cols = tl.arange(0, D)
     rate = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
-    q, k, a, beta, rows, m2 = _k1_rows(q_ptr, k_ptr, g_ptr, beta_ptr, bias_ptr, b, t0, h, 0, Lc, rate, lower_bound,
-                                       sqb, sqt, sqh, sqd, skb, skt, skh, skd, sgb, sgt, sgh, sgd, sbb, sbt, sbh,
-                                       HAS_BIAS, C, D)
+    q, k, a, beta, rows, _ = _k1_rows(q_ptr, k_ptr, g_ptr, beta_ptr, bias_ptr, b, t0, h, 0, Lc, rate, lower_bound,
+                                      sqb, sqt, sqh, sqd, skb, skt, skh, skd, sgb, sgt, sgh, sgd, sbb, sbt, sbh,
+                                      HAS_BIAS, C, D)
+    # No row masks below: q and k are 0 past Lc, and every decay factor there is finite (a = 0
+    # past Lc, so those rows' G is row Lc-1's), so the tail rows of every tile are 0 as they are.
+    # (The selects cost 15% of this kernel's sm90 instructions: 4272 -> 3616.)
     G = tl.cumsum(a, 0) * 1.4426950408889634
     ri = rows[:, None]
     G_last = tl.sum(tl.where(ri == Lc - 1, G, 0.0), 0)
@@ -135,9 +138,9 @@ def k1_prepare_kernel(
     ws = (h * total_tiles + tile).to(tl.int64)
     tile_off = ws * (C * D) + ri * D + cols[None, :]
     eG = tl.exp2(G)
-    tl.store(kd_ptr + tile_off, tl.where(m2, k * eG, 0.0).to(tl.bfloat16))
-    tl.store(qd_ptr + tile_off, tl.where(m2, (scale * q) * eG, 0.0).to(tl.bfloat16))
-    tl.store(kr_ptr + tile_off, tl.where(m2, k * tl.exp2(G_last[None, :] - G), 0.0).to(tl.bfloat16))
+    tl.store(kd_ptr + tile_off, (k * eG).to(tl.bfloat16))
+    tl.store(qd_ptr + tile_off, ((scale * q) * eG).to(tl.bfloat16))
+    tl.store(kr_ptr + tile_off, (k * tl.exp2(G_last[None, :] - G)).to(tl.bfloat16))
     tl.store(gt_ptr + ws * D + cols, tl.exp2(G_last))
     tl.store(wsb_ptr + ws * C + rows, beta)
 
@@ -154,16 +157,16 @@ def k1_prepare_kernel(
     G_p1 = tl.sum(tl.where(ri == p1, G, 0.0), 0)[None, :]
     Gd = G - tl.where(ri < BC, G_p0, G_p1)
     up = tl.exp2(Gd)
-    kp = tl.where(m2, k * up, 0.0).to(tl.bfloat16)
-    qp = tl.where(m2, (scale * q) * up, 0.0).to(tl.bfloat16)
-    kiT = tl.trans(tl.where(m2, k * tl.exp2(-Gd), 0.0).to(tl.bfloat16))
+    kp = (k * up).to(tl.bfloat16)
+    qp = ((scale * q) * up).to(tl.bfloat16)
+    kiT = tl.trans((k * tl.exp2(-Gd)).to(tl.bfloat16))
     kk_diag = tl.dot(kp, kiT)
     qk_diag = tl.dot(qp, kiT)
     Go = G - tl.sum(tl.where(ri == tl.minimum(BC, Lc - 1), G, 0.0), 0)[None, :]
     up = tl.exp2(Go)
-    kp = tl.where(m2, k * up, 0.0).to(tl.bfloat16)
-    qp = tl.where(m2, (scale * q) * up, 0.0).to(tl.bfloat16)
-    kiT = tl.trans(tl.where(m2, k * tl.exp2(-Go), 0.0).to(tl.bfloat16))
+    kp = (k * up).to(tl.bfloat16)
+    qp = ((scale * q) * up).to(tl.bfloat16)
+    kiT = tl.trans((k * tl.exp2(-Go)).to(tl.bfloat16))
     kk = tl.where(same_block, kk_diag, tl.dot(kp, kiT))
     qk = tl.where(same_block, qk_diag, tl.dot(qp, kiT))
     L = tl.where(ri > cj, -beta[:, None] * kk, 0.0)
