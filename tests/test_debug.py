@@ -73,3 +73,19 @@ def test_values_below_fp32_range_are_no_error():
     ctx = {"grid": None, "plan": None, "HV": 1}
     rep = compare_tensor("final_state_like", torch.zeros(4, 128), ref, ctx, thresholds={"final_state_like": 1e-4})
     assert rep.rows_over == 0
+
+
+def test_a_failed_verdict_rule_flags_its_pass_and_is_printed():
+    """A tensor whose rows are all within their threshold but which fails the verdict's rule
+    (inverse_rule, for K1's ws_inv) makes its pass the one where the error enters."""
+    from verification.debug import PassReport, TensorReport, reports_to_json
+    t = TensorReport(name="ws_inv", rel_l2=1.4e-3, max_row_err=4e-3, threshold=3e-2, rows=64, rows_over=0,
+                     first_over=None, rule_failed="ws_inv: rel_l2 0.0014 > 0.0012 = 2*0.0006+1e-06 (tolerance x)")
+    ok = TensorReport(name="ws_kd", rel_l2=1e-3, max_row_err=2e-3, threshold=1e-2, rows=64, rows_over=0, first_over=None)
+    reps = [PassReport("K1", [ok, t]), PassReport("C", [])]
+    assert ok.ok and not t.ok and not reps[0].ok and reps[1].ok
+    text = format_reports(reps)
+    assert "pass K1: ERROR ENTERS HERE" in text
+    assert "ws_inv: every row within its threshold, but the verdict's rule fails: ws_inv: rel_l2 0.0014" in text
+    assert text.endswith("verdict: the error first exceeds a threshold in pass K1")
+    assert reports_to_json(reps)[0]["tensors"][1]["rule_failed"].startswith("ws_inv: rel_l2")

@@ -130,3 +130,17 @@ def test_a_mutant_that_breaks_the_kernel_counts_as_crashed():
     assert rec["outcome"] == "crashed" and rec["killed"] and rec["metric"] == "crash", rec
     assert "raised" in rec["reason"], rec["reason"]
     assert not needs_attention(rec)
+
+
+@pytest.mark.parametrize("name,case,pass_name,tensor", [
+    ("paged_final_written_to_sequence_row", "smoke/paged-lb-5", "C", "final_state"),
+    ("inverse_stored_bf16", "smoke/correlated-weak-lb-0.01", "K1", "ws_inv"),
+])
+def test_slips_below_the_row_thresholds_are_localized(name, case, pass_name, tensor):
+    """Two slips the verdict killed and the debugger did not name: the paged final-state store
+    (the debugger's pass C wrote dense states only; it now stores through the paged path into a
+    copy of the cache) and the inverse rounded to bf16 (every row within its 3e-2 threshold; K1's
+    ws_inv is now held to the verdict's own ws_inv rule as well)."""
+    rec = run_in_child(by_name([name])[0], ["smoke"], False, "cpu", case_globs=[case])
+    assert rec["killed"] and rec["debug_first_pass"] == pass_name and rec["localized"], rec
+    assert rec["debug_where"].startswith(tensor), rec["debug_where"]

@@ -17,7 +17,9 @@ and measured against the typical row for small ones (a row whose entries cancel,
 decayed dot product of two nearly orthogonal keys, carries the rounding error of its
 factors, not of its own size; a real bug moves rows by O(1) of the typical row norm), and the first row (in order of sequence, chunk or segment, row, head)
 whose error exceeds the tensor's threshold is named.  The thresholds localise; they are
-not the verdict (tolerances.yaml is).
+not the verdict (tolerances.yaml is).  One tensor is also held to the verdict's own rule:
+K1's ws_inv, which pass K1 computes from the problem's inputs exactly as a full run does
+(``inverse_rule``), so a storage slip that moves every row a little is named at K1 too.
 
 A backend takes part by providing ``debug_plan(problem, route) -> {"chunk_size": C,
 "chunks_per_seg": None | int, "passes": [...]}`` and ``run_pass(problem, route, name,
@@ -106,10 +108,11 @@ class TensorReport:
     rows: int
     rows_over: int
     first_over: Optional[dict]   # {"seq":, "head":, "chunk"/"segment":, "row":, "err":}
+    rule_failed: str = ""        # the verdict's own rule for this tensor, when it fails it (K1's ws_inv)
 
     @property
     def ok(self) -> bool:
-        return self.rows_over == 0 and math.isfinite(self.rel_l2)
+        return self.rows_over == 0 and math.isfinite(self.rel_l2) and not self.rule_failed
 
 
 @dataclass
@@ -251,6 +254,28 @@ def compare_tensor(name: str, x: torch.Tensor, ref: torch.Tensor, ctx: dict,
                         first_over=_locate(name, err, over, ctx))
 
 
+def inverse_rule(backend, p: Problem, route, ws_inv: torch.Tensor) -> str:
+    """The verdict's rule for the stored inverse (tolerances.yaml's ws_inv entry: m times the
+    route's recipe emulated on this problem, plus the floor, at most the cap) applied to the
+    ws_inv that pass K1 returned: the reason when it fails, "" when it passes or when the route
+    has no emulated recipe at this tile size.  K1 reads the problem's own inputs, so this is the
+    number the verdict judges on the same case.  The row thresholds cannot see a uniform
+    storage slip (bf16 where fp16 is due moves every row by ~4e-3, far below 3e-2), the
+    verdict's tensor rule does."""
+    from kda_kernels.emulator import RECIPES
+    from verification.metrics import dtype_name
+    from verification.tolerances import load_tolerances
+    from verification.verdict import _judge_tensor, emulate_taps, tap_metrics
+    recipe = RECIPES.get(getattr(route, "recipe", ""))
+    if recipe is None or recipe.chunk != int(ws_inv.shape[-1]):
+        return ""
+    met = tap_metrics(p, {"ws_inv": ws_inv})["ws_inv"]
+    base = tap_metrics(p, emulate_taps(p, route.recipe))["ws_inv"]
+    tol = load_tolerances().lookup(backend.name, getattr(route, "name", str(route)), dtype_name(p.v.dtype), "ws_inv")
+    status, reason, _ = _judge_tensor("ws_inv", met, base, tol)
+    return reason if status != "pass" else ""
+
+
 def debug_passes(backend, p: Problem, route, passes=("all",), thresholds: Optional[dict] = None,
                  progress=None) -> list[PassReport]:
     """Run the chosen passes of ``route`` on oracle-fed inputs; one PassReport per pass."""
@@ -287,6 +312,8 @@ def debug_passes(backend, p: Problem, route, passes=("all",), thresholds: Option
                 if t == "o":
                     x = x.reshape(r.shape)
                 rep.tensors.append(compare_tensor(t, x, r, ctx, thresholds))
+                if form == "flashkda" and name == "K1" and t == "ws_inv":
+                    rep.tensors[-1].rule_failed = inverse_rule(backend, p, route, x)
         reports.append(rep)
     return reports
 
@@ -309,6 +336,10 @@ def format_reports(reports: list, header: str = "") -> str:
         for t in rep.tensors:
             lines.append(f"  {t.name:<12} {t.rel_l2:>9.2e} {t.max_row_err:>9.2e} {t.threshold:>8.0e} "
                          f"{t.rows_over:>5}/{t.rows:<5} {_loc(t.first_over)}")
+        for t in rep.tensors:
+            if t.rule_failed:
+                lines.append(f"  {t.name}: every row within its threshold, but the verdict's rule fails: {t.rule_failed}"
+                             if t.rows_over == 0 else f"  {t.name}: the verdict's rule fails too: {t.rule_failed}")
     entered = [r.name for r in reports if not r.skipped and not r.ok]
     lines.append("verdict: every pass within its row thresholds" if not entered
                  else f"verdict: the error first exceeds a threshold in pass {entered[0]}")

@@ -186,7 +186,7 @@ def run_mutant(mutant: Mutant, suites=("smoke", "stress"), long: bool = False, d
                 bad = [t for t in first.tensors if not t.ok]
                 if bad:
                     t = bad[0]
-                    rec["debug_where"] = f"{t.name} {t.first_over}"
+                    rec["debug_where"] = f"{t.name} {t.first_over or t.rule_failed}"
             rec["localized"] = rec["debug_first_pass"] == mutant.pass_name
             if not rec["localized"]:    # what the debugger says of the shipped kernel on the same cell
                 control = debug_passes(orig.backend, problem, orig.backend.route(route.name))

@@ -12,6 +12,8 @@ the kernels write it, so the Problem itself is never modified.
     "A":  feed ws_* (+ v from the Problem) -> A_seg [segs,H,K,K], b_seg [segs,H,K,V]
     "B":  feed A_seg, b_seg (+ S0)         -> h_in [segs,H,K,V]
     "C":  feed ws_* (+ h_in if segmented)  -> o [Ttot,H,V] packed, final_state [N,H,K,V] K-first
+          (paged problems: written through the paged store into a copy of the cache, then read
+          back from slot state_indices[n], so a slot slip shows in final_state)
 Feeds are float64 in the oracle's layouts (kda_ref.workspace / kda_ref.segments) and are
 rounded to the workspace dtypes first; outputs come back in the kernel's dtypes.
 """
@@ -230,13 +232,19 @@ class TritonBackend:
         ws = ws_from_feed()
         o = torch.empty(p.B * p.T, H, p.V, dtype=torch.bfloat16, device=dev)
         o4 = o.view(p.B, p.T, H, p.V)
-        final = torch.empty(plan.N, H, p.K, p.V, dtype=torch.float32, device=dev)
+        if p.paged:     # the final states go through the paged store, into a copy of the cache
+            cache = copy_with_padding(p.state_cache.to(dev))
+            idx = p.state_indices.to(dev)
+            final_ref = fw.paged_state(cache, idx, p.has_initial_state.to(dev))
+        else:
+            final = torch.empty(plan.N, H, p.K, p.V, dtype=torch.float32, device=dev)
+            final_ref = fw.dense_state(final, "kv")
         if plan.segmented:
             need("h_in")
             h_in = feed["h_in"].to(device=dev, dtype=torch.float32).contiguous()
-            fw.run_pass_c(ws, kw["v"], o4, plan, H, h_in=h_in, final=fw.dense_state(final, "kv"), bw=spec.bw,
-                          warps=spec.warps)
+            fw.run_pass_c(ws, kw["v"], o4, plan, H, h_in=h_in, final=final_ref, bw=spec.bw, warps=spec.warps)
         else:
-            fw.run_pass_c(ws, kw["v"], o4, plan, H, h0=h0_ref(), final=fw.dense_state(final, "kv"), bw=spec.bw,
-                          warps=spec.warps)
+            fw.run_pass_c(ws, kw["v"], o4, plan, H, h0=h0_ref(), final=final_ref, bw=spec.bw, warps=spec.warps)
+        if p.paged:     # slot state_indices[n] holds sequence n's final state, V-first: back to [N, H, K, V]
+            final = cache[idx.long()].transpose(-1, -2)
         return {"o": o, "final_state": final}
