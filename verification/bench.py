@@ -317,9 +317,10 @@ def pass_times(route: str, shape: tuple, device, reps: int = 20, warmup: int = 3
     only when the plan is unsegmented) and ``total`` (the whole forward), plus ``cps`` and
     ``segments`` of the plan that ran; ``bytes`` and ``floors`` (us), per pass, its minimum HBM
     traffic and bandwidth floor (``pass_traffic``, ``pass_floors``), ``design_floor`` (the sum
-    of the passes' floors) and ``floor`` (the forward's, ``floor_us``).  CUDA: events around the
-    pass, the L2 flushed before each repetition; with ``graph`` each pass is captured in a CUDA
-    graph and its replay timed, so the host's launch cost (Python, argument packing) is left out;
+    of the passes' floors) and ``floor`` (the forward's, ``floor_us``).  CUDA: ``time_call``, as
+    for the whole forward (events around the pass, the L2 flushed before each repetition); with
+    ``graph`` each pass is captured in a CUDA graph and its replay timed, so the host's launch
+    cost (Python, argument packing) is left out;
     CPU (Triton's interpreter, for tests): wall time (``graph`` ignored)."""
     from kda_kernels.triton import forward as fw
     from kda_kernels.triton.routes import parse_route
@@ -330,27 +331,17 @@ def pass_times(route: str, shape: tuple, device, reps: int = 20, warmup: int = 3
     plan = fw.resolve_plan(spec, B, T, H, None, device)
     ws = fw.alloc_workspace(H, plan.total_tiles, device)
     cuda = torch.device(device).type == "cuda"
-    flush = torch.empty(FLUSH_BYTES // 4 if cuda else 1, dtype=torch.int32, device=device)
 
     def med(fn):
+        if cuda:        # the same timing loop as the whole forward's (time_call)
+            return statistics.median(time_call(lambda _x: fn(), [None], reps, warmup, graph, device))
         for _ in range(max(1, warmup)):
             fn()
-        if cuda and graph:
-            fn = graph_replay(fn, device)
         ts = []
-        for i in range(reps):
-            flush.fill_(i)
-            if cuda:
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                torch.cuda.synchronize(device)
-                ts.append(1e3 * a.elapsed_time(b))
-            else:
-                t0 = time.perf_counter()
-                fn()
-                ts.append(1e6 * (time.perf_counter() - t0))
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(1e6 * (time.perf_counter() - t0))
         return statistics.median(ts)
 
     k1 = lambda: fw.run_k1(x["q"], x["k"], x["g"], x["beta"], x["A_log"], x["dt_bias"], x["scale"],  # noqa: E731
