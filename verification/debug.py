@@ -265,14 +265,14 @@ def inverse_rule(backend, p: Problem, route, ws_inv: torch.Tensor) -> str:
     from kda_kernels.emulator import RECIPES
     from verification.metrics import dtype_name
     from verification.tolerances import load_tolerances
-    from verification.verdict import _judge_tensor, emulate_taps, tap_metrics
+    from verification.verdict import judge_tensor, emulate_taps, tap_metrics
     recipe = RECIPES.get(getattr(route, "recipe", ""))
     if recipe is None or recipe.chunk != int(ws_inv.shape[-1]):
         return ""
     met = tap_metrics(p, {"ws_inv": ws_inv})["ws_inv"]
     base = tap_metrics(p, emulate_taps(p, route.recipe))["ws_inv"]
     tol = load_tolerances().lookup(backend.name, getattr(route, "name", str(route)), dtype_name(p.v.dtype), "ws_inv")
-    status, reason, _ = _judge_tensor("ws_inv", met, base, tol)
+    status, reason, _ = judge_tensor("ws_inv", met, base, tol)
     return reason if status != "pass" else ""
 
 

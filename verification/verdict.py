@@ -103,7 +103,7 @@ def _fmt(x: float) -> str:
     return f"{x:.3g}" if isinstance(x, (int, float)) else str(x)
 
 
-def _judge_tensor(name, met, base, tol) -> tuple[str, str, dict]:
+def judge_tensor(name, met, base, tol) -> tuple[str, str, dict]:
     """(status, reason, record) of one tensor."""
     rec = {"tolerance_key": tol.key, "m": tol.m, "floor": tol.floor, "cap": tol.cap}
     if met.get("missing"):
@@ -194,11 +194,11 @@ def judge(backend: str, route, problem, outputs, truth, baseline: dict, db,
                 statuses.append("fail")
                 reasons.append(str(e))
                 continue
-        status, reason, rec = _judge_tensor(name, met, baseline.get(name), tol)
+        status, reason, rec = judge_tensor(name, met, baseline.get(name), tol)
         if status == "fail" and rec.get("threshold") == tol.cap:
             lift = lifted_cap(name, tol, recipe_baselines)
             if lift is not None and lift["to"] > tol.cap:
-                status, reason, rec = _judge_tensor(name, met, baseline.get(name), dataclasses.replace(tol, cap=lift["to"]))
+                status, reason, rec = judge_tensor(name, met, baseline.get(name), dataclasses.replace(tol, cap=lift["to"]))
                 rec["cap_lifted"] = lift
                 lifted.append(f"{name}: cap {_fmt(lift['from'])} lifted to {_fmt(lift['to'])}, the best recipe "
                               f"({lift['best_recipe']}) errs {_fmt(lift['best_err'])} in {lift['metric']} here")
@@ -215,7 +215,7 @@ def judge(backend: str, route, problem, outputs, truth, baseline: dict, db,
                 problem, emulate_taps(problem, recipe))
             for name, met in tap_metrics(problem, taps).items():
                 tol = db.lookup(backend, route_name, dtype, name)
-                status, reason, rec = _judge_tensor(name, met, base_taps.get(name), tol)
+                status, reason, rec = judge_tensor(name, met, base_taps.get(name), tol)
                 records[name], metrics[name] = rec, met
                 statuses.append(status)
                 if reason:
