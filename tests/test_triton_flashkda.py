@@ -353,3 +353,16 @@ def test_heuristic_on_an_h200():
     assert segs >= 4 and segs * 48 <= 2 * sms, (cps, segs)             # one wave of 2 programs per SM
     assert choose_chunks_per_seg(512, 1, 12, 128, 64, sms) == 47           # 11 segments x 24 = 264 programs
     assert choose_chunks_per_seg(512, 1, 32, 128, 64, sms) == 128          # 64 programs: 4 segments
+
+
+def test_debug_with_taps_holds_the_shipped_inverse_to_the_verdicts_rule(capsys):
+    """`debug --taps` judges K1's ws_inv by the verdict's ws_inv rule too; the shipped kernel
+    passes it (the failing side is the inverse_stored_bf16 mutant, tests/test_mutate.py)."""
+    from verification.cli import main as cli_main
+    rc = cli_main(["debug", "--backend", "triton", "--route", "unseg:BW=32", "--case", "smoke/correlated-weak-lb-0.01",
+                   "--pass", "K1", "--taps", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "pass K1: ok" in out and "verdict's rule" not in out, out
+    assert cli_main(["debug", "--backend", "fla", "--route", "x", "--case", "smoke/dense-T64-lb-5", "--taps"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "kda-verify debug: error: --taps: expected a backend that returns taps (triton), got 'fla'", err

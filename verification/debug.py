@@ -17,9 +17,11 @@ and measured against the typical row for small ones (a row whose entries cancel,
 decayed dot product of two nearly orthogonal keys, carries the rounding error of its
 factors, not of its own size; a real bug moves rows by O(1) of the typical row norm), and the first row (in order of sequence, chunk or segment, row, head)
 whose error exceeds the tensor's threshold is named.  The thresholds localise; they are
-not the verdict (tolerances.yaml is).  One tensor is also held to the verdict's own rule:
-K1's ws_inv, which pass K1 computes from the problem's inputs exactly as a full run does
-(``inverse_rule``), so a storage slip that moves every row a little is named at K1 too.
+not the verdict (tolerances.yaml is).  When the backend hands its inverse to the verdict
+(``backend.taps``: `mutate --taps yes`, `debug --taps`), one tensor is also held to the
+verdict's own rule: K1's ws_inv, which pass K1 computes from the problem's inputs exactly as a
+full run does (``inverse_rule``), so a storage slip that moves every row a little is named at
+K1 too.  Without taps the verdict never judges the inverse, and neither does this.
 
 A backend takes part by providing ``debug_plan(problem, route) -> {"chunk_size": C,
 "chunks_per_seg": None | int, "passes": [...]}`` and ``run_pass(problem, route, name,
@@ -312,7 +314,7 @@ def debug_passes(backend, p: Problem, route, passes=("all",), thresholds: Option
                 if t == "o":
                     x = x.reshape(r.shape)
                 rep.tensors.append(compare_tensor(t, x, r, ctx, thresholds))
-                if form == "flashkda" and name == "K1" and t == "ws_inv":
+                if form == "flashkda" and name == "K1" and t == "ws_inv" and getattr(backend, "taps", False):
                     rep.tensors[-1].rule_failed = inverse_rule(backend, p, route, x)
         reports.append(rep)
     return reports

@@ -20,6 +20,9 @@ def add_arguments(p):
     p.add_argument("--device", default=None, help="cpu | cuda[:N] (default: cuda if present)")
     p.add_argument("--threshold", action="append", default=[], metavar="TENSOR=VALUE",
                    help="override a row-error threshold, e.g. ws_inv=1e-2")
+    p.add_argument("--taps", action="store_true",
+                   help="hold K1's stored inverse to the verdict's ws_inv rule too, as a run with taps is judged "
+                        "(backends that return taps: triton)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 
@@ -43,6 +46,10 @@ def run(args) -> int:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError(f"--device: expected cpu (no CUDA device here), got {device!r}")
     backend = load_backend(args.backend)
+    if args.taps:
+        if not hasattr(backend, "taps"):
+            raise UsageError(f"--taps: expected a backend that returns taps (triton), got {args.backend!r}")
+        backend.taps = True
     ok, why = backend.available()
     if not ok:
         raise UsageError(f"--backend: {args.backend} cannot run here: {why}")
