@@ -338,6 +338,14 @@ def _segment(seg_ptr, s):
 
 
 @triton.jit
+def _walk_program(H, C: tl.constexpr, K: tl.constexpr, BW: tl.constexpr):
+    """This chunk-walk program's segment s and head h (axis 0 = s * H + h), its BW state columns
+    (axis 1), and the index vectors kk = 0..K-1 and rows = 0..C-1."""
+    pid = tl.program_id(0)
+    return pid // H, pid % H, tl.program_id(1) * BW + tl.arange(0, BW), tl.arange(0, K), tl.arange(0, C)
+
+
+@triton.jit
 def segment_kernel(
     seg_ptr, v_ptr, svb, svt, svh, svd, o_ptr, sob, sot, soh, sod,
     kd_ptr, qd_ptr, kr_ptr, gt_ptr, inv_ptr, mqk_ptr, wsb_ptr,
@@ -349,12 +357,7 @@ def segment_kernel(
 ):
     """Pass C, one program = (segment s, head h) x BW state columns: walks the segment's chunks
     from its initial state S [K, BW], writing o and (last segment) the final state."""
-    pid = tl.program_id(0)
-    s = pid // H
-    h = pid % H
-    cols = tl.program_id(1) * BW + tl.arange(0, BW)
-    kk = tl.arange(0, K)
-    rows = tl.arange(0, C)
+    s, h, cols, kk, rows = _walk_program(H, C, K, BW)
     chunk_base, nch, n, is_last, b, t0, t_end = _segment(seg_ptr, s)
     if H0 == 2:
         S = _initial_state(h0_ptr, idx_ptr, has_ptr, s, h, shn, shh, shk, shv, kk, cols, H0, PAGED, K, BW)
@@ -406,12 +409,7 @@ def segment_map_kernel(
     on sm90 at BW = 64, where the [K, BW] form of pass C gives M = C = 32):
         u^T = beta (v^T - bf16(S^T) kd^T),  U^T = fp16(u^T) INV^T,  S^T <- S^T diag(gt) + bf16(U^T) kr
     the same products as segment_kernel's, transposed (bitwise the same results on the H200)."""
-    pid = tl.program_id(0)
-    s = pid // H
-    h = pid % H
-    cols = tl.program_id(1) * BW + tl.arange(0, BW)
-    kk = tl.arange(0, K)
-    rows = tl.arange(0, C)
+    s, h, cols, kk, rows = _walk_program(H, C, K, BW)
     chunk_base, nch, _, _, b, t0, t_end = _segment(seg_ptr, s)
     eye = tl.where(cols[:, None] == kk[None, :], 1.0, 0.0)
     if MODE == 2:
