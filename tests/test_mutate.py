@@ -139,8 +139,8 @@ def test_a_mutant_that_breaks_the_kernel_counts_as_crashed():
 def test_slips_below_the_row_thresholds_are_localized(name, case, pass_name, tensor):
     """Two slips the verdict killed and the debugger did not name: the paged final-state store
     (the debugger's pass C wrote dense states only; it now stores through the paged path into a
-    copy of the cache) and the inverse rounded to bf16 (every row within its 3e-2 threshold; K1's
-    ws_inv is now held to the verdict's own ws_inv rule as well)."""
+    copy of the cache) and the inverse rounded to bf16 (every row within its 3e-2 threshold; with
+    taps, as mutate runs, K1's ws_inv is now held to the verdict's own ws_inv rule as well)."""
     rec = run_in_child(by_name([name])[0], ["smoke"], False, "cpu", case_globs=[case])
     assert rec["killed"] and rec["debug_first_pass"] == pass_name and rec["localized"], rec
     assert rec["debug_where"].startswith(tensor), rec["debug_where"]
