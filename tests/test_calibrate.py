@@ -1,5 +1,6 @@
 """kda-verify calibrate: proposals from measurements, a diff, a valid proposal file, no rewrite."""
 import hashlib
+import json
 
 from verification.cli import main
 from verification.commands.calibrate import ceil2
@@ -85,4 +86,30 @@ def test_from_results_reuses_an_earlier_run_and_leaves_known_failures_out(tmp_pa
     text = capsys.readouterr().out
     assert "3 cells (1 known-fail, 2 pass)" in text
     assert "moonshot smoke/correlated" not in text                  # its error is not the level to expect
+    # calibrated_on names the earlier run's device (a CPU run records "gpu": "none"), date and commit
+    prov = json.loads((out / "run.json").read_text())["runs"][-1]
+    on = [ln for ln in text.splitlines() if ln.startswith("+") and "calibrated_on:" in ln]
+    assert on and all(f"CPU (cpu), {prov['time_utc'][:10]}, commit {str(prov['git']['commit'])[:10]}, suite smoke"
+                      in ln for ln in on), on
+    assert "no run.json" not in text
     assert main(["calibrate", "--backend", "fla", "--from-results", str(out)]) == 2
+    capsys.readouterr()
+    (out / "run.json").unlink()                                     # without it the records' device is all there is
+    assert main(["calibrate", "--backend", "emulator", "--from-results", str(out)]) == 0
+    on = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("+") and "calibrated_on:" in ln]
+    assert on and all("the records' device cpu (no run.json beside them), date unknown, commit unknown" in ln
+                      for ln in on), on
+
+
+def test_earlier_provenance_reads_the_latest_run_and_names_its_device(tmp_path):
+    from verification.commands.calibrate import device_description, earlier_provenance
+    assert earlier_provenance(str(tmp_path)) is None                 # no run.json
+    (tmp_path / "run.json").write_text("{not json")
+    assert earlier_provenance(str(tmp_path)) is None
+    runs = [{"time_utc": "2026-11-30T10:00:00Z", "device": {"device": "cuda", "gpu": "NVIDIA H200"}},
+            {"time_utc": "2026-12-01T10:00:00Z", "device": {"device": "cpu", "type": "cpu", "gpu": "none"}}]
+    (tmp_path / "run.json").write_text(json.dumps({"runs": runs}))
+    assert earlier_provenance(str(tmp_path))["time_utc"].startswith("2026-12-01")
+    assert device_description(runs[0]["device"]) == "NVIDIA H200"
+    assert device_description(runs[1]["device"]) == "CPU (cpu)"
+    assert device_description({"type": "cpu", "gpu": None}) == "CPU (cpu)"

@@ -260,17 +260,46 @@ def _is_long(case_id: str) -> bool:
         return False
 
 
-def _earlier_device(out_dir: str):
-    """The GPU name an earlier run recorded in its run.json, if any."""
+def earlier_provenance(out_dir: str):
+    """The provenance of the latest run recorded in DIR/run.json (``{"runs": [...]}``, one entry
+    per invocation, or a single provenance object), or None when there is no readable run.json."""
     import json
     p = Path(out_dir) / "run.json"
     try:
         prov = json.loads(p.read_text())
-        prov = (prov.get("runs") or [prov])[-1]
-        gpu = prov.get("device", {}).get("gpu")
-        return None if gpu in (None, "none") else gpu
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError):
         return None
+    if not isinstance(prov, dict):
+        return None
+    runs = prov.get("runs") if "runs" in prov else [prov]
+    if not isinstance(runs, list) or not runs or not isinstance(runs[-1], dict):
+        return None
+    return runs[-1]
+
+
+def device_description(device: dict) -> str:
+    """One phrase for the device of a provenance record: the GPU's name, or ``CPU (cpu)`` where
+    the run had none (provenance records ``"gpu": "none"`` on a CPU)."""
+    device = device if isinstance(device, dict) else {}
+    gpu = device.get("gpu")
+    if gpu not in (None, "", "none"):
+        return str(gpu)
+    return f"CPU ({device.get('device') or device.get('type') or 'cpu'})"
+
+
+def measured_where(prov: dict, earlier, records: list[dict], out_dir) -> tuple[str, str, str]:
+    """(device, date, commit) the measurements were made on: this process's ``prov`` when
+    calibrate measured them itself (``out_dir`` None); with --from-results the earlier run's
+    run.json (``earlier``), else the records' own device field with a note that run.json is
+    missing."""
+    if out_dir is None:
+        return device_description(prov.get("device")), prov["time_utc"][:10], str(prov["git"]["commit"])[:10]
+    if earlier is not None:
+        return (device_description(earlier.get("device")), str(earlier.get("time_utc", "?"))[:10],
+                str((earlier.get("git") or {}).get("commit", "?"))[:10])
+    devs = sorted({str(r.get("device")) for r in records if r.get("device")})
+    what = f"the records' device {'/'.join(devs)}" if devs else "an unknown device"
+    return f"{what} (no run.json beside them)", "date unknown", "unknown"
 
 
 def add_arguments(p):
@@ -332,12 +361,9 @@ def run(args) -> int:
         raise UsageError("--backend/--suite: expected at least one cell that ran, got none "
                          "(every cell was skipped, crashed or errored; see above)")
     prov = provenance.collect(device=device)
-    gpu = prov["device"].get("gpu") if prov["device"].get("gpu") not in (None, "none") else f"CPU ({device})"
-    if args.from_results:
-        devs = sorted({str(r.get("device")) for r in records if r.get("device")})
-        gpu = _earlier_device(args.from_results) or (
-            f"the records' device {'/'.join(devs)} (no run.json beside them)" if devs else gpu)
-    where = (f"{gpu}, {prov['time_utc'][:10]}, commit {str(prov['git']['commit'])[:10]}, "
+    earlier = earlier_provenance(args.from_results) if args.from_results else None
+    dev, day, commit = measured_where(prov, earlier, records, args.from_results)
+    where = (f"{dev}, {day}, commit {commit}, "
              f"suite {'+'.join(suites)}{'' if long else ' (no long cases)'}")
     proposals = []
     print(f"\n{'entry':<40} {'cells':>5} {'worst ratio':>11} {'m now':>6} {'m new':>6} {'cap now':>8} {'cap new':>8}")
