@@ -64,6 +64,22 @@ class BackendError(RuntimeError):
     """A backend could not be loaded or run; the message says why."""
 
 
+def out_of_contract(backend, problem: Problem, route: Route) -> Optional[str]:
+    """The range a kernel documents but does not check, where ``problem`` lies outside it.
+
+    Optional capability of a Backend: a method ``out_of_contract(problem, route) -> Optional[str]``
+    returning None (within the documented contract) or one line naming the documented range and
+    the value that violates it (e.g. "lower_bound -5.5 outside the documented [-5, 0]").  Such a
+    cell still runs; the harness records what the kernel did (raised, or returned what) with the
+    status "out-of-contract", never a pass or a failure.  A backend without the method documents
+    no such range (None).  Exceptions propagate."""
+    fn = getattr(backend, "out_of_contract", None)
+    if fn is None:
+        return None
+    why = fn(problem, route)
+    return str(why) if why else None
+
+
 BUILTIN_BACKENDS: dict[str, str] = {
     "emulator": "kda_kernels.emulator:EmulatorBackend",
     "triton": "kda_kernels.triton.backend:TritonBackend",

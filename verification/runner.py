@@ -39,7 +39,7 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-STATUSES = ("pass", "fail", "mistrusted", "crashed", "skipped", "error", "known-fail")
+STATUSES = ("pass", "fail", "mistrusted", "crashed", "skipped", "error", "known-fail", "out-of-contract")
 FAILING = ("fail", "mistrusted", "crashed", "error")
 RESULTS_FILE = "results.jsonl"
 RUN_FILE = "run.json"
@@ -456,6 +456,9 @@ def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: Base
     rec["dtype"] = _tol_dtype(problem)
     try:
         ok, why = backend.backend.accepts(problem, route)
+        # a documented-but-unchecked range the problem violates: the cell runs, never passes or fails
+        from kda_kernels.base import out_of_contract
+        contract = out_of_contract(backend.backend, problem, route) if ok else None
     except Exception as e:  # noqa: BLE001
         ok, why = False, f"accepts() raised {type(e).__name__}: {e}"
     if not ok:
@@ -499,7 +502,8 @@ def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: Base
     timings.update(compile_s=clock.seconds - c0, compiles=clock.compiles - n0,   # whether it ran or raised
                    compile_cache_hits=clock.cache_hits - h0)
     if failure is not None:
-        return _errored(rec, failure, f"{backend.name} {route.name} run")
+        rec = _errored(rec, failure, f"{backend.name} {route.name} run")
+        return mark_out_of_contract(rec, contract) if contract else rec
     timings["kernel_s"] = max(0.0, kernel_s - timings["compile_s"])
     rec["info"] = jsonable(getattr(outputs, "info", {}) or {})
     # metrics and verdict
@@ -523,7 +527,40 @@ def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: Base
         if not guard.ok:
             rec["status"] = "fail"
             rec["reason"] = guard.reason + (f"; {rec['reason']}" if rec["reason"] else "")
+    if contract:
+        return mark_out_of_contract(rec, contract)
     apply_known_failure(rec, db)
+    return rec
+
+
+def mark_out_of_contract(rec: dict, contract: str) -> dict:
+    """Record a cell outside the kernel's documented-but-unchecked range (kda_kernels.base.
+    out_of_contract) as "out-of-contract": never a pass or a failure.  The reason says what the
+    kernel did: raised, or returned values (o rel_l2 and tail, NaN/Inf and exact-zero fractions of
+    o and the state against the oracle's zero fraction); the verdict it would have had is kept in
+    ``contract_verdict``."""
+    rec["contract_verdict"] = {"status": rec["status"], "reason": rec["reason"]}
+    if rec["status"] == "error":
+        did = rec["reason"]
+    else:
+        parts = []
+        for tname, m in (rec.get("metrics") or {}).items():
+            if not isinstance(m, dict) or "rel_l2" not in m:
+                continue
+            bad = as_float(m.get("nan_frac", 0.0)) + as_float(m.get("inf_frac", 0.0))
+            part = f"{tname} rel_l2 {as_float(m['rel_l2']):.3g}"
+            if tname == "o" and "tail_rel_l2" in m:
+                part += f" (tail {as_float(m['tail_rel_l2']):.3g})"
+            if bad:
+                part += f", {100 * bad:.3g}% NaN/Inf"
+            part += (f", {100 * as_float(m.get('zero_frac', 0.0)):.3g}% exact zeros"
+                     f" (oracle {100 * as_float(m.get('ref_zero_frac', 0.0)):.3g}%)")
+            parts.append(part)
+        finite = all(as_float(m.get("nan_frac", 0.0)) == 0 and as_float(m.get("inf_frac", 0.0)) == 0
+                     for m in (rec.get("metrics") or {}).values() if isinstance(m, dict) and "rel_l2" in m)
+        did = f"the kernel returned {'finite values' if finite else 'non-finite values'}: " + "; ".join(parts)
+    rec["status"] = "out-of-contract"
+    rec["reason"] = f"out of contract ({contract}); {did}"
     return rec
 
 
