@@ -9,9 +9,12 @@ Shapes (DESIGN §2), with HV value heads sharing H query/key heads (GVA, HV % H 
     initial_state [N, HV, K, V] ("kv") or [N, HV, V, K] ("vk")
     state_cache [slots, HV, V, K] + state_indices int [N] + has_initial_state bool [N] ("paged")
 
-Every tensor is a torch tensor of any float dtype on any device; the oracle converts
-to float64 itself.  ``validate`` raises :class:`ProblemError` with a one-line message
-naming the argument, what was expected and what came.
+Every float tensor (q k v g beta A_log dt_bias initial_state state_cache) is float16,
+bfloat16, float32 or float64 on any device; the oracle converts to float64 itself.  With
+``gate=pregated`` g is the natural-log decay itself, so g <= 0 (a decay exp(g) <= 1).
+``validate`` raises :class:`ProblemError` with a one-line message naming the argument,
+what was expected and what came.  A problem with B*T = 0 is valid but empty (``is_empty``,
+``empty_reason``): it has no token whose output could be verified.
 """
 from __future__ import annotations
 
@@ -25,13 +28,16 @@ import torch
 GATE_KINDS = ("lower_bound", "softplus", "pregated")
 BETA_KINDS = ("sigmoid", "sigmoid2", "pregated")
 STATE_LAYOUTS = ("kv", "vk", "paged")
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+FLOAT_NAMES = "float16, bfloat16, float32 or float64"
 
 
 class ProblemError(ValueError):
     """Bad input to a Problem: the message names the argument, the expectation and what came."""
 
 
-def _shape(t: Optional[torch.Tensor]) -> str:
+def shape_of(t: Optional[torch.Tensor]) -> str:
+    """A tensor as messages show it, its shape then its dtype: ``[1, 64, 2, 16] bfloat16``."""
     return "None" if t is None else f"{list(t.shape)} {str(t.dtype).replace('torch.', '')}"
 
 
@@ -99,6 +105,18 @@ class Problem:
     def device(self) -> torch.device:
         return self.q.device
 
+    @property
+    def is_empty(self) -> bool:
+        """True when the problem holds no token (B*T = 0): there is no output to verify."""
+        return self.B * self.T == 0
+
+    def empty_reason(self) -> Optional[str]:
+        """One line saying why an empty problem has nothing to verify; None when it has tokens."""
+        if not self.is_empty:
+            return None
+        return (f"an empty problem (B={self.B}, T={self.T}: no tokens) has nothing to verify; "
+                f"expected B >= 1 and T >= 1")
+
     def seq_bounds(self) -> list[tuple[int, int]]:
         """(bos, eos) of every sequence in the packed token axis of length B*T."""
         if self.cu_seqlens is None:
@@ -138,6 +156,12 @@ def _req(cond: bool, msg: str):
         raise ProblemError(msg)
 
 
+def _float_tensor(name: str, t) -> None:
+    """A float tensor in one of FLOAT_DTYPES (float8 and integer tensors are refused)."""
+    _req(isinstance(t, torch.Tensor), f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    _req(t.dtype in FLOAT_DTYPES, f"{name}: expected a {FLOAT_NAMES} tensor, got {shape_of(t)}")
+
+
 def _finite(name: str, t: Optional[torch.Tensor]):
     if t is None or not t.is_floating_point():
         return
@@ -148,31 +172,71 @@ def _finite(name: str, t: Optional[torch.Tensor]):
                            f"(first at index {idx})")
 
 
+def _dt_bias_K(dt: Optional[torch.Tensor], HV: int) -> Optional[int]:
+    """The K a dt_bias of shape [HV, K] or [HV*K] implies; None when its shape implies none."""
+    if dt is None or HV < 1:
+        return None
+    if dt.dim() == 2 and dt.shape[0] == HV:
+        return int(dt.shape[1])
+    if dt.dim() == 1 and dt.numel() % HV == 0:
+        return dt.numel() // HV
+    return None
+
+
+def _check_K(p: Problem, HV: int) -> None:
+    """q, k, g (and dt_bias where its shape implies a K) must agree on K.  When they do not,
+    the tensors outside the majority are named: ``q: K = 64, but k, g have K = 128``."""
+    ks = {"q": int(p.q.shape[3]), "k": int(p.k.shape[3]), "g": int(p.g.shape[3])}
+    dk = _dt_bias_K(p.dt_bias, HV)
+    if dk is not None:
+        ks["dt_bias"] = dk
+    if len(set(ks.values())) == 1:
+        return
+    votes: dict[int, list[str]] = {}
+    for n, k in ks.items():
+        votes.setdefault(k, []).append(n)
+    top = max(len(v) for v in votes.values())
+    leaders = [k for k, v in votes.items() if len(v) == top]
+    if len(leaders) == 1:
+        K = leaders[0]
+        odd = ", ".join(f"{n}: K = {k}" for n, k in ks.items() if k != K)
+        raise ProblemError(f"{odd}, but {', '.join(votes[K])} have K = {K}")
+    raise ProblemError(f"{', '.join(ks)}: expected one K across them, got "
+                       + ", ".join(f"{n} K = {k}" for n, k in ks.items()))
+
+
 def validate(p: Problem) -> Problem:
     """Check every argument of a Problem; raise ProblemError naming the first bad one."""
     for name in ("q", "k", "v", "g", "beta"):
-        t = getattr(p, name)
-        _req(isinstance(t, torch.Tensor), f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-        _req(t.is_floating_point(), f"{name}: expected a floating-point tensor, got {t.dtype}")
-    _req(p.q.dim() == 4, f"q: expected 4 dims [B,T,H,K], got {_shape(p.q)}")
-    B, T, H, K = p.q.shape
-    _req(p.k.shape == p.q.shape, f"k: expected the shape of q {list(p.q.shape)}, got {_shape(p.k)}")
-    _req(p.v.dim() == 4 and tuple(p.v.shape[:2]) == (B, T),
-         f"v: expected [B={B},T={T},HV,V], got {_shape(p.v)}")
+        _float_tensor(name, getattr(p, name))
+    for name in ("A_log", "dt_bias", "initial_state", "state_cache"):
+        if getattr(p, name) is not None:
+            _float_tensor(name, getattr(p, name))
+    for name, dims in (("q", "[B,T,H,K]"), ("k", "[B,T,H,K]"), ("v", "[B,T,HV,V]"), ("g", "[B,T,HV,K]")):
+        _req(getattr(p, name).dim() == 4, f"{name}: expected 4 dims {dims}, got {shape_of(getattr(p, name))}")
+    B, T, H, _ = p.q.shape
+    _req(H >= 1, f"q: expected H >= 1 query/key heads, got H=0 in {shape_of(p.q)}")
     HV, V = p.v.shape[2], p.v.shape[3]
-    _req(HV >= 1 and HV % H == 0, f"v: expected HV a multiple of H={H} (GVA), got HV={HV}")
+    _check_K(p, HV)
+    K = p.q.shape[3]
+    _req(p.k.shape == p.q.shape, f"k: expected the shape of q {list(p.q.shape)}, got {shape_of(p.k)}")
+    _req(tuple(p.v.shape[:2]) == (B, T), f"v: expected [B={B},T={T},HV,V], got {shape_of(p.v)}")
+    _req(HV >= 1, f"v: expected HV >= 1 value heads, got HV=0 in {shape_of(p.v)}")
+    _req(HV % H == 0, f"v: expected HV a multiple of H={H} (GVA), got HV={HV}")
     _req(K >= 1 and V >= 1, f"q/v: expected K >= 1 and V >= 1, got K={K} V={V}")
-    _req(tuple(p.g.shape) == (B, T, HV, K), f"g: expected [{B},{T},{HV},{K}] (K must match q), got {_shape(p.g)}")
-    _req(tuple(p.beta.shape) == (B, T, HV), f"beta: expected [{B},{T},{HV}], got {_shape(p.beta)}")
+    _req(tuple(p.g.shape) == (B, T, HV, K), f"g: expected [{B},{T},{HV},{K}] ([B,T,HV,K]), got {shape_of(p.g)}")
+    _req(tuple(p.beta.shape) == (B, T, HV), f"beta: expected [{B},{T},{HV}], got {shape_of(p.beta)}")
     _req(p.gate in GATE_KINDS, f"gate: expected one of {'|'.join(GATE_KINDS)}, got {p.gate!r}")
     _req(p.beta_kind in BETA_KINDS, f"beta_kind: expected one of {'|'.join(BETA_KINDS)}, got {p.beta_kind!r}")
     _req(p.state_layout in STATE_LAYOUTS,
          f"state_layout: expected one of {'|'.join(STATE_LAYOUTS)}, got {p.state_layout!r}")
     if p.A_log is not None:
-        _req(tuple(p.A_log.shape) == (HV,), f"A_log: expected [{HV}] (one per value head), got {_shape(p.A_log)}")
+        _req(tuple(p.A_log.shape) == (HV,), f"A_log: expected [{HV}] (one per value head), got {shape_of(p.A_log)}")
     if p.dt_bias is not None:
-        _req(p.dt_bias.numel() == HV * K and p.dt_bias.dim() in (1, 2),
-             f"dt_bias: expected [{HV * K}] (HV*K) or [{HV},{K}], got {_shape(p.dt_bias)}")
+        transposed = (tuple(p.dt_bias.shape) == (K, HV) and K != HV)
+        _req(tuple(p.dt_bias.shape) in ((HV * K,), (HV, K)),
+             f"dt_bias: expected [{HV * K}] (HV*K) or [{HV},{K}] (HV,K), got {shape_of(p.dt_bias)}"
+             + (" ([K,HV] is not accepted: pass dt_bias.T)" if transposed else ""))
     if p.gate == "lower_bound":
         _req(p.lower_bound is not None, "lower_bound: expected a number < 0 for gate=lower_bound, got none")
         _req(isinstance(p.lower_bound, (int, float)) and math.isfinite(p.lower_bound) and p.lower_bound < 0,
@@ -184,8 +248,9 @@ def validate(p: Problem) -> Problem:
     # varlen
     if p.cu_seqlens is not None:
         cu = p.cu_seqlens
-        _req(not cu.is_floating_point() and cu.dim() == 1 and cu.numel() >= 2,
-             f"cu_seqlens: expected an integer tensor [N+1] with N >= 1, got {_shape(cu)}")
+        _req(isinstance(cu, torch.Tensor) and not cu.is_floating_point() and not cu.is_complex()
+             and cu.dtype != torch.bool and cu.dim() == 1 and cu.numel() >= 2,
+             f"cu_seqlens: expected an integer tensor [N+1] with N >= 1, got {shape_of(cu)}")
         _req(B == 1, f"cu_seqlens: expected B == 1 with varlen, got B={B}")
         c = [int(x) for x in cu.tolist()]
         _req(c[0] == 0, f"cu_seqlens: expected to start at 0, got {c[0]}")
@@ -202,17 +267,17 @@ def validate(p: Problem) -> Problem:
             want = (N, HV, K, V) if p.state_layout == "kv" else (N, HV, V, K)
             _req(tuple(p.initial_state.shape) == want,
                  f"initial_state: expected {list(want)} ([N,HV,{'K,V' if p.state_layout == 'kv' else 'V,K'}] "
-                 f"for layout {p.state_layout}), got {_shape(p.initial_state)}")
+                 f"for layout {p.state_layout}), got {shape_of(p.initial_state)}")
     else:
         _req(p.initial_state is None, "initial_state: expected None with state_layout=paged (the cache holds it), got a tensor")
         sc = p.state_cache
         _req(sc is not None and sc.dim() == 4 and tuple(sc.shape[1:]) == (HV, V, K),
-             f"state_cache: expected [slots,{HV},{V},{K}] (V-first), got {_shape(sc)}")
+             f"state_cache: expected [slots,{HV},{V},{K}] (V-first), got {shape_of(sc)}")
         si, hs = p.state_indices, p.has_initial_state
         _req(si is not None and not si.is_floating_point() and si.dtype != torch.bool and tuple(si.shape) == (N,),
-             f"state_indices: expected an integer tensor [{N}], got {_shape(si)}")
+             f"state_indices: expected an integer tensor [{N}], got {shape_of(si)}")
         _req(hs is not None and hs.dtype == torch.bool and tuple(hs.shape) == (N,),
-             f"has_initial_state: expected a bool tensor [{N}], got {_shape(hs)}")
+             f"has_initial_state: expected a bool tensor [{N}], got {shape_of(hs)}")
         idx = [int(x) for x in si.tolist()]
         out = [i for i in idx if not 0 <= i < sc.shape[0]]
         _req(not out, f"state_indices: expected values in [0, {sc.shape[0]}) (slots), got {out[:1]}")
@@ -220,7 +285,13 @@ def validate(p: Problem) -> Problem:
         _req(not dup, f"state_indices: expected distinct slots, got slot {dup[:1]} used twice")
     for name in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state"):
         _finite(name, getattr(p, name))
-    if p.paged and p.state_cache.is_floating_point():
+    if p.gate == "pregated":
+        pos = p.g > 0
+        if bool(pos.any()):
+            idx = tuple(int(i) for i in pos.nonzero()[0].tolist())
+            raise ProblemError(f"g: expected a log-decay <= 0 with gate=pregated (a decay exp(g) <= 1), got "
+                               f"{int(pos.sum())} values > 0 (max {float(p.g.max()):.3g}, first at index {idx})")
+    if p.paged:
         for n, (slot, reads) in enumerate(zip(p.state_indices.tolist(), p.has_initial_state.tolist())):
             bad = int((~torch.isfinite(p.state_cache[slot])).sum()) if reads else 0
             _req(bad == 0, f"state_cache: expected finite values in slot {slot} (read by sequence {n}: "

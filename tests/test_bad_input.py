@@ -6,6 +6,7 @@ import sys
 import pytest
 import torch
 
+from kda_kernels.base import BUILTIN_BACKENDS
 from kda_ref import ProblemError, validate
 from verification.cli import main
 from verification.problem_file import save_problem
@@ -48,10 +49,44 @@ def _paged_nan_read():
 
 CASES = [
     # (id, problem builder, message regex)
-    ("k-shape", lambda p: p.replace(k=p.k[..., :-1]), r"^k: expected the shape of q \[1, 119, 2, 16\], got \[1, 119, 2, 15\]"),
+    ("k-K", lambda p: p.replace(k=p.k[..., :-1]), r"^k: K = 15, but q, g, dt_bias have K = 16$"),
+    ("q-K", lambda p: p.replace(q=p.q[..., :-1]), r"^q: K = 15, but k, g, dt_bias have K = 16$"),
+    ("q-K-no-dt_bias", lambda p: p.replace(q=p.q[..., :-1], dt_bias=None), r"^q: K = 15, but k, g have K = 16$"),
+    ("dt_bias-K", lambda p: p.replace(dt_bias=p.dt_bias.reshape(2, 16)[:, :-1]),
+     r"^dt_bias: K = 15, but q, k, g have K = 16$"),
+    ("K-no-majority", lambda p: p.replace(q=p.q[..., :-1], k=p.k[..., :-1]),
+     r"^q, k, g, dt_bias: expected one K across them, got q K = 15, k K = 15, g K = 16, dt_bias K = 16$"),
+    ("k-shape", lambda p: p.replace(k=p.k[:, :-1]), r"^k: expected the shape of q \[1, 119, 2, 16\], got \[1, 118, 2, 16\]"),
+    ("H-zero", lambda p: p.replace(q=p.q[:, :, :0], k=p.k[:, :, :0]),
+     r"^q: expected H >= 1 query/key heads, got H=0 in \[1, 119, 0, 16\] float64$"),
+    ("HV-zero", lambda p: p.replace(v=p.v[:, :, :0], g=p.g[:, :, :0], beta=p.beta[:, :, :0]),
+     r"^v: expected HV >= 1 value heads, got HV=0 in \[1, 119, 0, 16\] float64$"),
+    ("q-float8", lambda p: p.replace(q=p.q.to(torch.float8_e4m3fn)),
+     r"^q: expected a float16, bfloat16, float32 or float64 tensor, got \[1, 119, 2, 16\] float8_e4m3fn$"),
+    ("beta-float8", lambda p: p.replace(beta=p.beta.to(torch.float8_e5m2)),
+     r"^beta: expected a float16, bfloat16, float32 or float64 tensor, got \[1, 119, 2\] float8_e5m2$"),
+    ("dt_bias-float8", lambda p: p.replace(dt_bias=p.dt_bias.to(torch.float8_e4m3fn)),
+     r"^dt_bias: expected a float16, bfloat16, float32 or float64 tensor, got \[32\] float8_e4m3fn$"),
+    ("v-int", lambda p: p.replace(v=p.v.to(torch.int32)), r"^v: expected a float16, .* tensor, got .* int32$"),
+    ("state-int", lambda p: p.replace(initial_state=p.initial_state.to(torch.int64)),
+     r"^initial_state: expected a float16, bfloat16, float32 or float64 tensor, got \[7, 2, 16, 16\] int64$"),
+    ("cache-int", lambda p: base("paged").replace(state_cache=torch.zeros(base("paged").state_cache.shape,
+                                                                          dtype=torch.int32)),
+     r"^state_cache: expected a float16, bfloat16, float32 or float64 tensor, got \[7, 2, 16, 16\] int32$"),
+    ("dt_bias-K-HV", lambda p: p.replace(dt_bias=p.dt_bias.reshape(2, 16).T.contiguous()),
+     r"^dt_bias: expected \[32\] \(HV\*K\) or \[2,16\] \(HV,K\), got \[16, 2\] float64 "
+     r"\(\[K,HV\] is not accepted: pass dt_bias.T\)$"),
+    ("dt_bias-other-2d", lambda p: p.replace(dt_bias=p.dt_bias.reshape(4, 8)),
+     r"^dt_bias: expected \[32\] \(HV\*K\) or \[2,16\] \(HV,K\), got \[4, 8\] float64$"),
+    ("pregated-decay-above-1", lambda p: p.replace(gate="pregated", g=_set(-p.g.abs(), (0, 9, 1, 4), 0.25)),
+     r"^g: expected a log-decay <= 0 with gate=pregated \(a decay exp\(g\) <= 1\), got 1 values > 0 "
+     r"\(max 0.25, first at index \(0, 9, 1, 4\)\)$"),
+    ("cu-bool", lambda p: p.replace(cu_seqlens=p.cu_seqlens.bool()),
+     r"^cu_seqlens: expected an integer tensor \[N\+1\] with N >= 1, got \[8\] bool$"),
     ("v-T", lambda p: p.replace(v=p.v[:, :-1]), r"^v: expected \[B=1,T=119,HV,V\], got \[1, 118, 2, 16\]"),
     ("HV-not-multiple", lambda p: p.replace(v=torch.zeros(1, 119, 3, 16)), r"^v: expected HV a multiple of H=2"),
-    ("g-K", lambda p: p.replace(g=p.g[..., :-1]), r"^g: expected \[1,119,2,16\] \(K must match q\), got"),
+    ("g-K", lambda p: p.replace(g=p.g[..., :-1]), r"^g: K = 15, but q, k, dt_bias have K = 16$"),
+    ("g-T", lambda p: p.replace(g=p.g[:, :-1]), r"^g: expected \[1,119,2,16\] \(\[B,T,HV,K\]\), got \[1, 118, 2, 16\]"),
     ("beta-shape", lambda p: p.replace(beta=p.beta[..., :1]), r"^beta: expected \[1,119,2\], got \[1, 119, 1\]"),
     ("A_log-shape", lambda p: p.replace(A_log=p.A_log[:1]), r"^A_log: expected \[2\] \(one per value head\), got \[1\]"),
     ("dt_bias-shape", lambda p: p.replace(dt_bias=p.dt_bias[:-1]), r"^dt_bias: expected \[32\] \(HV\*K\)"),
@@ -176,8 +211,8 @@ def test_cli_missing_file_and_bad_device_without_traceback(tmp_path):
 RUN_CASES = [
     (["--suite", "nope"], "--suite: expected one of smoke, default, k3-prefill, stress, fuzz, got 'nope'"),
     (["--route", "nope"], "--route: backend 'emulator' has no route 'nope'; expected one of: flashkda, fla, moonshot"),
-    (["--backend", "nope"], "--backend: expected a built-in name (emulator, triton, fla, aiter, moonshot) or "
-                            "package.module:factory, got 'nope'"),
+    (["--backend", "nope"], f"--backend: expected a built-in name ({', '.join(BUILTIN_BACKENDS)}) "
+                            "or package.module:factory, got 'nope'"),
     (["--case", "smoke/nope"], "--case: expected a case id (or glob) of suite(s) smoke, got 'smoke/nope'"),
     (["--device", "tpu"], "--device: expected a torch device such as cpu, cuda, cuda:1, got 'tpu'"),
     (["--tolerances", "MISSING"], "--tolerances: expected a YAML file, got "),
@@ -264,3 +299,40 @@ def test_timeout_without_isolate_and_a_case_of_no_suite_are_named(tmp_path, caps
     assert "--timeout: expected together with --isolate" in capsys.readouterr().err
     assert main(["export", "--case", "nope/x", "--out", str(tmp_path / "p.safetensors")]) == 2
     assert "--case: expected <suite>/<name>" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------- empty problems
+def _empty_varlen():
+    p = base()                    # varlen, B = 1: T = 0 with every sequence empty
+    return p.replace(q=p.q[:, :0], k=p.k[:, :0], v=p.v[:, :0], g=p.g[:, :0], beta=p.beta[:, :0],
+                     cu_seqlens=torch.zeros_like(p.cu_seqlens))
+
+
+def _empty_batch():
+    p = base("dense")             # B = 0
+    return p.replace(q=p.q[:0], k=p.k[:0], v=p.v[:0], g=p.g[:0], beta=p.beta[:0], initial_state=p.initial_state[:0])
+
+
+@pytest.mark.parametrize("make,shape", [(_empty_varlen, "B=1, T=0"), (_empty_batch, "B=0, T=70")],
+                         ids=["T0", "B0"])
+def test_an_empty_problem_is_valid_and_says_it_is_empty(make, shape):
+    p = validate(make())
+    assert p.is_empty
+    assert p.empty_reason() == (f"an empty problem ({shape}: no tokens) has nothing to verify; "
+                                f"expected B >= 1 and T >= 1")
+    assert not base().is_empty and base().empty_reason() is None
+
+
+@pytest.mark.parametrize("make", [_empty_varlen, _empty_batch], ids=["T0", "B0"])
+def test_check_on_an_empty_problem_exits_2_with_one_line(tmp_path, capsys, make):
+    from verification.problem_file import save_outputs
+    p = make()
+    pin, pout = str(tmp_path / "p.safetensors"), str(tmp_path / "o.safetensors")
+    save_problem(pin, p)
+    save_outputs(pout, {"o": torch.zeros(p.v.shape)}, {})
+    rc = main(["check", "--inputs", pin, "--outputs", pout, "--recipe", "flashkda"])
+    cap = capsys.readouterr()
+    lines = cap.err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1, cap
+    assert lines[0].startswith("kda-verify check: error: ") and "empty problem" in lines[0], lines[0]
+    assert "nothing to verify" in lines[0], lines[0]

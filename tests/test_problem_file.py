@@ -115,3 +115,104 @@ def test_missing_or_unreadable_files(tmp_path):
         load_problem(str(junk))
     with pytest.raises(UsageError, match=r"^outputs: expected an existing"):
         load_outputs(str(tmp_path / "none.safetensors"))
+
+
+def _no_metadata_file(tmp_path, **meta):
+    path = str(tmp_path / "nometa.safetensors")
+    p = build(RECIPES[1], 0)
+    save_file({n: x.contiguous() for n, x in p.tensors().items()}, path, metadata=meta or None)
+    return path
+
+
+def test_a_file_without_its_metadata_block_is_named(tmp_path, capsys):
+    path = _no_metadata_file(tmp_path)
+    with pytest.raises(UsageError, match=r"^metadata: expected the string metadata block of a kda-verify-problem/1 "
+                                         r"file in .*nometa.safetensors \(keys format, scale, lower_bound, gate, "
+                                         r".*\), got none: the file holds tensors only"):
+        load_problem(path)
+    for argv in (["oracle", "--inputs", path, "--out", str(tmp_path / "t.safetensors")],
+                 ["check", "--inputs", path, "--outputs", str(tmp_path / "o.safetensors"), "--recipe", "flashkda"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "error: metadata: expected the string metadata block" in err[0], err
+        assert "lower_bound" not in err[0].split("got")[-1], err[0]
+
+
+def test_a_lower_bound_gate_without_its_key_is_named(tmp_path):
+    path = _no_metadata_file(tmp_path, format="kda-verify-problem/1")
+    with pytest.raises(UsageError, match=r"^lower_bound: expected a number < 0 in the metadata of .* "
+                                         r"for gate=lower_bound \(the default gate\), got no 'lower_bound' key$"):
+        load_problem(path)
+    path = _no_metadata_file(tmp_path, gate="lower_bound")
+    with pytest.raises(UsageError, match=r"of .* for gate=lower_bound, got no 'lower_bound' key$"):
+        load_problem(path)
+    p = load_problem(_no_metadata_file(tmp_path, gate="lower_bound", lower_bound="-5"))
+    assert p.lower_bound == -5.0
+
+
+# ------------------------------------------------------------- output files held to the problem
+def _truth_file(tmp_path, recipe="varlen-partial-empty", C=32):
+    p = build([r for r in RECIPES if r.name == recipe][0], 0)
+    pin, pout = str(tmp_path / "p.safetensors"), str(tmp_path / "t.safetensors")
+    save_problem(pin, p)
+    assert main(["oracle", "--inputs", pin, "--out", pout, "--workspace", "--chunk-size", str(C)]) == 0
+    return p, pin, pout
+
+
+def _rewrite(path, **changes):
+    tensors = load_outputs(path)
+    tensors.update(changes)
+    save_outputs(path, {n: t for n, t in tensors.items() if t is not None}, {})
+
+
+def test_outputs_of_the_problem_load(tmp_path):
+    p, _, pout = _truth_file(tmp_path)
+    got = load_outputs(pout, p)
+    lens = [e - b for b, e in p.seq_bounds()]
+    assert got["ws_inv"].shape == (p.HV * sum(-(-n // 32) for n in lens), 32, 32)     # 2 x 6 tiles
+    assert got["ws_inv"].shape[0] == 12
+
+
+@pytest.mark.parametrize("name,make,pattern", [
+    ("o", lambda t, p: t["o"][:, :-1], r"^o: expected \[1, 119, 2, 16\] \(\[B,T,HV,V\]\) in .*, got \[1, 118, 2, 16\] float64$"),
+    ("final_state", lambda t, p: t["final_state"][:-1],
+     r"^final_state: expected \[7, 2, 16, 16\] \(\[N,HV,K,V\], layout kv\) in .*, got \[6, 2, 16, 16\] float64$"),
+    ("ws_inv", lambda t, p: t["ws_inv"][:-1],
+     r"^ws_inv: expected \[12, 32, 32\] \(\[HV\*tiles,C,C\]: HV=2 x 6 tiles at C=32\) in .*, got \[11, 32, 32\] float64$"),
+])
+def test_outputs_not_shaped_by_the_problem_are_named(tmp_path, name, make, pattern):
+    p, _, pout = _truth_file(tmp_path)
+    _rewrite(pout, **{name: make(load_outputs(pout), p)})
+    load_outputs(pout)                                   # without the problem only ws_inv's own form is held
+    with pytest.raises(ProblemError, match=pattern):
+        load_outputs(pout, p)
+
+
+def test_an_integer_output_is_named(tmp_path):
+    _, _, pout = _truth_file(tmp_path)
+    _rewrite(pout, o=load_outputs(pout)["o"].to(torch.int32))
+    with pytest.raises(ProblemError, match=r"^o: expected a float16, bfloat16, float32 or float64 tensor in .*, "
+                                           r"got \[1, 119, 2, 16\] int32$"):
+        load_outputs(pout)
+
+
+def test_a_paged_state_cache_of_another_shape_is_named(tmp_path):
+    p, _, pout = _truth_file(tmp_path, recipe="paged")
+    _rewrite(pout, state_cache=load_outputs(pout)["state_cache"][:-1])
+    with pytest.raises(ProblemError, match=r"^state_cache: expected \[7, 2, 16, 16\] \(the problem's state_cache\) "
+                                           r"in .*, got \[6, 2, 16, 16\] float64$"):
+        load_outputs(pout, p)
+
+
+@pytest.mark.parametrize("make,got", [(lambda x: x[:, :, :16], r"\[12, 32, 16\] float64"),
+                                      (lambda x: x[0], r"\[32, 32\] float64"),
+                                      (lambda x: x[:, :24, :24], r"\[12, 24, 24\] float64")],
+                         ids=["not-square", "2-dims", "C-24"])
+def test_a_ws_inv_of_no_chunk_size_is_named_by_check(tmp_path, capsys, make, got):
+    _, pin, pout = _truth_file(tmp_path)
+    _rewrite(pout, ws_inv=make(load_outputs(pout)["ws_inv"]).contiguous())
+    with pytest.raises(ProblemError, match=rf"^ws_inv: expected \[HV\*tiles,C,C\] with C = 16\|32\|64 in .*, got {got}$"):
+        load_outputs(pout)
+    rc = main(["check", "--inputs", pin, "--outputs", pout, "--recipe", "flashkda"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("kda-verify check: error: ws_inv: expected"), err

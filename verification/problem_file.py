@@ -14,9 +14,19 @@ dtype), and string metadata:
     output_final_state  true | false
     meta                (optional) JSON of Problem.meta
 
-A missing metadata key takes the Problem's default.  An output (truth) file holds ``o`` and
-``final_state`` (or ``state_cache`` when paged), plus any extra tensors (ws_*, segments), and
-string metadata (``format`` kda-verify-outputs/1 and whatever the writer adds).
+A missing metadata key takes the Problem's default, but the block itself is required: a
+file with no string metadata at all (``save_file(tensors)``) is refused naming the block, and
+``gate=lower_bound`` (the default gate) needs the ``lower_bound`` key.  An output (truth) file
+holds ``o`` and ``final_state`` (or ``state_cache`` when paged), plus any extra tensors (ws_*,
+segments), and string metadata (``format`` kda-verify-outputs/1 and whatever the writer adds).
+``load_outputs(path, problem)`` also holds the tensors it judges to the problem's shapes:
+
+    o            [B, T, HV, V]
+    final_state  [N, HV, K, V] (kv) or [N, HV, V, K] (vk), when output_final_state
+    state_cache  the problem's state_cache shape (paged)
+    ws_inv       [HV*tiles, C, C], C in 16/32/64, tiles = sum over sequences of ceil(len / C)
+
+(ws_inv's own form, 3 dims, square, C in 16/32/64, is checked without a problem too).
 
 Bad files raise UsageError (file, metadata) or ProblemError (tensors) naming the key.
 """
@@ -25,6 +35,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from typing import Optional
 
 from kda_ref.problem import BETA_KINDS, GATE_KINDS, STATE_LAYOUTS, Problem, ProblemError
 
@@ -123,6 +134,10 @@ def load_problem(path: str) -> Problem:
     if extra:
         raise _usage(f"{extra[0]}: expected only the tensors {', '.join(REQUIRED_TENSORS + OPTIONAL_TENSORS)} "
                      f"in {path}, got an unknown tensor {extra[0]!r}")
+    if not meta:
+        raise _usage(f"metadata: expected the string metadata block of a {PROBLEM_FORMAT} file in {path} "
+                     f"(keys {', '.join(('format',) + META_KEYS)}), got none: the file holds tensors only "
+                     f"(write it with verification.problem_file.save_problem or kda-verify export)")
     kw = {n: tensors.get(n) for n in REQUIRED_TENSORS + OPTIONAL_TENSORS}
     kw["scale"] = _parse_num("scale", meta.get("scale", "none"), path)
     kw["lower_bound"] = _parse_num("lower_bound", meta.get("lower_bound", "none"), path)
@@ -131,6 +146,9 @@ def load_problem(path: str) -> Problem:
     kw["qk_l2norm"] = _parse_bool("qk_l2norm", meta.get("qk_l2norm", "true"), path)
     kw["state_layout"] = _parse_choice("state_layout", meta.get("state_layout", "kv"), STATE_LAYOUTS, path)
     kw["output_final_state"] = _parse_bool("output_final_state", meta.get("output_final_state", "true"), path)
+    if kw["gate"] == "lower_bound" and "lower_bound" not in meta:
+        raise _usage(f"lower_bound: expected a number < 0 in the metadata of {path} for gate=lower_bound"
+                     f"{'' if 'gate' in meta else ' (the default gate)'}, got no 'lower_bound' key")
     if "meta" in meta:
         try:
             kw["meta"] = json.loads(meta["meta"])
@@ -148,8 +166,9 @@ def save_outputs(path: str, tensors: dict, meta: dict) -> None:
     _save(path, tensors, md)
 
 
-def load_outputs(path: str) -> dict:
-    """The tensors of an output file (``o`` always; ``final_state`` or ``state_cache``; extras)."""
+def load_outputs(path: str, problem: Optional[Problem] = None) -> dict:
+    """The tensors of an output file (``o`` always; ``final_state`` or ``state_cache``; extras).
+    With ``problem`` the tensors that are judged are held to its shapes (``check_outputs``)."""
     tensors, meta = _open(path, "outputs")
     fmt = meta.get("format", OUTPUTS_FORMAT)
     if fmt != OUTPUTS_FORMAT:
@@ -157,7 +176,46 @@ def load_outputs(path: str) -> dict:
     if "o" not in tensors:
         raise ProblemError(f"o: expected a tensor 'o' in {path}, got none "
                            f"(it holds {', '.join(sorted(tensors)) or 'no tensors'})")
+    check_outputs(tensors, problem, path)
     return tensors
+
+
+def _tiles(problem: Problem, C: int) -> int:
+    """Tiles of the chunk grid at chunk size C: sum over sequences of ceil(len / C)."""
+    return sum(-(-(e - b) // C) for b, e in problem.seq_bounds())
+
+
+def check_outputs(tensors: dict, problem: Optional[Problem], path: str) -> None:
+    """Raise ProblemError naming the first output tensor of ``path`` whose dtype is not a float
+    one or whose shape is not the one the problem gives it (the table in the module docstring);
+    without a problem only ws_inv's own form is checked.  Tensors that are not judged pass."""
+    from kda_ref.problem import FLOAT_DTYPES, FLOAT_NAMES, shape_of
+    from kda_ref.workspace import SUPPORTED_C
+    for name in ("o", "final_state", "state_cache", "ws_inv"):
+        t = tensors.get(name)
+        if t is not None and t.dtype not in FLOAT_DTYPES:
+            raise ProblemError(f"{name}: expected a {FLOAT_NAMES} tensor in {path}, got {shape_of(t)}")
+    inv = tensors.get("ws_inv")
+    Cs = "|".join(str(c) for c in SUPPORTED_C)
+    if inv is not None and not (inv.dim() == 3 and inv.shape[1] == inv.shape[2] and inv.shape[2] in SUPPORTED_C):
+        raise ProblemError(f"ws_inv: expected [HV*tiles,C,C] with C = {Cs} in {path}, got {shape_of(inv)}")
+    if problem is None:
+        return
+    p = problem
+    want = {"o": ((p.B, p.T, p.HV, p.V), "[B,T,HV,V]")}
+    if p.paged:
+        want["state_cache"] = (tuple(p.state_cache.shape), "the problem's state_cache")
+    elif p.output_final_state:
+        want["final_state"] = (((p.N, p.HV, p.K, p.V), "[N,HV,K,V], layout kv") if p.state_layout == "kv"
+                               else ((p.N, p.HV, p.V, p.K), "[N,HV,V,K], layout vk"))
+    if inv is not None:
+        C = int(inv.shape[-1])
+        tiles = _tiles(p, C)
+        want["ws_inv"] = ((p.HV * tiles, C, C), f"[HV*tiles,C,C]: HV={p.HV} x {tiles} tiles at C={C}")
+    for name, (shape, what) in want.items():
+        t = tensors.get(name)
+        if t is not None and tuple(t.shape) != shape:
+            raise ProblemError(f"{name}: expected {list(shape)} ({what}) in {path}, got {shape_of(t)}")
 
 
 def load_outputs_metadata(path: str) -> dict:
