@@ -1,8 +1,9 @@
 """`kda-verify`: one subcommand per module in verification/commands/.
 
 Each command module defines ``NAME``, ``HELP``, ``add_arguments(parser)`` and
-``run(args) -> int``.  Bad input (ProblemError, UsageError, BackendError, ...) prints a
-one-line error and exits 2, with no traceback.
+``run(args) -> int``.  Exit codes (verification/errors.py): 0 verified, 1 a kernel failure,
+2 bad input, a bad environment or nothing verified (one line, no traceback), 3 an internal
+error (one line naming the file that holds the traceback), 130 interrupted.
 """
 from __future__ import annotations
 
@@ -11,11 +12,10 @@ import importlib
 import pkgutil
 import sys
 
-from kda_ref.problem import ProblemError
+from kda_ref.problem import ProblemError  # noqa: F401 - re-exported (old imports)
 
-
-class UsageError(ValueError):
-    """A bad command-line or file argument; the message names it."""
+from .errors import (EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_USAGE, Interrupted, UsageError,  # noqa: F401
+                     bad_input_errors, save_traceback)
 
 
 def _commands():
@@ -44,15 +44,41 @@ def main(argv=None) -> int:
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2
-    from kda_kernels.base import BackendError
+    name = f"kda-verify {args.command}"
     try:
         return int(args._run(args) or 0)
-    except (ProblemError, UsageError, BackendError) as e:
-        print(f"kda-verify {args.command}: error: {e}", file=sys.stderr)
-        return 2
+    except bad_input_errors() as e:
+        print(f"{name}: error: {_one_line(e)}", file=sys.stderr)
+        return EXIT_USAGE
+    except Interrupted as e:
+        print(f"{name}: {_one_line(e) or 'interrupted'}", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except KeyboardInterrupt:
-        print(f"kda-verify {args.command}: interrupted", file=sys.stderr)
-        return 130
+        print(f"{name}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except OSError as e:
+        if e.filename is None:           # not about a path: an internal error like any other
+            return _internal(name, args, e)
+        # a file the environment refused (unwritable, vanished, disk full): the user's to fix
+        print(f"{name}: error: {e.filename}: {e.strerror or type(e).__name__}", file=sys.stderr)
+        return EXIT_USAGE
+    except Exception as e:  # noqa: BLE001 - kda-verify's own bug: one line, the traceback kept in a file
+        return _internal(name, args, e)
+
+
+def _one_line(e: BaseException) -> str:
+    """The message of e on one line (a message that spans lines is joined with '; ')."""
+    return "; ".join(ln.strip() for ln in str(e).splitlines() if ln.strip())
+
+
+def _internal(name: str, args, e: Exception) -> int:
+    out = getattr(args, "out", None) or getattr(args, "dir", None)
+    try:
+        where = save_traceback(e, args.command, out_dir=out)
+    except OSError as e2:
+        where = f"(not saved: {e2.strerror or type(e2).__name__})"
+    print(f"{name}: internal error: {type(e).__name__}: {_one_line(e)[:300]} (traceback: {where})", file=sys.stderr)
+    return EXIT_INTERNAL
 
 
 if __name__ == "__main__":

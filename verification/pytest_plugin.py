@@ -18,7 +18,11 @@ Options:
     --kda-device D     torch device (default: cuda:N for xdist worker gwN, N mod device_count;
                        cuda without xdist; cpu without CUDA)
     --kda-tolerances F tolerances file (default: the repository's tolerances.yaml)
+    --kda-allow-skips  exit 0 even when every cell was skipped (a CI job that expects it)
 
+The terminal summary's headline says how many cells were judged (``VERIFIED n of N cells:
+...``); a session whose matrix judged no cell at all (``NOTHING VERIFIED: N cells skipped
+(reason)``) exits 2 with one line saying why, unless --kda-allow-skips.
 A cell that cannot run here (backend unavailable, case not applicable) is skipped with the
 reason; so is a cell out of the kernel's contract (a documented range it does not check: the
 reason says what the kernel did there, never a pass or a failure).  The terminal summary ends with the time breakdown of the cells that ran
@@ -42,6 +46,9 @@ _T0_KEY = "_kda_verify_t0"
 _WORKERS_KEY = "_kda_verify_worker_timing"
 _BREAKDOWN_KEY = "_kda_verify_breakdown"
 WORKER_OUTPUT = "kda_verify_timing"
+CELL_PROPERTY = "kda_cell_status"     # the user property that marks a matrix cell's report, with its status
+_CELLS_KEY = "_kda_verify_cells"      # [{status, reason, backend}] of every cell reported (controller)
+_NOTHING_KEY = "_kda_verify_nothing"
 
 
 def verify():  # pragma: no cover - a marker object: expanded into items by the collection hook
@@ -53,24 +60,26 @@ verify._kda_verify_matrix = True
 
 def pytest_addoption(parser):
     g = parser.getgroup("kda-verify", "kda-verify matrix (pytest -m verify)")
-    g.addoption("--kda-backend", action="append", default=[], metavar="B",
+    g.addoption("--kda-backend", action="append", default=[], metavar="BACKEND",
                 help="backend: built-in name or package.module:factory (repeatable, comma list; "
                      "default: every available built-in backend)")
-    g.addoption("--kda-route", action="append", default=[], metavar="R",
+    g.addoption("--kda-route", action="append", default=[], metavar="ROUTE",
                 help="route names (repeatable, comma list; default: every route)")
-    g.addoption("--kda-suite", action="append", default=[], metavar="S",
+    g.addoption("--kda-suite", action="append", default=[], metavar="SUITE",
                 help="case suites (repeatable, comma list; default: smoke)")
     g.addoption("--kda-case", action="append", default=[], metavar="ID",
                 help="only case ids matching (exact or glob; repeatable)")
     g.addoption("--kda-fuzz-n", default=None, metavar="N",
                 help="with --kda-suite fuzz: how many cases to draw (default 20; fuzz ids depend on it)")
-    g.addoption("--kda-fuzz-seed", default=None, metavar="S",
+    g.addoption("--kda-fuzz-seed", default=None, metavar="SEED",
                 help="with --kda-suite fuzz: the seed of the draw (default 0)")
     g.addoption("--kda-report", default=None, metavar="DIR",
                 help="write results*.jsonl into DIR as cells finish and the report at session end")
-    g.addoption("--kda-device", default=None, metavar="D",
+    g.addoption("--kda-device", default=None, metavar="DEVICE",
                 help="torch device (default: cuda:N for xdist worker gwN; cuda; cpu without CUDA)")
     g.addoption("--kda-tolerances", default=None, metavar="YAML", help="tolerances file")
+    g.addoption("--kda-allow-skips", action="store_true", default=False,
+                help="exit 0 even when every cell of the matrix was skipped (without it: exit 2, nothing verified)")
 
 
 def _worker_id(config) -> str | None:
@@ -104,6 +113,7 @@ def pytest_configure(config):
     import time
     setattr(config, _T0_KEY, time.perf_counter())
     config.addinivalue_line("markers", "verify: the on-device verification matrix (backend x route x case)")
+    config.pluginmanager.register(_CellTally(config), f"kda-verify-cells-{id(config)}")
     out = config.getoption("--kda-report", default=None)
     if out and _worker_id(config) is None:
         # the controller (or a run without xdist) starts the report directory afresh
@@ -287,12 +297,16 @@ class VerifyItem(pytest.Item):
 
     def runtest(self):
         from verification.runner import append_record, run_cell
+        from verification.runner import note_self_judged
         lb, route, case = self.cell
         st = _state(self.config)
         if not lb.available:
-            pytest.skip(f"backend unavailable: {lb.reason or 'no reason given'}")
-        rec = run_cell(lb, route, case, st.truth_cache, st.baseline_cache, st.db, st.device)
+            why = f"backend unavailable: {lb.reason or 'no reason given'}"
+            self.user_properties.extend([(CELL_PROPERTY, "skipped"), ("backend", lb.name), ("reason", why)])
+            pytest.skip(why)
+        rec = note_self_judged(run_cell(lb, route, case, st.truth_cache, st.baseline_cache, st.db, st.device))
         self.record = rec
+        self.user_properties.append((CELL_PROPERTY, str(rec.get("status"))))
         st.timings.append(dict(rec.get("timings") or {}))
         self.user_properties.extend(_properties(rec))
         path = _results_path(self.config)
@@ -359,7 +373,44 @@ def _timing_input(config) -> dict | None:
     return {"started": getattr(config, _T0_KEY), "sums": own["sums"]}
 
 
+class _CellTally:
+    """Keeps the status of every matrix cell reported (registered per config; under xdist the
+    controller sees the workers' reports)."""
+
+    def __init__(self, config):
+        self.config = config
+
+    def pytest_runtest_logreport(self, report):
+        props = dict(getattr(report, "user_properties", None) or [])
+        if CELL_PROPERTY not in props or report.when != "call":
+            return
+        cells = getattr(self.config, _CELLS_KEY, None)
+        if cells is None:
+            cells = []
+            setattr(self.config, _CELLS_KEY, cells)
+        cells.append({"status": props[CELL_PROPERTY], "reason": str(props.get("reason", "")),
+                      "backend": str(props.get("backend", ""))})
+
+
+def _nothing_verified(session) -> None:
+    """A matrix whose cells were all skipped verified nothing: exit 2 (one line in the summary),
+    unless --kda-allow-skips.  The controller decides; xdist workers report to it."""
+    from verification.errors import EXIT_USAGE
+    from verification.runner import nothing_verified_reason
+    config = session.config
+    cells = getattr(config, _CELLS_KEY, None)
+    if not cells or _worker_id(config) is not None:
+        return
+    why = nothing_verified_reason(cells)
+    if why is None:
+        return
+    setattr(config, _NOTHING_KEY, why)
+    if not config.getoption("--kda-allow-skips") and session.exitstatus == 0:
+        session.exitstatus = EXIT_USAGE
+
+
 def pytest_sessionfinish(session, exitstatus):
+    _nothing_verified(session)
     config = session.config
     if _worker_id(config) is not None:
         own = _own_timing(config)
@@ -393,6 +444,16 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     from verification import timing
     if _worker_id(config) is not None:
         return
+    cells = getattr(config, _CELLS_KEY, None)
+    if cells:
+        from verification.runner import verified_headline
+        terminalreporter.write_sep("-", "kda-verify")
+        terminalreporter.write_line(verified_headline(cells))
+        why = getattr(config, _NOTHING_KEY, None)
+        if why is not None:
+            allowed = config.getoption("--kda-allow-skips")
+            terminalreporter.write_line(f"kda-verify: nothing verified: {why}" +
+                                        ("; exit 0 (--kda-allow-skips)" if allowed else "; exit 2"))
     bd = getattr(config, _BREAKDOWN_KEY, None)
     if bd is None:
         ti = _timing_input(config)

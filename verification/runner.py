@@ -41,6 +41,8 @@ import torch
 
 STATUSES = ("pass", "fail", "mistrusted", "crashed", "skipped", "error", "known-fail", "out-of-contract")
 FAILING = ("fail", "mistrusted", "crashed", "error")
+JUDGED = ("pass", "known-fail", "fail", "mistrusted")     # a verdict was reached: the cell was verified
+HEADLINE_ORDER = ("pass", "known-fail", "fail", "mistrusted", "error", "crashed", "out-of-contract", "skipped")
 RESULTS_FILE = "results.jsonl"
 RUN_FILE = "run.json"
 STDERR_TAIL_CHARS = 4000
@@ -801,11 +803,81 @@ class RunSummary:
 
     @property
     def exit_code(self) -> int:
-        """1 if any cell failed, was mistrusted, crashed or errored; 0 if all passed or skipped."""
+        """1 if any cell failed, was mistrusted, crashed or errored; else 0 (a run that judged no
+        cell at all is the caller's to refuse: ``nothing_verified_reason``)."""
         return 1 if self.failed else 0
 
 
 def plan(backends: list[LoadedBackend], routes: Optional[list[str]], cases: list) -> list[tuple]:
+    @property
+    def verified(self) -> int:
+        """How many cells reached a verdict (pass, known-fail, fail, mistrusted)."""
+        return sum(r.get("status") in JUDGED for r in self.records)
+
+
+def _skip_reason(rec: dict) -> str:
+    """A skipped cell's reason, naming the backend when it is the backend that is unavailable."""
+    why = str(rec.get("reason") or "no reason given")
+    prefix = "backend unavailable: "
+    if why.startswith(prefix):
+        return f"backend {rec.get('backend')} unavailable: {why[len(prefix):]}"
+    return why
+
+
+def _common_reason(records: list) -> str:
+    """The most frequent reason of the unjudged cells of ``records``, and how many had another."""
+    reasons: dict[str, int] = {}
+    for r in records:
+        if r.get("status") not in JUDGED:
+            k = _skip_reason(r) if r.get("status") == "skipped" else f"{r.get('status')}: {r.get('reason') or ''}"
+            reasons[k] = reasons.get(k, 0) + 1
+    if not reasons:
+        return "every cell was judged"
+    top, n = max(reasons.items(), key=lambda kv: kv[1])
+    rest = sum(reasons.values()) - n
+    return top + (f"; {rest} more cell{'s' if rest != 1 else ''} for other reasons" if rest else "")
+
+
+def verified_headline(records: list) -> str:
+    """The run's headline: ``VERIFIED <n> of <N> cells: 16 pass, 1 known-fail, 1 skipped`` when n
+    cells reached a verdict, ``NOTHING VERIFIED: <N> cells skipped (<reason>)`` when none did (the
+    report module writes the same two forms)."""
+    counts: dict[str, int] = {}
+    for r in records:
+        counts[r.get("status", "?")] = counts.get(r.get("status", "?"), 0) + 1
+    order = list(HEADLINE_ORDER) + sorted(k for k in counts if k not in HEADLINE_ORDER)
+    tally = ", ".join(f"{counts[k]} {k}" for k in order if counts.get(k))
+    n = sum(counts.get(k, 0) for k in JUDGED)
+    total = len(records)
+    if n:
+        return f"VERIFIED {n} of {total} cells: {tally}"
+    if total and counts.get("skipped", 0) == total:
+        return f"NOTHING VERIFIED: {total} cells skipped ({_common_reason(records)})"
+    return f"NOTHING VERIFIED: {total} cells: {tally or 'none'}" + (f" ({_common_reason(records)})" if total else "")
+
+
+def nothing_verified_reason(records: list) -> Optional[str]:
+    """None when some cell reached a verdict; else why none did, on one line (the reason most
+    cells share, e.g. ``backend fla unavailable: ...``; "no cells" for an empty matrix)."""
+    if any(r.get("status") in JUDGED for r in records):
+        return None
+    if not records:
+        return "no cells"
+    return _common_reason(records)
+
+
+SELF_JUDGED = "emulator judged against its own recipe (err = baseline, margin 1): only the cap judges"
+
+
+def note_self_judged(rec: dict) -> dict:
+    """Say so on a cell whose kernel is the emulator (backend ``emulator``): its route's recipe
+    is the baseline's, so its error is the baseline's by construction, the margin is 1 and only
+    the cap can fail it; such a row verifies the harness, not a kernel."""
+    if rec.get("backend") == "emulator" and rec.get("status") in JUDGED and SELF_JUDGED not in rec.get("reason", ""):
+        rec["reason"] = f"{SELF_JUDGED}; {rec['reason']}" if rec.get("reason") else SELF_JUDGED
+        rec["self_judged"] = True
+    return rec
+
     """The cells, case-major: [(LoadedBackend, Route, Case), ...]."""
     from verification.cli import UsageError
     strict = len(backends) == 1
@@ -907,6 +979,7 @@ def run_matrix(backends: Iterable, cases: list, out_dir=None, *, routes: Optiona
                 rec = run_cell(lb, route, case, truth_cache, baseline_cache, db, device, guards=guards)
             if results is not None:
                 append_record(results, rec)
+            note_self_judged(rec)
             summary.records.append(rec)
             summary.fresh.append(rec)
             summary.ran += 1

@@ -31,6 +31,9 @@ def run(args) -> int:
     from verification.cli import UsageError
     from verification.problem_file import load_problem, save_outputs
 
+    from verification.errors import writable_file
+
+    writable_file(args.out, "--out")
     backend = load_backend(args.backend)
     ok, why = backend.available()
     if not ok:

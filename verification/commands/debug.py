@@ -46,6 +46,9 @@ def run(args) -> int:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError(f"--device: expected cpu (no CUDA device here), got {device!r}")
     backend = load_backend(args.backend)
+    if not hasattr(backend, "run_pass") or not hasattr(backend, "debug_plan"):
+        raise UsageError(f"--backend: expected a backend with passes (triton, aiter, fla), got {args.backend!r}, "
+                         f"which exposes none (no run_pass / debug_plan)")
     if args.taps:
         if not hasattr(backend, "taps"):
             raise UsageError(f"--taps: expected a backend that returns taps (triton), got {args.backend!r}")
@@ -69,7 +72,12 @@ def run(args) -> int:
     if not ok:
         raise UsageError(f"--case: {why}")
     passes = [x.strip() for x in args.passes.split(",") if x.strip()]
-    reports = debug_passes(backend, problem, route, passes, thresholds)
+    try:
+        reports = debug_passes(backend, problem, route, passes, thresholds)
+    except ValueError as e:
+        if str(e).startswith("--"):          # the library's message names the argument: bad input
+            raise UsageError(str(e)) from None
+        raise
     if args.json:
         print(json.dumps(reports_to_json(reports), indent=1))
     else:

@@ -18,15 +18,16 @@ def run(args) -> int:
     from pathlib import Path
 
     from verification.cases import get_case
+    from verification.errors import writable_dir, writable_file
     from verification.problem_file import save_problem
 
     # an unknown id is a one-line error naming --case (a fuzz id past the draw's n names --fuzz-n)
     cases = [get_case(cid, n=args.fuzz_n, seed=args.fuzz_seed) for cid in args.case]
     out = Path(args.out)
     if len(cases) == 1 and not out.is_dir():
-        targets = [out]
+        targets = [writable_file(out, "--out")]
     else:
-        out.mkdir(parents=True, exist_ok=True)
+        writable_dir(out, "--out")
         targets = [out / (c.id.replace("/", "__") + ".safetensors") for c in cases]
     for c, path in zip(cases, targets):
         save_problem(str(path), c.build(device="cpu"))

@@ -47,7 +47,10 @@ def run(args) -> int:
     from verification.cli import UsageError
     from verification.problem_file import load_problem, save_outputs
 
+    from verification.errors import writable_file
+
     dev = check_device(args.device)
+    writable_file(args.out, "--out")
     if args.chunk_size not in (16, 32, 64) or (args.method == "fla" and args.chunk_size not in (32, 64)):
         allowed = "32 or 64 (fla)" if args.method == "fla" else "16, 32 or 64"
         raise UsageError(f"--chunk-size: expected {allowed}, got {args.chunk_size}")

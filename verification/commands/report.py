@@ -22,6 +22,8 @@ def run(args) -> int:
     if not results_files(d):
         raise UsageError(f"DIR: expected results.jsonl or results-*.jsonl in {args.dir!r}, got none "
                          f"(write them with `kda-verify run --out {args.dir}` or `pytest -m verify --kda-report`)")
+    from verification.errors import writable_dir
+    writable_dir(d, "DIR")               # the report is written beside the results
     records = load_results(d)
     if not records:
         raise UsageError(f"DIR: expected at least one cell in the results files of {args.dir!r}, got none")

@@ -1,8 +1,17 @@
 """`kda-verify run`: the matrix backend x route x case, recorded as it goes, then the report.
 
 Each finished cell is appended to DIR/results.jsonl at once (an interrupted run loses
-nothing; --resume skips the finished cells).  Exit status: 0 when every cell passed or
-was skipped, 1 when any failed, was mistrusted, crashed or errored, 2 on bad input.
+nothing; --resume skips the finished cells).  The headline says how many cells were judged:
+``VERIFIED n of N cells: ...``, or ``NOTHING VERIFIED: N cells skipped (reason)``.
+
+Exit status (verification/errors.py): 0 when at least one cell was judged and every judged
+cell passed (or is a listed known failure); 1 when any failed, was mistrusted, crashed or
+errored; 2 on bad input or a bad environment, and when nothing was verified (every cell
+skipped: backend unavailable, case not applicable) unless --allow-nothing-verified; 3 on an
+internal error.
+
+On a machine without CUDA, a run of the ``triton`` backend on the CPU turns on Triton's
+interpreter (TRITON_INTERPRET=1) before Triton is first imported, and says so.
 """
 from __future__ import annotations
 
@@ -22,12 +31,12 @@ def split_list(values) -> list[str]:
 
 
 def add_arguments(p):
-    p.add_argument("--backend", action="append", required=True, metavar="B",
+    p.add_argument("--backend", action="append", required=True, metavar="BACKEND",
                    help="built-in name (emulator, triton, fla, aiter, moonshot) or package.module:factory; "
                         "repeatable or comma-separated")
-    p.add_argument("--route", action="append", metavar="R",
+    p.add_argument("--route", action="append", metavar="ROUTE",
                    help="route name (default: every route of the backend); repeatable or comma-separated")
-    p.add_argument("--suite", action="append", required=True, metavar="S",
+    p.add_argument("--suite", action="append", required=True, metavar="SUITE",
                    help="case suite (smoke, default, k3-prefill, stress, fuzz); repeatable or comma-separated")
     p.add_argument("--case", action="append", metavar="ID",
                    help="only cases whose id matches (exact or shell glob, e.g. 'stress/weak-*'); repeatable")
@@ -41,11 +50,14 @@ def add_arguments(p):
                    help="run each cell in a child process: a kernel that kills its process is recorded as crashed")
     p.add_argument("--timeout", type=float, metavar="SECONDS",
                    help="with --isolate: a cell running longer is killed and recorded as crashed")
-    p.add_argument("--device", metavar="D", help="torch device for problems, oracle and kernels "
+    p.add_argument("--device", metavar="DEVICE", help="torch device for problems, oracle and kernels "
                                                   "(default: cuda if available, else cpu)")
     p.add_argument("--max-cells", type=int, metavar="N", help="stop after running N cells (resume later)")
     p.add_argument("--tolerances", metavar="YAML", help="tolerances file (default: tolerances.yaml of the repo)")
     p.add_argument("--no-report", action="store_true", help="do not write the report at the end")
+    p.add_argument("--allow-nothing-verified", action="store_true",
+                   help="exit 0 when every cell was skipped (a CI job that expects an unavailable backend); "
+                        "without it a run that judged no cell exits 2")
     p.add_argument("--guards", choices=("auto", "on", "off"), default="auto",
                    help="memory guards around every buffer of each cell (auto: on for CUDA devices)")
 
@@ -121,8 +133,8 @@ def run(args) -> int:
     import time
 
     from verification import provenance
-    from verification.cli import UsageError
-    from verification.runner import default_device, run_matrix
+    from verification.errors import EXIT_USAGE, Interrupted, UsageError, writable_dir
+    from verification.runner import default_device, nothing_verified_reason, run_matrix, verified_headline
 
     started = time.perf_counter()
 
@@ -134,6 +146,11 @@ def run(args) -> int:
         raise UsageError(f"--timeout: expected together with --isolate (a cell is timed out by killing its child "
                          f"process), got --timeout {args.timeout:g} alone")
     device = _check_device(args.device) or default_device()
+    backends = split_list(args.backend)
+    note = setup_interpreter(backends, device)
+    if note:
+        print(f"kda-verify run: {note}", file=sys.stderr)
+    writable_dir(args.out, "--out")
     suites = split_list(args.suite)
     fuzz_n, fuzz_seed = fuzz_args(args, suites)
     long = args.long == "yes" or (args.long == "auto" and device.startswith("cuda"))
@@ -144,17 +161,15 @@ def run(args) -> int:
         db = load_tolerances(args.tolerances)
     prov = provenance.collect(device=device, seeds={c.id: c.seed for c in cases})
     try:
-        summary = run_matrix(split_list(args.backend), cases, args.out, routes=split_list(args.route) or None,
+        summary = run_matrix(backends, cases, args.out, routes=split_list(args.route) or None,
                              resume=args.resume, isolate=args.isolate, device=device, max_cells=args.max_cells,
                              db=db, tolerances_path=args.tolerances, timeout_s=args.timeout, provenance=prov,
                              guards={"auto": None, "on": True, "off": False}[args.guards])
     except KeyboardInterrupt:
-        print(f"kda-verify run: interrupted; finished cells are in {args.out}/results.jsonl "
-              f"(continue with --resume)", file=sys.stderr)
-        raise
-    counts = summary.counts()
-    tally = ", ".join(f"{v} {k}" for k, v in sorted(counts.items())) or "no cells"
-    print(f"{summary.ran} cells run, {summary.resumed} already done: {tally}")
+        raise Interrupted(f"interrupted; finished cells are in {args.out}/results.jsonl "
+                          f"(continue with --resume)") from None
+    print(f"{summary.ran} cells run, {summary.resumed} already done")
+    print(verified_headline(summary.records))
     if summary.stopped_early:
         print(f"stopped after --max-cells {args.max_cells}; continue with --resume")
     shown = 10
@@ -174,7 +189,33 @@ def run(args) -> int:
         print(f"report: {paths['md']} {paths['html']}")
     save_breakdown(args.out, bd)
     print("time breakdown (this invocation): " + "\n".join(timing.format_lines(bd)))
+    why = nothing_verified_reason(summary.records)
+    if why is not None and summary.exit_code == 0:
+        if args.allow_nothing_verified:
+            print(f"kda-verify run: nothing verified ({why}); exit 0 (--allow-nothing-verified)", file=sys.stderr)
+            return 0
+        print(f"kda-verify run: nothing verified: {why}", file=sys.stderr)
+        return EXIT_USAGE
     return summary.exit_code
+
+
+def setup_interpreter(backends: list[str], device: str) -> str | None:
+    """Turn on Triton's CPU interpreter for a run of the ``triton`` backend on a machine without
+    CUDA: TRITON_INTERPRET=1, set before our kernels are first built (the interpreter replaces
+    them at import).  Returns the line to print, or None when nothing was changed (CUDA present,
+    a non-CPU device, TRITON_INTERPRET already set by the user, or no triton backend)."""
+    import os
+
+    import torch
+    if "triton" not in backends or torch.cuda.is_available() or not str(device).startswith("cpu"):
+        return None
+    if "TRITON_INTERPRET" in os.environ:
+        return None
+    if "kda_kernels.triton.kernels" in sys.modules:     # built compiled already: the backend will say why not
+        return None
+    os.environ["TRITON_INTERPRET"] = "1"
+    return ("no CUDA device: the triton backend runs in Triton's CPU interpreter (TRITON_INTERPRET=1; "
+            "slow, small problems only)")
 
 
 def save_breakdown(out_dir, bd: dict) -> None:

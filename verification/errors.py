@@ -1,0 +1,116 @@
+"""Errors and exit codes shared by the library and the `kda-verify` CLI.
+
+Exit codes of every `kda-verify` command (and of ``pytest -m verify``, for its matrix):
+
+    0    verified: every judged cell passed (or is a listed known failure), and at least one was judged
+    1    a kernel failure: a cell failed, was mistrusted, crashed or raised
+    2    bad input or a bad environment (one line names the argument, what was expected, what came),
+         or nothing verified: every cell was skipped (backend unavailable, case not applicable)
+    3    an internal error of kda-verify: one line names the file holding the traceback
+    130  interrupted (Ctrl-C): one line
+
+``UsageError`` is the bad-input error of the harness (kda_ref.problem.ProblemError and
+kda_kernels.base.BackendError are the others, ``bad_input_errors()``).  ``writable_dir`` and
+``writable_file`` check an output path before any work is done, so an unwritable ``--out`` is
+a one-line error and not a traceback after the run.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+EXIT_OK = 0
+EXIT_FAIL = 1
+EXIT_USAGE = 2
+EXIT_INTERNAL = 3
+EXIT_INTERRUPTED = 130
+
+
+class UsageError(ValueError):
+    """A bad command-line or file argument, or an environment that cannot do what was asked;
+    the message names the argument, what was expected and what came."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C, with the one line to print instead of the bare "interrupted" (what was kept)."""
+
+
+def bad_input_errors() -> tuple:
+    """The exception classes that mean bad input or a bad environment (exit 2, one line)."""
+    from kda_kernels.base import BackendError
+    from kda_ref.problem import ProblemError
+    return (ProblemError, UsageError, BackendError)
+
+
+def _why(e: OSError) -> str:
+    return e.strerror or type(e).__name__
+
+
+def _probe_writable(d: Path, arg: str, shown: str, what: str = "a writable directory") -> None:
+    """Create and remove a file in ``d`` (os.access cannot see a read-only mount or a root-owned
+    sysfs); a UsageError naming ``arg`` when that fails."""
+    try:
+        with tempfile.TemporaryFile(dir=d, prefix=".kda-verify-probe-"):
+            pass
+    except OSError as e:
+        raise UsageError(f"{arg}: expected {what}, got {shown!r} ({_why(e)})") from None
+
+
+def writable_dir(path, arg: str = "--out") -> Path:
+    """``path`` as a directory that exists (created with its parents) and can be written; else a
+    UsageError naming ``arg``: an existing file, a directory that cannot be created, a read-only one."""
+    shown = str(path)
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise UsageError(f"{arg}: expected a directory, got {shown!r}, an existing file")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise UsageError(f"{arg}: expected a directory, got {shown!r}, whose path runs through a file") from None
+    except OSError as e:
+        raise UsageError(f"{arg}: expected a directory that can be created, got {shown!r} ({_why(e)})") from None
+    _probe_writable(p, arg, shown)
+    return p
+
+
+def writable_file(path, arg: str = "--out") -> Path:
+    """``path`` as a file that can be written (its directory created when missing); not a
+    directory.  An existing file is overwritten by the caller."""
+    shown = str(path)
+    p = Path(path)
+    if p.is_dir():
+        raise UsageError(f"{arg}: expected a file path, got {shown!r}, an existing directory")
+    parent = p.parent
+    if parent.exists() and not parent.is_dir():
+        raise UsageError(f"{arg}: expected a file in a directory, got {shown!r} ({str(parent)!r} is a file)")
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"{arg}: expected a file whose directory can be created, got {shown!r} ({_why(e)})") from None
+    if p.exists() and not os.access(p, os.W_OK):
+        raise UsageError(f"{arg}: expected a writable file, got {shown!r} (permission denied)")
+    _probe_writable(parent, arg, shown, "a file in a writable directory")
+    return p
+
+
+def save_traceback(e: BaseException, command: str, out_dir=None) -> str:
+    """Write the traceback of an internal error to a file and return its path: ``out_dir`` /
+    kda-verify-traceback.txt when that directory exists and takes it, else a new temporary file."""
+    text = (f"kda-verify {command}: internal error at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n"
+            + "".join(traceback.format_exception(type(e), e, e.__traceback__)))
+    if out_dir is not None:
+        try:
+            d = Path(out_dir)
+            if d.is_dir():
+                target = d / "kda-verify-traceback.txt"
+                target.write_text(text)
+                return str(target)
+        except OSError:
+            pass
+    fd, name = tempfile.mkstemp(prefix=f"kda-verify-{command}-", suffix=".traceback.txt")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    return name
