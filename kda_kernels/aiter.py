@@ -1,11 +1,19 @@
 """Adapter: AMD aiter's FlashKDA forward (``flash_kda_fwd``), every aiter layout seen.
 
 aiter is not on any package index; put its ``aiter/`` tree on PYTHONPATH and import it
-with ``AITER_TRITON_ONLY=1``.  Two module layouts exist:
+with ``AITER_TRITON_ONLY=1``.  The module layouts seen:
 
     2026-08   aiter.ops.triton._triton_kernels.chunk_delta_attn.flash_kda   switch CHUNK_DELTA_ATTN_USE_FLASH_KDA
-    newer     aiter.ops.triton._triton_kernels.kimi_delta_attn.flash_kda    switch AITER_FDA_ENABLE,
-              Gluon K1/K2 via AITER_FDA_USE_GLUON (module flags AITER_FDA_USE_GLUON_K1/K2), paged cache, out=
+    newest    the same module path (fork copies; tools/assemble_aiter.py builds one tree): switch
+              AITER_FDA_ENABLE, Gluon K1/K2 via AITER_FDA_USE_GLUON (module flags
+              AITER_FDA_USE_GLUON_K1/K2), paged state_cache [slots, H, V, K] fp32 with
+              state_indices int32 [N] and has_initial_state bool [N] (stride(0) may be padded), out=,
+              launches through fast_launch wrappers (_prepare_fast, _segment_fast, _seg_scan_fast)
+    renamed   aiter.ops.triton._triton_kernels.kimi_delta_attn.flash_kda    (tried first when present)
+
+A paged problem's cache is handed to aiter as a copy with its own strides (slot padding
+kept), which aiter writes in place; where flash_kda_fwd takes ``out=``, o is always written into
+a buffer the adapter allocates, and a result that is not that buffer is refused.
 
 Routes: ``<kernels>:<segmentation>[:prefetch=on|off]`` with kernels in triton | gluon |
 gluon-k1 | gluon-k2 (AITER_FDA_USE_GLUON = 0 / 1 / k1 / k2) and segmentation in unseg |
@@ -17,14 +25,15 @@ prefetch routes say so when the installed module lacks it.
 Flags are set around each call and restored afterwards, so routes never leak into each
 other; afterwards the adapter confirms which kernels actually launched (it counts
 launches of the module's kernel objects) instead of trusting the flags, and refuses a
-result whose launches contradict the route.  Each Triton kernel that would autotune among
+result whose launches contradict the route; a Triton route that counts no K1 or no K2 launch
+is refused too (an aiter version launching through objects the adapter does not wrap).  Each Triton kernel that would autotune among
 several configs is pinned to one for the call (kda_kernels._autotune_pin with PIN_RULE: the
 first config with BW=32 in aiter's order, else aiter's first), and any other autotuner launched
 with several configs raises instead of benchmarking inside a verdict.
 No AMD GPU exists where this project is developed: the Gluon routes are untested here.
 
-``debug_plan`` / ``run_pass`` (verification.debug) launch the 2026-08 module's Triton kernels one
-pass at a time (K1, pass A, the scan, pass C) on oracle-fed inputs, with flash_kda_fwd's grids,
+``debug_plan`` / ``run_pass`` (verification.debug) launch the module's Triton kernels one
+pass at a time (parameters with defaults, e.g. the newest layout's paged ones, at their defaults) (K1, pass A, the scan, pass C) on oracle-fed inputs, with flash_kda_fwd's grids,
 constexprs and segment descriptors (its own ``_build_segments``); dense states only.
 """
 from __future__ import annotations
@@ -51,6 +60,14 @@ KERNEL_SETS = {"triton": (False, False), "gluon": (True, True), "gluon-k1": (Tru
 SEGMENTATIONS = ("unseg", "seg", "seg:cps=1", "seg:cps=4")
 TRITON_KERNELS = {"K1": "_flash_kda_prepare_kernel", "K2": "_flash_kda_segment_kernel",
                   "scan": "_flash_kda_seg_scan_kernel"}
+# the newest layout launches each Triton kernel through a fast_launch wrapper of it
+FAST_LAUNCHERS = {"K1": "_prepare_fast", "K2": "_segment_fast", "scan": "_seg_scan_fast"}
+# the newest layout's gfx950 Gluon launchers: (module, attribute, count key, called directly)
+_GLUON_PKG = "aiter.ops.triton._gluon_kernels.gfx950.chunk_delta_attn."
+GLUON_LAUNCHERS = ((_GLUON_PKG + "flash_kda_k1", "gluon_k1_prepare", "gluon:K1", True),
+                   (_GLUON_PKG + "flash_kda_k2", "k2_ab_fused_fast", "gluon:K2", False))
+FLAGS = ("AITER_FDA_ENABLE", "AITER_FDA_USE_GLUON_K1", "AITER_FDA_USE_GLUON_K2", "AITER_FDA_SCAN_PREFETCH",
+         "CHUNK_DELTA_ATTN_USE_FLASH_KDA")
 PINNED_BW = 32  # the K2 tile width each route pins where aiter would autotune among several
 # Which config an autotuned aiter kernel is pinned to (kda_kernels._autotune_pin says why aiter's
 # rule is not the fla one): the first with BW == PINNED_BW in aiter's order, else aiter's first.
@@ -105,6 +122,17 @@ class _LaunchCounter:
         return getattr(self._kernel, name)
 
 
+class _CallCounter:
+    """Wraps a launcher function: ``fn(...)`` still runs, and is counted."""
+
+    def __init__(self, fn, counts: dict, key: str):
+        self._fn, self._counts, self._key = fn, counts, key
+
+    def __call__(self, *a, **kw):
+        self._counts[self._key] = self._counts.get(self._key, 0) + 1
+        return self._fn(*a, **kw)
+
+
 class AiterBackend:
     name = "aiter"
 
@@ -145,6 +173,9 @@ class AiterBackend:
         if mod is None:
             return "not installed"
         feats = [f for f in ("state_cache", "out") if self._supports(f)]
+        feats += [f for f in FLAGS if hasattr(mod, f)]
+        if any(hasattr(mod, a) for a in FAST_LAUNCHERS.values()):
+            feats.append("fast_launch")
         return f"aiter flash_kda ({self._layout} layout{', ' + ', '.join(feats) if feats else ''})"
 
     def _supports(self, arg: str) -> bool:
@@ -197,6 +228,13 @@ class AiterBackend:
             return False, f"not applicable: FlashKDA needs bf16 q and v, got {p.q.dtype} / {p.v.dtype}"
         if p.paged and not self._supports("state_cache"):
             return False, f"not applicable: this aiter version ({self._layout} layout) has no paged state cache"
+        if p.paged:
+            sc = p.state_cache
+            if sc.dtype != torch.float32:
+                return False, f"not applicable: aiter's paged state_cache is fp32, got {sc.dtype}"
+            if sc.stride(-1) != 1 or sc.stride(2) != p.K or sc.stride(1) != p.V * p.K:
+                return False, (f"not applicable: aiter's paged state_cache needs dense [H, V, K] slots "
+                               f"(only stride(0) may be padded), got strides {tuple(sc.stride())}")
         if p.N * p.H > 65535:
             return False, f"not applicable: N*H = {p.N * p.H} exceeds the CUDA grid-y limit 65535 of aiter's scan"
         return True, ""
@@ -212,10 +250,11 @@ class AiterBackend:
         saved = {}
         to_pin = {}
 
-        def setattr_saved(name, value):
-            if hasattr(mod, name):
-                saved[name] = getattr(mod, name)
-                setattr(mod, name, value)
+        def setattr_saved(name, value, owner=None):
+            owner = mod if owner is None else owner
+            if hasattr(owner, name):
+                saved[(id(owner), name)] = (owner, getattr(owner, name))
+                setattr(owner, name, value)
 
         k1, k2 = KERNEL_SETS[r["kernels"]]
         setattr_saved("AITER_FDA_USE_GLUON_K1", k1)
@@ -230,6 +269,18 @@ class AiterBackend:
                 if configs and len(configs) > 1:  # pin one config: no autotuning inside a verdict
                     to_pin[key] = kernel
                 setattr_saved(attr, _LaunchCounter(kernel, counts, key))
+        for key, attr in FAST_LAUNCHERS.items():     # fast_launch wrappers hold the kernel itself
+            if hasattr(mod, attr):
+                setattr_saved(attr, _LaunchCounter(getattr(mod, attr), counts, key))
+        if r["kernels"] != "triton" and hasattr(mod, "AITER_FDA_USE_GLUON_K1"):
+            for modname, attr, key, direct in GLUON_LAUNCHERS:
+                try:
+                    gmod = importlib.import_module(modname)
+                except Exception:   # absent from this tree: the route then counts no Gluon launch and is refused
+                    continue
+                if hasattr(gmod, attr):
+                    fn = getattr(gmod, attr)
+                    setattr_saved(attr, (_CallCounter if direct else _LaunchCounter)(fn, counts, key), owner=gmod)
         for attr in [a for a in dir(mod) if "gluon" in a.lower() and callable(getattr(mod, a, None))
                      and hasattr(getattr(mod, a), "__getitem__") and not a.startswith("AITER")]:
             setattr_saved(attr, _LaunchCounter(getattr(mod, attr), counts, f"gluon:{attr}"))
@@ -239,8 +290,8 @@ class AiterBackend:
                     counts[f"{key}:config"] = str(_autotune_pin.find_autotuner(kernel).configs[0].kwargs)
                 yield
         finally:
-            for name, value in saved.items():
-                setattr(mod, name, value)
+            for (_, name), (owner, value) in saved.items():
+                setattr(owner, name, value)
             if env_saved is not None:
                 os.environ["CHUNK_DELTA_ATTN_FLASH_KDA_SEG"] = env_saved
 
@@ -255,9 +306,12 @@ class AiterBackend:
             kw["cu_seqlens"] = p.cu_seqlens.to(device=p.device, dtype=torch.int64).clone()
         if p.initial_state is not None:
             kw["initial_state"] = p.initial_state.to(torch.float32)
-        if p.paged:
-            kw.update(state_cache=p.state_cache.clone(), state_indices=p.state_indices.to(torch.int32),
-                      has_initial_state=p.has_initial_state.bool(), out=torch.empty_like(p.v))
+        if p.paged:   # written in place: a private copy with the Problem's strides (slot padding kept)
+            from .triton.backend import copy_with_padding
+            kw.update(state_cache=copy_with_padding(p.state_cache), state_indices=p.state_indices.to(torch.int32),
+                      has_initial_state=p.has_initial_state.bool())
+        if p.paged or self._supports("out"):
+            kw["out"] = torch.empty_like(p.v)
         return kw
 
     @staticmethod
@@ -275,6 +329,11 @@ class AiterBackend:
             raise RuntimeError(f"aiter route asked for segmentation but no scan launched: {counts}")
         if segmented_expected is False and scans:
             raise RuntimeError(f"aiter route asked for no segmentation but the scan launched: {counts}")
+        k1 = counts.get("K1", 0) or (gluon if r["kernels"] in ("gluon", "gluon-k1") else 0)
+        for name, n in (("K1", k1), ("K2", counts.get("K2", 0))):
+            if not n:
+                raise RuntimeError(f"aiter route {r['kernels']}: counted no {name} launch ({counts or 'none at all'}); "
+                                   "this aiter version launches through objects the adapter does not wrap")
         return ", ".join(f"{k}x{v}" for k, v in sorted(counts.items())) or "no launches counted"
 
     def run(self, p: Problem, route: Route) -> Outputs:
@@ -289,11 +348,16 @@ class AiterBackend:
         with self._pinned(r, counts), torch.inference_mode():
             o, final = self._mod.flash_kda_fwd(**kw)
         ran = self.confirm(r, counts, segmented_expected)
+        out_buf = kw.get("out")
+        if out_buf is not None:
+            if o is not None and o.data_ptr() != out_buf.data_ptr():
+                raise RuntimeError("aiter flash_kda_fwd(out=...) returned o in another buffer than out")
+            o = out_buf
         pinned = {k: v for k, v in counts.items() if k.endswith(":config")}
         if pinned:
             ran += "; pinned " + ", ".join(f"{k}={v}" for k, v in pinned.items())
         if p.paged:
-            return Outputs(o=kw["out"] if o is None else o, state_cache=kw["state_cache"],
+            return Outputs(o=o, state_cache=kw["state_cache"],
                            info={"route_ran": ran, "layout": self._layout})
         return Outputs(o=o, final_state=final if p.output_final_state else None,
                        info={"route_ran": ran, "layout": self._layout})
@@ -413,17 +477,27 @@ class AiterBackend:
 
     def _launch(self, attr: str, grid, **kwargs) -> None:
         """``mod.<attr>[grid](**kwargs)``, after checking that the kernel takes exactly these
-        arguments (plus those its heuristics and configs supply): the launchers here follow the
-        2026-08 module, and another aiter version's kernel must refuse in words, not mis-bind."""
+        arguments (plus those its heuristics and configs supply, and those with defaults): the launchers
+        here follow the 2026-08 module, and another aiter version's kernel must refuse in words, not
+        mis-bind."""
         kernel = getattr(self._mod, attr, None)
         if kernel is None:
             raise ValueError(f"--backend: not applicable: this aiter version ({self._layout} layout) has no {attr}")
-        supplied, arg_names, k = set(), None, kernel
+        supplied, arg_names, defaults, k = set(), None, {}, kernel
         while k is not None and hasattr(k, "arg_names"):
             supplied |= set(getattr(k, "values", None) or {})                      # triton.heuristics
             supplied |= {n for c in (getattr(k, "configs", None) or []) for n in c.kwargs}   # autotune configs
             arg_names = list(k.arg_names)
             k = getattr(k, "fn", None)
+        if callable(k) and arg_names is not None:    # the kernel's Python function: its defaults
+            try:
+                defaults = {n: q.default for n, q in inspect.signature(k).parameters.items()
+                            if q.default is not inspect.Parameter.empty}
+            except (TypeError, ValueError):
+                defaults = {}
+        # parameters with defaults (the newest layout's paged ones, cache modifiers) at their defaults, passed
+        # explicitly: aiter's heuristics read them from the launch's arguments
+        kwargs = {**{n: v for n, v in defaults.items() if n not in supplied and n not in kwargs}, **kwargs}
         passed = set(kwargs) - {"num_warps", "num_stages"}
         if arg_names is not None:
             missing = sorted(set(arg_names) - passed - supplied)

@@ -87,6 +87,7 @@ STUBS = (("intj/__init__.py", "intj/__init__.py",
           "make_launcher raises (only use_intj=True would call it)"),)
 
 K1 = P + "_gluon_kernels/gfx950/chunk_delta_attn/flash_kda_k1.py"
+UTILS = P + "_triton_kernels/chunk_delta_attn/chunk_delta_attn_utils.py"
 
 
 def wrap_module_constexprs(text: str) -> tuple[str, int]:
@@ -168,6 +169,13 @@ def main(argv=None) -> int:
                        why="triton 3.6 rejects a bare layout object read as a global in a Gluon kernel "
                            "('SwizzledSharedLayout' object has no attribute '_flatten_ir')")]
 
+    utils = a.out / UTILS
+    utils.write_text(utils.read_text() + (SHIMS / "chunk_delta_attn_utils_compat.py").read_text())
+    transforms.append(dict(file=UTILS, what="appended tools/aiter_shims/chunk_delta_attn_utils_compat.py: "
+                           "chunk_delta_attn_autotune_configs(configs, default_config)",
+                           why="the 2026-08 siblings the package __init__ imports (gla_output, wy_fast, "
+                               "utils/cumsum) import that name, which the newer utils module dropped"))
+
     record = dict(base=dict(repo="ROCm/aiter", commit=base_commit, tree=str(a.base)),
                   files=[s[2] for s in sources], stubs=stubs, transforms=transforms,
                   not_provided=["CHUNK_DELTA_ATTN DEFAULT.json tuned configs: aiter's own fallbacks apply"])
@@ -178,7 +186,7 @@ def main(argv=None) -> int:
     for s in stubs:
         print(f"  stub {s['file']}")
     for t in transforms:
-        print(f"  transform {t['file']}: {t['wrapped']} module-level layouts wrapped in gl.constexpr")
+        print(f"  transform {t['file']}: {t['what']}")
     return 0
 
 
