@@ -235,6 +235,13 @@ def _out_existing_file() -> str:
     return cli(["run", "--backend", "emulator", "--suite", "smoke", "--out", "afile", "--no-report"])
 
 
+def _out_under_a_file(argv: list[str]) -> Callable[[], str]:
+    def produce() -> str:
+        Path("afile").write_text("")
+        return cli(argv)
+    return produce
+
+
 def _invariance_varlen():
     from verification.invariance import varlen_slice
     return python_api(lambda: varlen_slice(None, None, base("dense")))
@@ -335,7 +342,11 @@ def rows() -> list[Row]:
             lambda: cli(["export", "--case", "nope/x", "--out", "P.safetensors"])),
         Row("`--tolerances` file missing", "run --tolerances none.yaml", _run("--tolerances", "none.yaml")),
         Row("unknown field in a tolerance file", "run --tolerances t.yaml", _tolerance_field),
-        Row("`--out` an existing file", "run --out afile", _out_existing_file),
+        Row("`--out` (a directory) an existing file", "run --out afile", _out_existing_file),
+        Row("`--out` that cannot be created", "run --out afile/sub",
+            _out_under_a_file(["run", "--backend", "emulator", "--suite", "smoke", "--out", "afile/sub", "--no-report"])),
+        Row("an `--out` file whose directory is a file", "export --out afile/P.safetensors",
+            _out_under_a_file(["export", "--case", "smoke/dense-T64-lb-5", "--out", "afile/P.safetensors"])),
         Row("unknown route (emulator)", "capture --route nope", lambda: cli(
             ["capture", "--backend", "emulator", "--route", "nope", "--inputs", "P.safetensors", "--out", "O"])),
         Row("a backend without passes", "debug --backend emulator", lambda: cli(
