@@ -244,7 +244,10 @@ def _real():
     return flash_kda if ok else None
 
 
-gpu = pytest.mark.skipif(_real() is None, reason="needs Moonshot's flash_kda on an SM90 GPU")
+def gpu(f):
+    """A test of the real kernel: marked gpu (python -m pytest -m gpu tests/test_moonshot.py), skipped
+    without flash_kda on an SM90 GPU."""
+    return pytest.mark.gpu(pytest.mark.skipif(_real() is None, reason="needs Moonshot's flash_kda on an SM90 GPU")(f))
 
 
 @gpu
@@ -267,9 +270,77 @@ def test_gpu_fp32_and_bf16_states_give_the_same_bits(case_id):
     assert a16.final_state.dtype == BF and torch.equal(a32.final_state, a16.final_state.float())
 
 
+INVARIANCE_SHAPES = {      # tests/test_invariance_gpu.py's, without the paged one (flash_kda has no paged cache)
+    "varlen": dict(lens=[1, 300, 33, 0, 1100], H=4, state="kv"),
+    "batch": dict(B=3, T=700, H=4, state="vk"),
+    "one": dict(B=1, T=2048, H=8, state="kv"),
+}
+
+
+@gpu
+@pytest.mark.parametrize("state", ["fp32", "bf16"])
+def test_gpu_invariances(state):
+    """The invariances that apply to flash_kda (verification/invariance.py), chunk size 16: a split
+    only at a chunk boundary (a cut inside a chunk is another rounding path, and with the bf16
+    state the moonshot recipe itself differs by 5.04e-3 at a cut at 1000 of 2048 tokens, above
+    the 5e-3 bound)."""
+    from verification import invariance as inv
+    from verification.cases import build_problem
+    b, r = moon.MoonshotBackend(), _route(state)
+    assert inv.chunk_size_of(r) == 16
+    pr = {n: build_problem(params, seed, device="cuda") for seed, (n, params) in enumerate(INVARIANCE_SHAPES.items())}
+    results = [inv.determinism(b, r, pr["one"], repeats=3),
+               inv.varlen_slice(b, r, pr["varlen"]),
+               inv.batch_slice(b, r, pr["batch"]),
+               inv.causality(b, r, pr["varlen"]),
+               inv.causality(b, r, pr["batch"], prefix=256),
+               inv.causality(b, r, pr["one"], prefix=16 * 37),
+               inv.head_permutation(b, r, pr["batch"]),
+               inv.head_permutation(b, r, pr["one"]),
+               inv.split_carry(b, r, pr["one"], split=1024)]
+    for x in results:
+        print(f"moonshot {r.name}: {x}")
+    failed = [str(x) for x in results if not x.ok]
+    assert not failed, "\n".join(failed)
+    assert {x.kind for x in results} == {"bitwise"}
+
+
 @gpu
 def test_gpu_flash_kda_is_deterministic_and_accepts_lb_outside_its_documented_range():
     p = get_case("stress/saturated-gate-lb-5.5").build(device="cuda")
     b = moon.MoonshotBackend()
     o1, o2 = b.run(p, _route()), b.run(p, _route())
     assert torch.equal(o1.o, o2.o) and torch.equal(o1.final_state, o2.final_state)
+
+
+# ---------------------------------------------------------------------------- bench, side by side
+def _result(backend, route, shape, t, host_bound=False, error=""):
+    from verification import bench
+    return bench.BenchResult(backend, route, *shape, time_us=t, p10_us=t, p90_us=t, reps=3, graph=False, bytes=1,
+                             flops=1, bandwidth_gbs=1.0, tflops=1.0, floor_us=bench.floor_us(*shape),
+                             host_bound=host_bound, error=error)
+
+
+def test_bench_side_by_side_table_has_every_backend_per_shape_with_its_floor(capsys):
+    from verification import bench
+    from verification.commands.bench import _print_side_by_side
+    rs = [_result("triton", "seg", (1, 8192, 96), 2578.0), _result("moonshot", "cutlass:state=fp32", (1, 8192, 96), 1458.0),
+          _result("fla-pinned", "chunk:safe_gate", (1, 8192, 96), 4000.0, host_bound=True),
+          _result("triton", "seg", (1, 2048, 12), 269.0),
+          _result("moonshot", "cutlass:state=fp32", (1, 2048, 12), float("nan"), error="RuntimeError: x")]
+    cols, rows = bench.side_by_side(rs)
+    assert cols == [("triton", "seg"), ("moonshot", "cutlass:state=fp32"), ("fla-pinned", "chunk:safe_gate")]
+    assert list(rows) == [(1, 8192, 96), (1, 2048, 12)]
+    _print_side_by_side(rs)
+    out = capsys.readouterr().out.splitlines()
+    row = next(ln for ln in out if ln.strip().startswith("1x8192x96"))
+    f = bench.floor_us(1, 8192, 96)
+    assert f"{f:.0f}" in row and f"1458.0 ({1458.0 / f:.1f}x)" in row and " hb" in row
+    assert row.endswith("moonshot cutlass:state=fp32")
+    row = next(ln for ln in out if ln.strip().startswith("1x2048x12"))
+    assert "error" in row and row.endswith("triton seg")
+
+
+def test_bench_backend_names_are_checked_in_one_line():
+    from verification.cli import main as cli
+    assert cli(["bench", "--backend", "triton,cutlass"]) == 2

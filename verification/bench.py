@@ -205,6 +205,95 @@ def fla_callable(route: str = "chunk:safe_gate") -> Callable:
     return call
 
 
+def fla_pinned_callable(route: str = "chunk:safe_gate") -> Callable:
+    """fla's chunk_kda with its autotuners pinned to one config each (kda_kernels.fla's rule), as
+    the verdict runs it: no tuning time, not fla's tuned speed."""
+    from kda_kernels.fla import pinned_autotuners
+
+    inner = fla_callable(route)
+
+    def call(x):
+        with pinned_autotuners("fla bench"):
+            return inner(x)
+
+    call.info = {"route_ran": f"{route} (configs pinned)"}
+    return call
+
+
+def moonshot_callable(route: str = "cutlass:state=fp32") -> Callable:
+    """Moonshot's flash_kda.fwd as fla's FlashKDA dispatch calls it: bf16 beta logits (converted
+    once per input copy, outside the timing), dt_bias [H, K], an fp32 final state [B, H, V, K]."""
+    import flash_kda
+
+    from kda_kernels.moonshot import STATE_DTYPES
+
+    name = route.partition("state=")[2] or "fp32"
+    if not route.startswith("cutlass") or name not in STATE_DTYPES:
+        raise ValueError(f"--routes for moonshot: expected cutlass:state=fp32 or cutlass:state=bf16, got {route!r}")
+    sdt = STATE_DTYPES[name]
+    prepared = {}
+
+    def call(x):
+        kw = prepared.get(id(x))
+        if kw is None:
+            B, T, H, _ = x["q"].shape
+            kw = dict(q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["beta"].to(torch.bfloat16),
+                      scale=x["scale"], out=torch.empty_like(x["v"]), A_log=x["A_log"],
+                      dt_bias=x["dt_bias"].reshape(H, K), lower_bound=x["lower_bound"],
+                      final_state=torch.empty(B, H, V, K, dtype=sdt, device=x["q"].device))
+            prepared[id(x)] = kw
+        flash_kda.fwd(**kw)
+        return kw["out"]
+
+    call.info = {"route_ran": f"flash_kda.fwd {route}"}
+    return call
+
+
+def adapter_callable(backend: str, route: str) -> Callable:
+    """Any built-in backend through its adapter's ``run`` on a Problem made of the inputs (the
+    adapter's own conversions and launches included)."""
+    from kda_kernels.base import load_backend
+    from kda_ref.problem import Problem
+
+    b = load_backend(backend)
+    ok, why = b.available()
+    if not ok:
+        raise RuntimeError(f"{backend} unavailable: {why}")
+    r = next((x for x in b.routes() if x.name == route), None)
+    if r is None:
+        raise ValueError(f"--routes for {backend}: expected one of {', '.join(x.name for x in b.routes())}, got {route!r}")
+    problems = {}
+    last = {}
+
+    def call(x):
+        p = problems.get(id(x))
+        if p is None:
+            p = problems[id(x)] = Problem(q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["beta"], A_log=x["A_log"],
+                                          dt_bias=x["dt_bias"], scale=x["scale"], lower_bound=x["lower_bound"])
+        out = b.run(p, r)
+        last["route_ran"] = str((out.info or {}).get("route_ran", route))
+        return out.o
+
+    call.info = last
+    return call
+
+
+CALLABLES = {"triton": triton_callable, "fla": fla_callable, "fla-pinned": fla_pinned_callable,
+             "moonshot": moonshot_callable, "aiter": lambda route: adapter_callable("aiter", route)}
+DEFAULT_ROUTES = {"fla": "chunk:safe_gate", "fla-pinned": "chunk:safe_gate", "moonshot": "cutlass:state=fp32",
+                  "aiter": "triton:seg"}
+
+
+def moonshot_available() -> tuple[bool, str]:
+    from kda_kernels.moonshot import MoonshotBackend
+    return MoonshotBackend().available()
+
+
+def aiter_available() -> tuple[bool, str]:
+    from kda_kernels.aiter import AiterBackend
+    return AiterBackend().available()
+
+
 def fla_available() -> tuple[bool, str]:
     try:
         os.environ["FLA_FLASH_KDA"] = "0"
@@ -292,7 +381,7 @@ def bench_one(backend: str, route: str, shape: tuple, device, reps: int = 50, wa
     base = dict(backend=backend, route=route, B=B, T=T, H=H, reps=reps, graph=graph, bytes=nbytes, flops=flops,
                 floor_us=floor_us(B, T, H))
     try:
-        fn = triton_callable(route) if backend == "triton" else fla_callable(route)
+        fn = CALLABLES[backend](route)
         inputs = [make_inputs(B, T, H, device, seed + i) for i in range(rotation_count(B, T, H))]
         stats: dict = {}
         times = time_call(fn, inputs, reps, warmup, graph, device, stats=stats)
@@ -372,6 +461,19 @@ def pass_times(route: str, shape: tuple, device, reps: int = 20, warmup: int = 3
 def geomean(xs) -> float:
     xs = [x for x in xs if x and math.isfinite(x) and x > 0]
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else math.nan
+
+
+def side_by_side(results: list) -> tuple[list, dict]:
+    """The side-by-side table of one run: (columns, rows).  columns: every (backend, route) in the
+    order first seen; rows: {(B, T, H): {"floor_us": f, (backend, route): BenchResult}}."""
+    cols, rows = [], {}
+    for r in results:
+        key = (r.backend, r.route)
+        if key not in cols:
+            cols.append(key)
+        row = rows.setdefault((r.B, r.T, r.H), {"floor_us": r.floor_us})
+        row[key] = r
+    return cols, rows
 
 
 def speedups(results: list, baseline_backend: str = "fla") -> dict:

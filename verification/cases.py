@@ -305,6 +305,11 @@ def stress_suite() -> list[Case]:
     c.append(_case(s, "long-T65536-lb-0.1", B=1, T=65536, H=2, lb=-0.1, state="kv", long=True))
     c.append(_case(s, "long-T65536-correlated-lb-0.01", B=1, T=65536, H=2, lb=-0.01, rho=0.9, beta_raw=4.0,
                    long=True))
+    # every key of a sequence identical (rho 1), the gate off (raw gate -12: sigmoid ~ 6e-6, almost no
+    # decay) and beta ~ 1 (logit 8): L is -beta on every strict-lower entry of every chunk, the
+    # worst-conditioned inverse build, repeated for 16384 tokens; outputs must stay finite
+    c.append(_case(s, "collinear-keys-T16384-gate-12-beta8-lb-5", B=1, T=16384, H=2, rho=1.0, g_scale=0.0,
+                   g_shift=-12.0, beta_raw=8.0, long=True))
     return c
 
 

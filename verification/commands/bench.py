@@ -8,22 +8,32 @@ import sys
 
 NAME = "bench"
 HELP = "time KDA forward routes side by side (CUDA events, median, L2 flushed between repetitions)"
+EXAMPLES = """\
+kda-verify bench --backend triton,fla --suite default
+kda-verify bench --shapes '1x16384x12;8x2048x16' --routes seg --graph --passes
+kda-verify bench --suite default --json-out bench.json
+"""
 
 
 def add_arguments(p):
-    p.add_argument("--backend", default="triton,fla", help="comma-separated: triton, fla (default triton,fla)")
-    p.add_argument("--suite", default="default", help="case suite whose (B,T,H) shapes to time (default: default)")
-    p.add_argument("--shapes", help="instead of a suite: semicolon-separated BxTxH, e.g. '1x16384x12;8x2048x16'")
-    p.add_argument("--routes", default="seg,unseg",
-                   help="comma-separated triton routes (default seg,unseg); fla always runs chunk:safe_gate")
-    p.add_argument("--reps", type=int, default=50, help="timed repetitions per cell (default 50)")
-    p.add_argument("--warmup", type=int, default=5, help="untimed calls first (default 5)")
+    p.add_argument("--backend", default="triton,fla", metavar="BACKENDS",
+                   help="comma-separated: triton, fla (autotuned), fla-pinned (configs pinned as the verdict runs "
+                        "fla), moonshot (flash_kda.fwd), aiter (through its adapter); default triton,fla")
+    p.add_argument("--suite", default="default", metavar="SUITE", help="case suite whose (B,T,H) shapes to time (default: default)")
+    p.add_argument("--shapes", metavar="SHAPES", help="instead of a suite: semicolon-separated BxTxH, e.g. '1x16384x12;8x2048x16'")
+    p.add_argument("--routes", default="seg,unseg", metavar="ROUTES",
+                   help="comma-separated triton routes (default seg,unseg); fla runs chunk:safe_gate, moonshot "
+                        "cutlass:state=fp32, aiter triton:seg")
+    p.add_argument("--reps", type=int, default=50, metavar="N", help="timed repetitions per cell (default 50)")
+    p.add_argument("--warmup", type=int, default=5, metavar="N", help="untimed calls first (default 5)")
     p.add_argument("--graph", action="store_true", help="replay CUDA graphs (no host launch cost)")
     p.add_argument("--passes", action="store_true",
                    help="also time each pass of our Triton routes alone (K1, A, B, C) per shape, against its "
                         "own bandwidth floor (with --graph: each pass as a CUDA-graph replay)")
-    p.add_argument("--device", default="cuda", help="CUDA device (default cuda)")
-    p.add_argument("--json", metavar="OUT", help="also write the results as JSON to OUT")
+    p.add_argument("--device", default=None, metavar="DEVICE",
+                   help="a CUDA device, cuda[:N] (default: cuda if available, else cpu, which bench refuses: it "
+                        "times with device events)")
+    p.add_argument("--json-out", metavar="PATH", help="also write the results as JSON to PATH")
 
 
 def _shapes(args):
@@ -55,6 +65,29 @@ def _vs_floor(t: float, floor: float, width: int) -> str:
     return f"{t:.1f} ({x}x)".rjust(width)
 
 
+def _print_side_by_side(results) -> None:
+    """One row per shape: its bandwidth floor, then every timed (backend, route) of this run as
+    'us (x floor)', host-bound cells marked 'hb', and the fastest."""
+    from verification import bench
+    cols, rows = bench.side_by_side(results)
+    names = [f"{b} {r}" for b, r in cols]
+    w = max(16, *(len(n) for n in names))
+    print(f"\nside by side (us, median; x the shape's floor; hb: host-bound):")
+    print(f"{'shape':>12} {'floor us':>8} " + " ".join(n.rjust(w) for n in names) + "  fastest")
+    for shape, row in rows.items():
+        cells, best = [], None
+        for key in cols:
+            r = row.get(key)
+            if r is None or r.error or not r.time_us == r.time_us:
+                cells.append(("error" if r is not None else "-").rjust(w))
+                continue
+            cells.append((_vs_floor(r.time_us, row["floor_us"], 0).strip() + (" hb" if r.host_bound else "")).rjust(w))
+            if best is None or r.time_us < best[1]:
+                best = (f"{key[0]} {key[1]}", r.time_us)
+        print(f"{'x'.join(map(str, shape)):>12} {_us(row['floor_us']):>8} " + " ".join(cells)
+              + f"  {best[0] if best else '-'}")
+
+
 def run(args) -> int:
     import torch
 
@@ -63,9 +96,10 @@ def run(args) -> int:
     from verification.cli import UsageError
 
     backends = [b.strip() for b in args.backend.split(",") if b.strip()]
-    bad = [b for b in backends if b not in ("triton", "fla")]
+    bad = [b for b in backends if b not in bench.CALLABLES]
     if bad or not backends:
-        raise UsageError(f"--backend: expected triton and/or fla, got {args.backend!r}")
+        raise UsageError(f"--backend: expected a comma-separated list of {', '.join(bench.CALLABLES)}, "
+                         f"got {args.backend!r}")
     routes = [r.strip() for r in args.routes.split(",") if r.strip()]
     for r in routes:
         try:
@@ -74,17 +108,24 @@ def run(args) -> int:
             raise UsageError(f"--routes: {e}") from None
     if args.reps < 3 or args.warmup < 1:
         raise UsageError(f"--reps/--warmup: expected reps >= 3 and warmup >= 1, got {args.reps}/{args.warmup}")
+    if args.json_out:
+        from verification.errors import writable_file
+        writable_file(args.json_out, "--json-out")
     shapes = _shapes(args)
     if not torch.cuda.is_available():
         raise UsageError("--device: bench needs a CUDA device (device-event timing); none is visible here")
-    device = torch.device(args.device)
+    device = torch.device(args.device or "cuda")
     cells = [("triton", r) for r in routes] if "triton" in backends else []
-    if "fla" in backends:
-        ok, why = bench.fla_available()
+    checks = {"fla": bench.fla_available, "fla-pinned": bench.fla_available, "moonshot": bench.moonshot_available,
+              "aiter": bench.aiter_available}
+    for b in backends:
+        if b == "triton":
+            continue
+        ok, why = checks[b]()
         if ok:
-            cells.append(("fla", "chunk:safe_gate"))
+            cells.append((b, bench.DEFAULT_ROUTES[b]))
         else:
-            print(f"kda-verify bench: skipping fla ({why})", file=sys.stderr)
+            print(f"kda-verify bench: skipping {b} ({why})", file=sys.stderr)
     results = []
     print(f"{'backend':7} {'route':44} {'shape':>12} {'time us':>9} {'p10':>8} {'p90':>8} {'GB/s':>7} "
           f"{'TFLOP/s':>8} {'floor us':>8} {'x floor':>7}  ran")
@@ -125,6 +166,8 @@ def run(args) -> int:
                                f"{t['design_floor'] / t['floor']:.1f}x the forward's floor of {_us(t['floor'])} us")
         for line in designs:
             print(line)
+    if len(cells) > 1 and results:
+        _print_side_by_side(results)
     if any(r.host_bound for r in results):
         print("host-bound: the device waited for the host to launch the call, so that time is the host's "
               "(Python and launch costs), not the kernels'; --graph times the GPU alone")
@@ -133,13 +176,13 @@ def run(args) -> int:
         worst = min(d["per_shape"].items(), key=lambda kv: kv[1]) if d["per_shape"] else None
         print(f"speedup vs fla {b} {r}: geomean {d['geomean']:.2f}x over {len(d['per_shape'])} shapes"
               + (f", worst {worst[1]:.2f}x at {'x'.join(map(str, worst[0]))}" if worst else ""))
-    if args.json:
+    if args.json_out:
         payload = {"graph": args.graph, "reps": args.reps, "device": torch.cuda.get_device_name(device),
                    "results": [r.as_dict() for r in results], "passes": passes,
                    "speedup_vs_fla": {f"{b}|{r}": {"geomean": d["geomean"],
                                                    "per_shape": {"x".join(map(str, k)): v
                                                                  for k, v in d["per_shape"].items()}}
                                       for (b, r), d in sp.items()}}
-        with open(args.json, "w") as f:
+        with open(args.json_out, "w") as f:
             json.dump(payload, f, indent=1)
     return 1 if any(r.error for r in results) else 0
