@@ -150,20 +150,39 @@ def oracle_of(change: Callable) -> Callable[[], str]:
     return produce
 
 
-def check_outputs_of(change: Callable, problem=None, chunk: int = 32) -> Callable[[], str]:
-    """A row through ``kda-verify check`` on the oracle's outputs (with its workspace at ``chunk``)
-    changed by ``change`` (a function of the dict of output tensors)."""
+def _oracle_outputs(problem, chunk: int = 32) -> None:
+    """P.safetensors holding ``problem`` and O.safetensors its truth, workspace at ``chunk``."""
+    from verification.cli import main
+    write_problem(problem)
+    with contextlib.redirect_stdout(io.StringIO()):
+        if main(["oracle", "--inputs", "P.safetensors", "--out", "O.safetensors", "--workspace",
+                 "--chunk-size", str(chunk)]) != 0:
+            raise TableError("oracle: could not write the outputs the row changes")
+
+
+def _changed_outputs(change: Callable) -> None:
+    from verification.problem_file import load_outputs, save_outputs
+    save_outputs("O.safetensors", change(load_outputs("O.safetensors")), {})
+
+
+def check_outputs_of(change: Callable) -> Callable[[], str]:
+    """A row through ``kda-verify check`` on the oracle's outputs of the base problem changed by
+    ``change`` (a function of the dict of output tensors)."""
     def produce() -> str:
-        from verification.problem_file import load_outputs, save_outputs
-        write_problem(problem() if problem else base())
-        with contextlib.redirect_stdout(io.StringIO()):
-            from verification.cli import main
-            if main(["oracle", "--inputs", "P.safetensors", "--out", "O.safetensors", "--workspace",
-                     "--chunk-size", str(chunk)]) != 0:
-                raise TableError("oracle: could not write the outputs the row changes")
-        tensors = change(load_outputs("O.safetensors"))
-        save_outputs("O.safetensors", tensors, {})
+        _oracle_outputs(base())
+        _changed_outputs(change)
         return cli(["check", "--inputs", "P.safetensors", "--outputs", "O.safetensors", "--recipe", "flashkda"])
+    return produce
+
+
+def _load_outputs_of(change: Callable) -> Callable[[], str]:
+    """A row through ``load_outputs(path, problem)`` on the oracle's outputs changed by ``change``."""
+    def produce() -> str:
+        from verification.problem_file import load_outputs
+        p = base()
+        _oracle_outputs(p)
+        _changed_outputs(change)
+        return python_api(lambda: load_outputs("O.safetensors", p))
     return produce
 
 
@@ -314,6 +333,10 @@ def rows() -> list[Row]:
             check_outputs_of(lambda t: dict(t, ws_inv=t["ws_inv"][:, :, :16].contiguous()))),
         Row("an integer o in an outputs file", "check --inputs P.safetensors --outputs O.safetensors",
             check_outputs_of(lambda t: dict(t, o=t["o"].to(torch.int32)))),
+        Row("o of another shape in an outputs file", "problem_file.load_outputs(path, problem)",
+            _load_outputs_of(lambda t: dict(t, o=t["o"][:, :-1].contiguous()))),
+        Row("ws_inv with another tile count in an outputs file", "problem_file.load_outputs(path, problem)",
+            _load_outputs_of(lambda t: dict(t, ws_inv=t["ws_inv"][:-1].contiguous()))),
         # ----- flags
         Row("`--device cuda` without a GPU", "oracle --device cuda",
             _no_gpu(["oracle", "--inputs", "none.safetensors", "--out", "T.safetensors", "--device", "cuda"])),
