@@ -82,6 +82,7 @@ def out_of_contract(backend, problem: Problem, route: Route) -> Optional[str]:
 
 BUILTIN_BACKENDS: dict[str, str] = {
     "emulator": "kda_kernels.emulator:EmulatorBackend",
+    "emulator-bad": "kda_kernels.controls:negative_control",
     "triton": "kda_kernels.triton.backend:TritonBackend",
     "fla": "kda_kernels.fla:FlaBackend",
     "aiter": "kda_kernels.aiter:AiterBackend",

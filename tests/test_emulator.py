@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kda_kernels.base import Backend
+from kda_kernels.controls import BATCH_CONTROLS
 from kda_kernels.emulator import (NEGATIVE_CONTROLS, RECIPES, EmulatorBackend, emulate, exact_recipe,
                                   negative_control, round_tf32)
 from kda_ref.truth import truth
@@ -122,7 +123,7 @@ def test_backends_follow_the_protocol(problems):
     assert [(r.name, r.recipe) for r in emu.routes()] == [(n, n) for n in RECIPES]
     bad = negative_control()
     assert bad.name == "emulator-bad"
-    assert [r.name for r in bad.routes()] == list(NEGATIVE_CONTROLS) and len(NEGATIVE_CONTROLS) >= 6
+    assert [r.name for r in bad.routes()] == [*NEGATIVE_CONTROLS, *BATCH_CONTROLS] and len(NEGATIVE_CONTROLS) >= 6
     assert all(r.recipe == "flashkda" for r in bad.routes())
     one = negative_control(variant="inv_bf16")
     assert [r.name for r in one.routes()] == ["inv_bf16"]

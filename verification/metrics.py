@@ -13,6 +13,11 @@ For an output x and its float64 reference r (both upcast to float64; d = x - r):
     mistrusted   more than ZERO_TRUST (30%) of x is exactly 0 where r is not negligible
                  (|r| > 2^-24 max|r|, below which any kernel may flush): a mostly-zero output
                  on non-degenerate input is never a pass
+    slices       the squared error and squared reference of every slice (``slice_sums``):
+                 o per (sequence, head) and per (sequence, SLICE_ROWS-token block); a state per
+                 (sequence, head), the paged cache per (written slot, head).  A pooled figure
+                 hides a bug that ruins one short sequence, one head or one slot of a batch;
+                 the verdict judges each slice against the same slice of the baseline.
 
 The paged ``state_cache`` is compared on the slots the problem writes (``state_indices``);
 every other slot must stay bit-identical to the reference (NaN equal to NaN), counted in
@@ -28,6 +33,8 @@ import torch
 F64 = torch.float64
 ZERO_TRUST = 0.30      # oneDNN benchdnn's zero_trust_percent: more zeros than this is suspicious
 NEGLIGIBLE = 2.0 ** -24  # |ref| below this times max|ref|: a value any kernel may flush to zero
+SLICE_ROWS = 16        # tokens per (sequence, block) slice of o: a state leaking into a sequence's
+                       # first tokens stays visible in the block that holds them
 METRIC_KEYS = ("rel_l2", "max_abs", "tail_rel_l2", "chunk_rel_l2", "max_ulp",
                "nan_frac", "inf_frac", "zero_frac", "mistrusted")
 
@@ -100,6 +107,76 @@ def _ratio(num_sq: float, den_sq: float) -> float:
     return math.sqrt(num_sq) / math.sqrt(den_sq)
 
 
+def _seq_ids(problem, rows: int, block: int):
+    """Per packed row: its sequence n (-1 outside every sequence) and its slice id in the
+    (sequence, block) enumeration; plus the (n, block) label of every slice id."""
+    import numpy as np
+    seq = np.full(rows, -1, dtype=np.int64)
+    blk = np.full(rows, -1, dtype=np.int64)
+    labels = []
+    for n, (bos, eos) in enumerate(problem.seq_bounds()):
+        seq[bos:eos] = n
+        nb = -(-(eos - bos) // block)
+        blk[bos:eos] = len(labels) + np.arange(eos - bos) // block
+        labels.extend((n, b) for b in range(nb))
+    return seq, blk, labels
+
+
+def slice_sums(d: torch.Tensor, r: torch.Tensor, problem, tensor: str) -> Optional[dict]:
+    """Squared error and squared reference of every slice of one output, float64 on d's device.
+
+    d = x - ref and r = ref, both float64 and shaped as the output:
+    o [B,T,HV,V] -> "seq_head" [N, HV] (sequence n, head h; count = len_n * V elements) and
+                    "seq_block" [S] (sequence n, tokens SLICE_ROWS*b .. of it, all heads);
+    final_state [N,HV,*,*] -> "seq_head" [N, HV];
+    state_cache (written slots only, in state_indices order) [N,HV,*,*] -> "slot_head" [N, HV].
+    Returns {kind: {"err_sq": [...], "ref_sq": [...], "count": [...], "labels": [...]}} as
+    plain lists (labels: (n, h) or (n, block) or (slot, h)); None when the tensor has no slices."""
+    if problem is None or d.dim() != 4 or d.numel() == 0:
+        return None
+    out = {}
+    if tensor == "o":
+        HV, V = d.shape[2], d.shape[3]
+        e2 = d.reshape(-1, HV, V).square().sum(-1)                        # [rows, HV]
+        r2 = r.reshape(-1, HV, V).square().sum(-1)
+        seq_np, blk_np, blabels = _seq_ids(problem, e2.shape[0], SLICE_ROWS)
+        seq = torch.from_numpy(seq_np).to(d.device)
+        blk = torch.from_numpy(blk_np).to(d.device)
+        inside = seq >= 0
+        N = problem.N
+        es = torch.zeros(N, HV, dtype=F64, device=d.device).index_add_(0, seq[inside], e2[inside])
+        rs = torch.zeros(N, HV, dtype=F64, device=d.device).index_add_(0, seq[inside], r2[inside])
+        eb = torch.zeros(len(blabels), dtype=F64, device=d.device).index_add_(0, blk[inside], e2[inside].sum(1))
+        rb = torch.zeros(len(blabels), dtype=F64, device=d.device).index_add_(0, blk[inside], r2[inside].sum(1))
+        lens = [e - b for b, e in problem.seq_bounds()]
+        vals = torch.cat([es.flatten(), rs.flatten(), eb, rb]).tolist()      # one synchronisation
+        nh, nb = N * HV, len(blabels)
+        es, rs, eb, rb = vals[:nh], vals[nh:2 * nh], vals[2 * nh:2 * nh + nb], vals[2 * nh + nb:]
+        out["seq_head"] = {"err_sq": es, "ref_sq": rs,
+                           "count": [lens[n] * V for n in range(N) for _ in range(HV)],
+                           "labels": [(n, h) for n in range(N) for h in range(HV)]}
+        bl = {}
+        for n, b in blabels:
+            bl[(n, b)] = min(SLICE_ROWS, lens[n] - SLICE_ROWS * b) * HV * V
+        out["seq_block"] = {"err_sq": eb, "ref_sq": rb,
+                            "count": [bl[lab] for lab in blabels], "labels": [list(x) for x in blabels]}
+        return out
+    N, HV = d.shape[0], d.shape[1]
+    e2 = d.reshape(N, HV, -1).square().sum(-1)
+    r2 = r.reshape(N, HV, -1).square().sum(-1)
+    per = d.shape[2] * d.shape[3]
+    vals = torch.cat([e2.flatten(), r2.flatten()]).tolist()                  # one synchronisation
+    e2, r2 = vals[:N * HV], vals[N * HV:]
+    if tensor == "state_cache":
+        slots = [int(s) for s in problem.state_indices.tolist()]
+        out["slot_head"] = {"err_sq": e2, "ref_sq": r2,
+                            "count": [per] * (N * HV), "labels": [(s, h) for s in slots for h in range(HV)]}
+    else:
+        out["seq_head"] = {"err_sq": e2, "ref_sq": r2,
+                           "count": [per] * (N * HV), "labels": [(n, h) for n in range(N) for h in range(HV)]}
+    return out
+
+
 def tensor_metrics(x: torch.Tensor, ref: torch.Tensor, *, dtype: Optional[torch.dtype] = None,
                    problem=None, tensor: str = "o", chunk: int = 32) -> dict:
     """Every metric of one output tensor ``x`` against its float64 reference ``ref``.
@@ -170,6 +247,10 @@ def tensor_metrics(x: torch.Tensor, ref: torch.Tensor, *, dtype: Optional[torch.
            "ref_zero_frac": ref_zero, "spurious_zero_frac": spurious, "mistrusted": bool(mistrusted), "dtype": dtype_name(dtype),
            "numel": int(x.numel())}
     out.update(extra)
+    if finite and tensor in ("o", "final_state", "state_cache"):
+        sl = slice_sums(d, rf, problem, tensor)
+        if sl is not None:
+            out["slices"] = sl
     return out
 
 

@@ -372,7 +372,7 @@ def _summ(metrics: Optional[dict]) -> dict:
     out = {}
     for tname, m in (metrics or {}).items():
         if isinstance(m, dict):
-            out[tname] = {k: v for k, v in m.items() if not isinstance(v, (list, tuple, torch.Tensor))}
+            out[tname] = {k: v for k, v in m.items() if not isinstance(v, (list, tuple, dict, torch.Tensor))}
     return out
 
 
@@ -521,6 +521,8 @@ def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: Base
         return _errored(rec, e, "judging")
     rec["status"] = str(verdict.status)
     rec["reason"] = str(getattr(verdict, "reason", "") or "")
+    if rec["status"] == "not-applicable":      # no sound baseline: nothing was verified, never a pass
+        rec["status"], rec["reason"] = "skipped", f"not applicable: {rec['reason']}"
     rec["tensors"] = jsonable(getattr(verdict, "tensors", {}) or {})
     rec["metrics"] = jsonable(metrics)
     rec["margin"] = jsonable(worst_margin(rec["tensors"]))

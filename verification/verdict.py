@@ -16,9 +16,32 @@ m * best + floor and the record says so (``cap_lifted``).  Example: one token wh
 q^ and k^ gets 13-24% wrong.  A recipe that alone fails a case the others pass (Moonshot's on
 correlated keys) still meets the cap.
 
-A missing tensor, any NaN or Inf, a NaN baseline, or a changed slot the problem does not
-write fails; a mostly-zero output on non-degenerate input is "mistrusted", never passed.
-The case's status is the worst of its tensors': fail > mistrusted > pass.
+Every slice is judged too (``judge_slices``): o per (sequence, head) and per (sequence,
+16-token block), a state per (sequence, head), the paged cache per (written slot, head), each
+against the same slice of the baseline:
+
+    slice err s = sqrt(err_sq / max(ref_sq, (NEGLIGIBLE_SLICE * rms(ref))^2 * count))
+    threshold   = m * max(s_baseline, SLICE_FLOOR_SHARE * baseline_err of the whole tensor) + floor
+
+A slice whose reference is negligible against the tensor's (rms below NEGLIGIBLE_SLICE of the
+tensor's) is measured on the tensor's scale, so a near-zero slice raises no false alarm; half
+the whole tensor's baseline error is the least a slice's baseline counts for, so a short slice
+whose baseline happened to round well is not held to luck.  The cap is a whole-tensor bound only.  The
+verdict names the worst slice.
+
+A degenerate baseline (NaN, Inf, or mostly zeros where the reference is not: the recipe
+overflowed or underflowed on this input, e.g. v x 3e4 in an fp16 intermediate or v x 1e-6)
+never lets the cap alone decide: the tensor is judged against the best production recipe
+whose baseline is sound, and when none is, the verdict is ``not-applicable`` with the reason.
+
+A missing tensor, any NaN or Inf, or a changed slot the problem does not write fails; an
+output of another dtype than the problem and route declare fails; a mostly-zero output on
+non-degenerate input is "mistrusted", never passed.  The case's status is the worst of its
+tensors': fail > mistrusted > pass; ``not-applicable`` when nothing could be judged.
+
+A route claims a recipe (``Route.recipe``); when its error is well above that recipe's and
+close to a recipe that rounds more (moonshot keeps the state bf16 between chunks), the reason
+notes that the route's error matches the cheaper recipe (``cheaper_recipe_note``).
 """
 from __future__ import annotations
 
@@ -30,7 +53,12 @@ from typing import Callable, Optional
 from verification.metrics import compare, dtype_name, tensor_metrics
 
 JUDGED_METRICS = ("rel_l2", "tail_rel_l2")
-STATUSES = ("pass", "fail", "mistrusted")
+STATUSES = ("pass", "fail", "mistrusted", "not-applicable")
+NEGLIGIBLE_SLICE = 1e-2     # a slice whose rms is below this fraction of the tensor's is judged on the tensor's scale
+SLICE_FLOOR_SHARE = 0.5     # a slice is held to at least this share of the whole tensor's baseline error
+SLICE_KINDS = {"seq_head": ("sequence", "head"), "seq_block": ("sequence", "tokens"),
+               "slot_head": ("slot", "head")}
+RECIPE_COST = ("moonshot", "fla", "flashkda")   # cheapest rounding first: bf16 state < input-dtype tiles < fp32 state
 
 
 @dataclass
@@ -66,15 +94,56 @@ def _tensors(x) -> dict:
     return x.tensors() if hasattr(x, "tensors") else dict(x)
 
 
+UNIT_SCALE_RANGE = (2.0 ** -8, 2.0 ** 8)   # rms(v) outside this: the baseline is measured at unit scale
+
+
+def unit_scale(problem) -> float:
+    """The power of two 2^round(log2 rms(v)) when rms(v) lies outside UNIT_SCALE_RANGE, else 1.
+
+    o and every state are linear in (v, initial state) for fixed q, k, g, beta, so the exact
+    forward of (v / s, S0 / s) is the exact forward of (v, S0) divided by s; a power of two
+    divides every format exactly.  A recipe's error at unit scale is what it reaches without
+    the under- or overflow of its fixed-range operands (fp16 u = beta (v - kd S) flushes at
+    |v| ~ 1e-6 and overflows at 3e4), so a bug caught at normal scale stays caught."""
+    v = problem.v.detach().double()
+    if v.numel() == 0:
+        return 1.0
+    rms = float(v.square().mean().sqrt())
+    lo, hi = UNIT_SCALE_RANGE
+    if not math.isfinite(rms) or rms == 0.0 or lo <= rms <= hi:
+        return 1.0
+    return 2.0 ** round(math.log2(rms))
+
+
+def at_unit_scale(problem, truth, s: float):
+    """(problem, truth) with v, the initial state, the state cache and every truth tensor
+    divided by s (``unit_scale``)."""
+    ch = {"v": (problem.v.double() / s).to(problem.v.dtype)}
+    if problem.initial_state is not None:
+        ch["initial_state"] = (problem.initial_state.double() / s).to(problem.initial_state.dtype)
+    if problem.state_cache is not None:
+        ch["state_cache"] = (problem.state_cache.double() / s).to(problem.state_cache.dtype)
+    return problem.replace(**ch), {k: v / s for k, v in _tensors(truth).items()}
+
+
 def baseline_metrics(problem, recipe: str, truth, taps: bool = False) -> dict:
     """Metrics of the emulator's ``recipe`` against ``truth`` (name -> metrics dict); a pure
     function of its arguments, so the caller may cache it per (case, recipe).  With ``taps``
-    it also holds the stored inverse's metrics (``ws_inv``) against the oracle workspace."""
+    it also holds the stored inverse's metrics (``ws_inv``) against the oracle workspace.
+    On a problem off unit scale (``unit_scale``) the recipe runs at unit scale and every
+    tensor's metrics carry ``unit_scale``: s."""
     from kda_kernels.emulator import emulate
+    s = unit_scale(problem)
+    refs = _tensors(truth)
+    if s != 1.0:
+        problem, refs = at_unit_scale(problem, truth, s)
     out = emulate(problem, recipe, taps=taps)
-    result = compare(out.tensors(), {k: v for k, v in _tensors(truth).items()}, problem)
+    result = compare(out.tensors(), refs, problem)
     if taps:
         result.update(tap_metrics(problem, out.taps))
+    if s != 1.0:
+        for m in result.values():
+            m["unit_scale"] = s
     return result
 
 
@@ -164,18 +233,132 @@ def lifted_cap(name: str, tol, recipe_baselines: Optional[Callable[[], dict]]) -
             "best_err": err}
 
 
+def degenerate(base: Optional[dict]) -> Optional[str]:
+    """Why a baseline's metrics of one tensor cannot serve as a yardstick (None when they can):
+    absent, NaN / Inf in the recipe's output, or mostly zeros where the reference is not (the
+    recipe overflowed or underflowed on this input)."""
+    if not base or base.get("missing"):
+        return "absent"
+    if base.get("nan_frac", 0) > 0 or base.get("inf_frac", 0) > 0:
+        return f"{100 * base.get('nan_frac', 0):.3g}% NaN, {100 * base.get('inf_frac', 0):.3g}% Inf"
+    err = base.get("rel_l2", math.nan)
+    if not isinstance(err, (int, float)) or math.isnan(err) or math.isinf(err):
+        return f"rel_l2 {err}"
+    if base.get("mistrusted"):
+        return f"{100 * base.get('zero_frac', 0):.3g}% exact zeros where the reference is not negligible"
+    return None
+
+
+def sound_recipe(name: str, recipe_baselines: Optional[Callable[[], dict]]) -> Optional[tuple]:
+    """(recipe, metrics) of the production recipe with the least rel_l2 on tensor ``name`` among
+    those whose baseline is sound, or None."""
+    if recipe_baselines is None:
+        return None
+    sound = {r: m[name] for r, m in (recipe_baselines() or {}).items()
+             if m and m.get(name) and degenerate(m[name]) is None}
+    if not sound:
+        return None
+    r = min(sound, key=lambda k: sound[k]["rel_l2"])
+    return r, sound[r]
+
+
+def _slice_label(kind: str, label) -> str:
+    a, b = SLICE_KINDS.get(kind, ("slice", "part"))
+    if kind == "seq_block":
+        from verification.metrics import SLICE_ROWS
+        return f"sequence {label[0]} tokens {SLICE_ROWS * label[1]}-{SLICE_ROWS * (label[1] + 1) - 1}"
+    return f"{a} {label[0]} {b} {label[1]}"
+
+
+def slice_errors(sl: dict) -> list:
+    """Per-slice relative L2 of one kind of slices (``metrics.slice_sums``), a slice whose
+    reference rms is below NEGLIGIBLE_SLICE of the whole's measured on the whole's scale."""
+    ref_tot, cnt_tot = sum(sl["ref_sq"]), sum(sl["count"])
+    ms = ref_tot / cnt_tot if cnt_tot else 0.0
+    out = []
+    for e, r, c in zip(sl["err_sq"], sl["ref_sq"], sl["count"]):
+        den = max(r, NEGLIGIBLE_SLICE ** 2 * ms * c)
+        out.append(0.0 if e == 0 else (math.inf if den == 0 else math.sqrt(e / den)))
+    return out
+
+
+def judge_slices(name: str, met: dict, base: Optional[dict], tol) -> tuple[str, str, Optional[dict]]:
+    """(status, reason, record of the worst slice) of every slice of one tensor against the same
+    slice of the baseline (module docstring); ("pass", "", None) when the tensor has no slices."""
+    sl = met.get("slices") or {}
+    bsl = (base or {}).get("slices") or {}
+    whole = float((base or {}).get("rel_l2", 0.0) or 0.0)
+    worst = None
+    for kind, part in sl.items():
+        errs = slice_errors(part)
+        bpart = bsl.get(kind)
+        berrs = slice_errors(bpart) if bpart and len(bpart["err_sq"]) == len(errs) else [0.0] * len(errs)
+        for i, (e, b) in enumerate(zip(errs, berrs)):
+            thr = tol.m * max(b, SLICE_FLOOR_SHARE * whole) + tol.floor
+            margin = e / thr if thr > 0 else (0.0 if e == 0 else math.inf)
+            if worst is None or margin > worst["margin"]:
+                worst = {"kind": kind, "label": list(part["labels"][i]), "err": e, "baseline_err": b,
+                         "tensor_baseline_err": whole, "threshold": thr, "margin": margin}
+    if worst is None:
+        return "pass", "", None
+    worst["where"] = _slice_label(worst["kind"], worst["label"])
+    if worst["margin"] > 1:
+        return "fail", (f"{name} {worst['where']}: rel_l2 {_fmt(worst['err'])} > {_fmt(worst['threshold'])} = "
+                        f"{_fmt(tol.m)}*max({_fmt(worst['baseline_err'])} slice, {_fmt(SLICE_FLOOR_SHARE * whole)} = half the "
+                        f"tensor's)+{_fmt(tol.floor)} "
+                        f"(tolerance {tol.key})"), worst
+    return "pass", "", worst
+
+
+def expected_dtype(name: str, problem, route) -> Optional[object]:
+    """The dtype an output must have: o the problem's v dtype; final_state the route's declared
+    state dtype (flag ``state_dtype``), else the initial state's, else fp32; state_cache the
+    cache's own dtype."""
+    import torch
+    flag = route.flag("state_dtype") if hasattr(route, "flag") else None
+    if name == "o":
+        return problem.v.dtype
+    if name == "final_state":
+        if flag is not None:
+            return {"fp32": torch.float32, "bf16": torch.bfloat16}.get(str(flag), flag)
+        return problem.initial_state.dtype if problem.initial_state is not None else torch.float32
+    if name == "state_cache":
+        return problem.state_cache.dtype
+    return None
+
+
+def cheaper_recipe_note(name: str, rec: dict, claimed: str, recipe_baselines) -> Optional[str]:
+    """A note when tensor ``name``'s error is well above the claimed recipe's baseline and matches
+    a recipe that rounds more (RECIPE_COST), e.g. a state stored bf16 between chunks."""
+    err, b = rec.get("err", math.nan), rec.get("baseline_err", math.nan)
+    if recipe_baselines is None or claimed not in RECIPE_COST or not (err > 1.5 * b > 0):
+        return None
+    for r in RECIPE_COST[:RECIPE_COST.index(claimed)]:
+        m = ((recipe_baselines() or {}).get(r) or {}).get(name)
+        if not m or degenerate(m):
+            continue
+        br = m.get(rec.get("metric", "rel_l2"), math.nan)
+        if br > 1.5 * b and 0.67 * br <= err <= 1.5 * br:
+            return (f"{name}: error {_fmt(err)} matches the {r} recipe's {_fmt(br)}, not the claimed {claimed}'s "
+                    f"{_fmt(b)}: does the route round like {r}?")
+    return None
+
+
 def judge(backend: str, route, problem, outputs, truth, baseline: dict, db,
           recipe_baselines: Optional[Callable[[], dict]] = None) -> Verdict:
     """The verdict of one run: ``outputs`` (Outputs or name -> tensor) against ``truth`` (Truth
     or name -> float64 tensor), with ``baseline`` (baseline_metrics of the route's recipe) and
     the matching entries of ``db`` (a ToleranceDB).  ``recipe_baselines``: a callable giving
     every production recipe's baseline metrics on this case, asked only when a tensor fails at
-    its cap (to lift a cap that no recipe can meet); None keeps every cap."""
+    its cap (to lift a cap that no recipe can meet), when the route's own baseline is
+    degenerate, or when the error is well above the claimed recipe's; None keeps every cap
+    and makes a degenerate baseline ``not-applicable``.  ``check``, ``run`` and the pytest
+    plugin all come here with the same arguments."""
     route_name = getattr(route, "name", str(route))
     recipe = getattr(route, "recipe", "")
     outs, refs = _tensors(outputs), _tensors(truth)
     dtype = dtype_name(problem.v.dtype)
-    statuses, reasons, records, metrics, lifted = [], [], {}, {}, []
+    statuses, reasons, records, metrics, notes = [], [], {}, {}, []
     for name, ref in refs.items():
         if name not in ("o", "final_state", "state_cache"):
             continue
@@ -194,14 +377,64 @@ def judge(backend: str, route, problem, outputs, truth, baseline: dict, db,
                 statuses.append("fail")
                 reasons.append(str(e))
                 continue
-        status, reason, rec = judge_tensor(name, met, baseline.get(name), tol)
+        base = baseline.get(name)
+        why = degenerate(base)
+        kernel_broken = met.get("missing") or met["nan_frac"] > 0 or met["inf_frac"] > 0
+        if why is not None and not kernel_broken:
+            alt = sound_recipe(name, recipe_baselines)
+            if alt is None:
+                records[name] = {"tolerance_key": tol.key, "err": met.get("rel_l2"), "threshold": math.nan,
+                                 "margin": math.nan, "metric": "rel_l2", "baseline_err": math.nan}
+                metrics[name] = met
+                statuses.append("not-applicable")
+                reasons.append(f"{name}: the {recipe or 'route'} recipe's baseline is degenerate here ({why}) "
+                               f"and no production recipe's is sound, so nothing can judge it")
+                continue
+            base = alt[1]
+            notes.append(f"{name}: judged against the {alt[0]} recipe (the {recipe} baseline is degenerate: {why})")
+        status, reason, rec = judge_tensor(name, met, base, tol)
+        if why is not None and not kernel_broken:
+            rec["baseline_recipe"] = alt[0]
+        if (base or {}).get("unit_scale"):
+            rec["baseline_unit_scale"] = base["unit_scale"]
+            note = (f"baselines measured at unit scale (v / 2^{int(math.log2(base['unit_scale']))}; "
+                    f"the forward is linear in v and the initial state)")
+            if note not in notes:
+                notes.append(note)
         if status == "fail" and rec.get("threshold") == tol.cap:
             lift = lifted_cap(name, tol, recipe_baselines)
             if lift is not None and lift["to"] > tol.cap:
-                status, reason, rec = judge_tensor(name, met, baseline.get(name), dataclasses.replace(tol, cap=lift["to"]))
+                status, reason, rec2 = judge_tensor(name, met, base, dataclasses.replace(tol, cap=lift["to"]))
+                rec2.update({k: v for k, v in rec.items() if k == "baseline_recipe"})
+                rec = rec2
                 rec["cap_lifted"] = lift
-                lifted.append(f"{name}: cap {_fmt(lift['from'])} lifted to {_fmt(lift['to'])}, the best recipe "
-                              f"({lift['best_recipe']}) errs {_fmt(lift['best_err'])} in {lift['metric']} here")
+                notes.append(f"{name}: cap {_fmt(lift['from'])} lifted to {_fmt(lift['to'])}, the best recipe "
+                             f"({lift['best_recipe']}) errs {_fmt(lift['best_err'])} in {lift['metric']} here")
+        if status in ("pass", "fail") and not kernel_broken:
+            s_status, s_reason, s_rec = judge_slices(name, met, base, tol)
+            if s_rec is not None:
+                rec["slice"] = s_rec
+                rec["tensor_margin"] = rec["margin"]
+                rec["margin"] = max(rec["margin"], s_rec["margin"])
+            if s_status == "fail" and status == "pass":
+                status, reason = "fail", s_reason
+            elif status == "fail" and s_rec is not None:
+                reason += (f"; worst slice {s_rec['where']}: rel_l2 {_fmt(s_rec['err'])}, its baseline "
+                           f"{_fmt(s_rec['baseline_err'])}")
+        want = expected_dtype(name, problem, route)
+        if x is not None and want is not None:
+            rec["dtype"] = dtype_name(x.dtype)
+            rec["expected_dtype"] = dtype_name(want)
+            if x.dtype != want:
+                status = "fail"
+                reason = ((reason + "; ") if reason else "") + (
+                    f"{name}: dtype {dtype_name(x.dtype)}, expected {dtype_name(want)} "
+                    f"({'the problem v dtype' if name == 'o' else 'the declared state dtype'})")
+        if status in ("pass", "fail") and not kernel_broken:
+            note = cheaper_recipe_note(name, rec, recipe, recipe_baselines)
+            if note:
+                rec["cheaper_recipe"] = note
+                notes.append(note)
         records[name], metrics[name] = rec, met
         statuses.append(status)
         if reason:
@@ -220,19 +453,29 @@ def judge(backend: str, route, problem, outputs, truth, baseline: dict, db,
                 statuses.append(status)
                 if reason:
                     reasons.append(reason)
+        else:
+            notes.append(f"ws_inv: not judged (C = {int(taps['ws_inv'].shape[-1])}, the {recipe or 'route'} "
+                         f"recipe's chunk is {chunk})")
     if "fail" in statuses:
         status = "fail"
     elif "mistrusted" in statuses:
         status = "mistrusted"
+    elif "not-applicable" in statuses:
+        status = "not-applicable"
     else:
         status = "pass"
     if status == "pass":
         worst = max(records.items(), key=lambda kv: kv[1]["margin"]) if records else None
-        reason = ("pass" if worst is None else
-                  f"pass: worst margin {worst[1]['margin']:.3g} ({worst[0]} {worst[1]['metric']})")
+        if worst is None:
+            reason = "pass"
+        else:
+            sl = worst[1].get("slice")
+            where = (f"{worst[0]} {sl['where']}" if sl and sl["margin"] >= worst[1].get("tensor_margin", 0)
+                     else f"{worst[0]} {worst[1]['metric']}")
+            reason = f"pass: worst margin {worst[1]['margin']:.3g} ({where})"
     else:
         reason = "; ".join(reasons)
-    if lifted:
-        reason += " (" + "; ".join(lifted) + ")"
+    if notes:
+        reason += " (" + "; ".join(notes) + ")"
     return Verdict(status=status, reason=reason, tensors=records, metrics=metrics, backend=backend,
                    route=route_name, recipe=recipe)

@@ -6,7 +6,9 @@ P is a problem file and O an output file (verification/problem_file.py).  The fl
 P is computed here, the emulator recipe R gives the baseline, and the tolerances.yaml entry of
 (NAME, route, input dtype, tensor) gives m, floor and cap.  A ``ws_inv`` tensor in O (the
 stored inverse, production layout) is judged too.  Prints a per-tensor table (or the verdict
-as JSON); exit 0 pass, 1 fail or mistrusted, 2 bad input.
+as JSON); exit 0 pass, 1 fail or mistrusted, 2 bad input, an empty problem, or not applicable
+(no production recipe gives a sound baseline on this input).  The verdict is
+``verification.verdict.judge`` with the same arguments as ``run`` gives it (cap lift included).
 """
 from __future__ import annotations
 
@@ -16,6 +18,11 @@ import sys
 
 NAME = "check"
 HELP = "judge a kernel's dumped outputs against the oracle, a recipe's baseline and tolerances.yaml"
+EXAMPLES = """\
+kda-verify check --inputs p.safetensors --outputs o.safetensors --recipe flashkda
+kda-verify check --inputs p.safetensors --outputs o.safetensors --recipe fla --backend-name fla --route chunk:safe_gate
+kda-verify check --inputs p.safetensors --outputs o.safetensors --recipe moonshot --json
+"""
 
 
 def add_arguments(p):
@@ -67,9 +74,22 @@ def run(args) -> int:
     outs = load_outputs(args.outputs)
     outs = {k: v.to(args.device) for k, v in outs.items()}
     route = Route(name=args.route or args.recipe, recipe=args.recipe)
+    if problem.B * problem.T == 0 or problem.N == 0:
+        raise UsageError(f"--inputs: an empty problem (B={problem.B}, T={problem.T}, N={problem.N}) has nothing "
+                         f"to verify")
+    if "ws_inv" in outs and int(outs["ws_inv"].shape[-1]) != RECIPES[args.recipe].chunk:
+        raise UsageError(f"--outputs: ws_inv: expected chunk {RECIPES[args.recipe].chunk} (the {args.recipe} recipe's), "
+                         f"got {int(outs['ws_inv'].shape[-1])} (shape {list(outs['ws_inv'].shape)})")
     tr = truth(problem)
     want_taps = "ws_inv" in outs
     base = baseline_metrics(problem, args.recipe, tr, taps=want_taps)
+    recipes = {args.recipe: base}
+
+    def recipe_baselines() -> dict:          # the same cap lift and fallback as run: every recipe, once
+        for r in RECIPES:
+            if r not in recipes:
+                recipes[r] = baseline_metrics(problem, r, tr)
+        return recipes
 
     class _Loaded:
         taps = {k: v for k, v in outs.items() if k == "ws_inv"}
@@ -78,7 +98,7 @@ def run(args) -> int:
         def tensors():
             return {k: v for k, v in outs.items() if k in ("o", "final_state", "state_cache")}
 
-    verdict = judge(args.backend_name, route, problem, _Loaded(), tr, base, db)
+    verdict = judge(args.backend_name, route, problem, _Loaded(), tr, base, db, recipe_baselines=recipe_baselines)
     if args.json:
         d = verdict.to_dict()
         d.update(inputs=args.inputs, outputs=args.outputs)
@@ -88,4 +108,4 @@ def run(args) -> int:
         print(table(verdict))
         print(f"{verdict.status.upper()}: {verdict.reason}")
     sys.stdout.flush()
-    return 0 if verdict.status == "pass" else 1
+    return {"pass": 0, "not-applicable": 2}.get(verdict.status, 1)

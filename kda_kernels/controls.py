@@ -1,0 +1,213 @@
+"""Negative controls: kernels with one deliberate bug each, the backend ``emulator-bad``.
+
+They prove that the harness sees the bugs it exists to catch.  Each is the flashkda recipe of
+the emulator (``kda_kernels.emulator``) with one slip; the emulator that computes baselines
+only exposes its older in-recipe slips by name (``emulator.NEGATIVE_CONTROLS``), and the
+controls of this module wrap it from outside, so no switch of theirs sits in the code that
+computes a baseline.
+
+Batch-level controls (``BATCH_CONTROLS``), the bugs a pooled error hides inside a large batch:
+
+    state_leak        sequence n starts from sequence n-1's final state where it has no initial
+                      state of its own (no reset at a sequence start): one request's state
+                      leaking into the next one's output
+    head_gate_scaled  the log-decay a of one head (the last) on one sequence (the middle one,
+                      N // 2) is multiplied by 1.05, i.e. the decay exp(a) is raised to 1.05
+    slots_swapped     the final states of the first two written cache slots land in each
+                      other's slot (paged problems)
+
+Each runs the problem one sequence at a time (``per_sequence``), so a control changes nothing
+outside the sequences and slots it names; where it would change nothing at all (one sequence,
+every sequence with its own initial state, no two written slots) it is not applicable.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from kda_ref.preprocess import F64, gate_activation
+from kda_ref.problem import Problem
+
+from .base import Outputs, Route
+from .emulator import NEGATIVE_CONTROLS, EmulatorBackend, emulate
+
+BATCH_CONTROLS: dict[str, str] = {
+    "state_leak": "sequence n starts from sequence n-1's final state where it has no initial state of its own",
+    "head_gate_scaled": "one head's log-decay on one sequence (the last head, sequence N//2) scaled by 1.05",
+    "slots_swapped": "the final states of the first two written cache slots are written to each other's slot",
+}
+GATE_SCALE = 1.05
+
+
+def own_initial_state(problem: Problem) -> list[bool]:
+    """Whether each sequence starts from a state of its own (a dense initial state, or a paged
+    slot it reads because has_initial_state is true)."""
+    if problem.paged:
+        return [bool(x) for x in problem.has_initial_state.tolist()]
+    return [problem.initial_state is not None] * problem.N
+
+
+def _kfirst(state: torch.Tensor, layout: str) -> torch.Tensor:
+    return state if layout == "kv" else state.transpose(-1, -2)
+
+
+def sequence_problem(problem: Problem, n: int, start: Optional[torch.Tensor]) -> Problem:
+    """Sequence n of ``problem`` alone, as a dense problem [1, len_n] in the kv layout, starting
+    from ``start`` (K-first [HV, K, V]) or from zero."""
+    bos, eos = problem.seq_bounds()[n]
+    def tok(t):
+        return t.reshape((problem.B * problem.T,) + tuple(t.shape[2:]))[bos:eos].unsqueeze(0)
+    init = None if start is None else start.unsqueeze(0).to(torch.float32)
+    return problem.replace(q=tok(problem.q), k=tok(problem.k), v=tok(problem.v), g=tok(problem.g),
+                           beta=tok(problem.beta), cu_seqlens=None, initial_state=init, state_layout="kv",
+                           state_cache=None, state_indices=None, has_initial_state=None, output_final_state=True)
+
+
+def start_state(problem: Problem, n: int) -> Optional[torch.Tensor]:
+    """Sequence n's own initial state, K-first [HV, K, V] float64, or None (it starts from zero)."""
+    if problem.paged:
+        if not bool(problem.has_initial_state[n]):
+            return None
+        return problem.state_cache[int(problem.state_indices[n])].to(F64).transpose(-1, -2)
+    if problem.initial_state is None:
+        return None
+    return _kfirst(problem.initial_state[n], problem.state_layout).to(F64)
+
+
+def per_sequence(problem: Problem, run_one: Callable[[int, Problem], Outputs],
+                 start: Callable[[int, Optional[torch.Tensor]], Optional[torch.Tensor]]) -> Outputs:
+    """Run every sequence alone and assemble the outputs of ``problem``.
+
+    ``start(n, previous_final)`` gives sequence n's starting state (K-first [HV, K, V] or None)
+    from the final state of sequence n-1; ``run_one(n, sub)`` runs the one-sequence problem.
+    o is [B, T, HV, V] in v's dtype; the final states go out in the problem's layout (dense) or
+    into a copy of the cache at state_indices (paged)."""
+    Tt = problem.B * problem.T
+    o = torch.zeros(Tt, problem.HV, problem.V, dtype=problem.v.dtype, device=problem.device)
+    finals, prev = [], None
+    for n, (bos, eos) in enumerate(problem.seq_bounds()):
+        s0 = start(n, prev)
+        if eos == bos:
+            fin = s0 if s0 is not None else torch.zeros(problem.HV, problem.K, problem.V, dtype=F64,
+                                                         device=problem.device)
+        else:
+            out = run_one(n, sequence_problem(problem, n, s0))
+            o[bos:eos] = out.o[0].to(o.dtype)
+            fin = out.final_state[0].to(F64)
+        finals.append(fin)
+        prev = fin
+    final = torch.stack(finals)                                           # [N, HV, K, V]
+    o = o.reshape(problem.B, problem.T, problem.HV, problem.V)
+    if problem.paged:
+        cache = problem.state_cache.detach().clone()
+        cache[problem.state_indices.long()] = final.transpose(-1, -2).to(cache.dtype)
+        return Outputs(o=o, state_cache=cache)
+    if not problem.output_final_state:
+        return Outputs(o=o)
+    return Outputs(o=o, final_state=_kfirst(final, problem.state_layout).to(torch.float32).contiguous())
+
+
+def _emulated(n: int, sub: Problem) -> Outputs:
+    return emulate(sub, "flashkda")
+
+
+def run_state_leak(problem: Problem) -> Outputs:
+    own = own_initial_state(problem)
+    return per_sequence(problem, _emulated,
+                        lambda n, prev: start_state(problem, n) if own[n] or prev is None else prev)
+
+
+def gate_target(problem: Problem) -> tuple[int, int]:
+    """(sequence, head) whose decay head_gate_scaled scales."""
+    return problem.N // 2, problem.HV - 1
+
+
+def run_head_gate_scaled(problem: Problem) -> Outputs:
+    target, head = gate_target(problem)
+
+    def run_one(n: int, sub: Problem) -> Outputs:
+        if n != target:
+            return emulate(sub, "flashkda")
+        a = gate_activation(sub.g.reshape(-1, sub.HV, sub.K), sub.gate, sub.A_log, sub.dt_bias, sub.lower_bound)
+        a[:, head] *= GATE_SCALE
+        pregated = sub.replace(g=a.to(torch.float32).reshape(sub.g.shape), gate="pregated", A_log=None,
+                               dt_bias=None, lower_bound=None)
+        return emulate(pregated, "flashkda")
+
+    return per_sequence(problem, run_one, lambda n, prev: start_state(problem, n))
+
+
+def run_slots_swapped(problem: Problem) -> Outputs:
+    out = emulate(problem, "flashkda")
+    a, b = (int(s) for s in problem.state_indices[:2].tolist())
+    cache = out.state_cache.clone()
+    cache[a], cache[b] = out.state_cache[b], out.state_cache[a]
+    return Outputs(o=out.o, state_cache=cache, info=out.info)
+
+
+RUNNERS = {"state_leak": run_state_leak, "head_gate_scaled": run_head_gate_scaled,
+           "slots_swapped": run_slots_swapped}
+
+
+def changes_anything(name: str, problem: Problem) -> tuple[bool, str]:
+    """Whether control ``name`` changes any output of ``problem`` (and why not)."""
+    lens = [e - b for b, e in problem.seq_bounds()]
+    if name == "state_leak":
+        own = own_initial_state(problem)
+        if any(not own[n] and any(lens[:n]) for n in range(1, problem.N)):
+            return True, ""
+        return False, "no sequence after a non-empty one starts without a state of its own"
+    if name == "head_gate_scaled":
+        n, _ = gate_target(problem)
+        return (lens[n] > 0, "" if lens[n] > 0 else f"sequence {n} is empty")
+    if name == "slots_swapped":
+        if not problem.paged or problem.N < 2:
+            return False, "needs a paged cache with two written slots"
+        if lens[0] == 0 and lens[1] == 0 and not bool(problem.has_initial_state[:2].any()):
+            return False, "both swapped slots receive zero states"
+        return True, ""
+    raise ValueError(f"control: expected one of {', '.join(BATCH_CONTROLS)}, got {name!r}")
+
+
+class ControlBackend(EmulatorBackend):
+    """``emulator-bad``: every negative control as a route (recipe flashkda), with the ws_inv
+    tap on the emulator's in-recipe controls so a wrongly stored inverse is visible."""
+
+    def __init__(self, variant: Optional[str] = None, taps: bool = True):
+        if variant is not None and variant not in NEGATIVE_CONTROLS and variant not in BATCH_CONTROLS:
+            raise ValueError(f"variant: expected one of {', '.join([*NEGATIVE_CONTROLS, *BATCH_CONTROLS])}, "
+                             f"got {variant!r}")
+        super().__init__(taps=taps)
+        self.only = variant
+        self.name = "emulator-bad"
+
+    def routes(self) -> list[Route]:
+        every = {**NEGATIVE_CONTROLS, **BATCH_CONTROLS}
+        names = [self.only] if self.only else list(every)
+        return [Route(name=n, recipe="flashkda", flags=(("variant", n),), description=every[n]) for n in names]
+
+    def accepts(self, problem: Problem, route: Route):
+        ok, why = super().accepts(problem, route.__class__(name=route.name, recipe="flashkda"))
+        if not ok:
+            return ok, why
+        variant = route.flag("variant")
+        if variant in BATCH_CONTROLS:
+            changes, why = changes_anything(variant, problem)
+            if not changes:
+                return False, f"not applicable: the control {variant} changes nothing here ({why})"
+        return True, ""
+
+    def run(self, problem: Problem, route: Route) -> Outputs:
+        variant = route.flag("variant")
+        if variant in BATCH_CONTROLS:
+            out = RUNNERS[variant](problem)
+            out.info = {"route_ran": f"flashkda+{variant}"}
+            return out
+        return emulate(problem, "flashkda", variant=variant, taps=self.taps)
+
+
+def negative_control(variant: Optional[str] = None, taps: bool = True) -> ControlBackend:
+    """Backend factory (``kda_kernels.controls:negative_control``, built-in name ``emulator-bad``):
+    every negative control as a route of ``emulator-bad``, or only ``variant``."""
+    return ControlBackend(variant=variant, taps=taps)

@@ -1,0 +1,205 @@
+"""Per-slice verdicts, scale-free baselines and one judge for check, run and pytest.
+
+A pooled error hides a bug that ruins one short sequence, one head or one cache slot of a
+batch; the verdict judges every (sequence, head), every (sequence, 16-token block) of o and
+every written slot against the same slice of the baseline (verification/verdict.py)."""
+import json
+import math
+
+import pytest
+import torch
+
+from kda_kernels.base import Outputs, Route
+from kda_kernels.controls import BATCH_CONTROLS, negative_control
+from kda_ref.truth import truth
+from verification.cases import build_problem, get_case
+from verification.cli import main
+from verification.planted import PLANTS, judge_plant, plant, pooled_margin
+from verification.problem_file import save_outputs, save_problem
+from verification.runner import BaselineCache, TruthCache, as_loaded, run_cell
+from verification.tolerances import load_tolerances
+
+SMALL = ("smoke/varlen-tail33-lb-5", "smoke/paged-lb-5", "smoke/initial-state-kv-lb-5")
+
+
+@pytest.fixture(scope="module")
+def small():
+    out = {}
+    for cid in SMALL:
+        p = get_case(cid).build()
+        out[cid] = (p, truth(p), {})
+    return out
+
+
+def _exact(p, tr) -> Outputs:
+    if p.paged:
+        return Outputs(o=tr.o.to(p.v.dtype), state_cache=tr.state_cache.to(p.state_cache.dtype))
+    return Outputs(o=tr.o.to(p.v.dtype), final_state=tr.final_state.float())
+
+
+@pytest.mark.parametrize("cid", SMALL)
+def test_the_exact_outputs_pass_with_the_worst_slice_named(small, cid):
+    p, tr, bl = small[cid]
+    v = judge_plant(p, _exact(p, tr), tr, bl)
+    assert v.status == "pass", v.reason
+    assert "sequence" in v.reason or "slot" in v.reason, v.reason      # the worst margin names a slice
+
+
+@pytest.mark.parametrize("cid", SMALL)
+@pytest.mark.parametrize("name", PLANTS)
+def test_every_planted_batch_bug_is_caught_where_it_changes_anything(small, cid, name):
+    p, tr, bl = small[cid]
+    out = plant(p, name)
+    if out is None:
+        pytest.skip(f"{name} changes nothing on {cid}")
+    v = judge_plant(p, out, tr, bl)
+    assert v.status == "fail", (cid, name, v.reason)
+    worst = max(v.tensors.values(), key=lambda t: t["margin"])
+    where = worst.get("slice", {}).get("where", "")
+    if name == "leak":       # sequence 1 starts from sequence 0's state
+        assert "sequence 1" in v.reason, v.reason
+    if name == "slot swap":
+        assert "slot" in v.reason, v.reason
+    assert where, worst
+
+
+def test_a_leak_hidden_by_the_pooled_error_is_caught_by_its_slice(small):
+    # varlen-tail33 at lb -5: the pooled margin stays under 1, the receiving sequence's first block does not
+    p, tr, bl = small["smoke/varlen-tail33-lb-5"]
+    v = judge_plant(p, plant(p, "leak"), tr, bl)
+    assert pooled_margin(v) < 1 < max(t["margin"] for t in v.tensors.values()), v.reason
+    assert "o sequence 1 tokens 0-15" in v.reason, v.reason
+
+
+def test_a_slice_of_negligible_reference_raises_no_false_alarm():
+    p = get_case("smoke/varlen-tail33-lb-5").build()
+    v = p.v.clone()
+    v[0, :33] *= 1e-7                           # sequence 0's reference is negligible against the tensor's
+    p = p.replace(v=v)
+    tr = truth(p)
+    verdict = judge_plant(p, _exact(p, tr), tr)
+    assert verdict.status == "pass", verdict.reason
+
+
+@pytest.mark.parametrize("scale", [1e-6, 1e-12, 1e-30, 3e4])
+def test_a_bug_caught_at_unit_scale_is_caught_at_any_scale_of_v(scale):
+    p0 = get_case("smoke/varlen-tail33-lb-5").build()
+    p = p0.replace(v=(p0.v.double() * scale).to(p0.v.dtype))
+    tr, bl = truth(p), {}
+    good = judge_plant(p, _exact(p, tr), tr, bl)
+    assert good.status == "pass", good.reason
+    assert "unit scale" in good.reason
+    bad = Outputs(o=(tr.o * 1.04).to(p.v.dtype), final_state=(tr.final_state * 1.04).float())
+    assert judge_plant(p, bad, tr, bl).status == "fail"
+
+
+def test_a_nan_baseline_is_replaced_by_a_sound_recipe_and_none_sound_is_not_applicable(tmp_path, capsys):
+    # lb -12: the flashkda recipe's pivot factors overflow (a NaN baseline); the fla recipe is sound
+    for lb, want in ((-12.0, "pass"), (-60.0, "not-applicable")):
+        p = build_problem({"B": 1, "T": 40, "H": 1, "lb": lb}, seed=3)
+        tr = truth(p)
+        v = judge_plant(p, _exact(p, tr), tr)
+        assert v.status == want, (lb, v.reason)
+    inputs, outputs = str(tmp_path / "p.safetensors"), str(tmp_path / "o.safetensors")
+    save_problem(inputs, p)
+    save_outputs(outputs, {"o": tr.o.to(p.v.dtype), "final_state": tr.final_state.float()}, {"what": "truth"})
+    assert main(["check", "--inputs", inputs, "--outputs", outputs, "--recipe", "flashkda"]) == 2
+    assert "NOT-APPLICABLE" in capsys.readouterr().out
+
+
+def test_check_lifts_a_cap_that_no_recipe_meets_as_run_does(tmp_path, capsys):
+    # one token whose normalised q.k is ~ -3e-4: every bf16 recipe errs ~0.7 on o
+    p = build_problem({"B": 1, "T": 1, "H": 1, "lb": -5.0}, seed=0)
+    q = p.q.double()
+    k = p.k.double()
+    k = k - (k * q).sum(-1, keepdim=True) / (q * q).sum(-1, keepdim=True) * q       # orthogonal to q
+    k = k - 3e-4 * q * k.norm() / q.norm()
+    p = p.replace(k=k.to(p.k.dtype))
+    from kda_kernels.emulator import emulate
+    out = emulate(p, "flashkda")
+    inputs, outputs = str(tmp_path / "p.safetensors"), str(tmp_path / "o.safetensors")
+    save_problem(inputs, p)
+    save_outputs(outputs, {"o": out.o, "final_state": out.final_state}, {"what": "emulator"})
+    rc = main(["check", "--inputs", inputs, "--outputs", outputs, "--recipe", "flashkda"])
+    text = capsys.readouterr().out
+    assert rc == 0 and "lifted" in text, text
+
+
+def test_outputs_of_another_dtype_than_declared_fail_with_the_dtype_named(small):
+    p, tr, bl = small["smoke/varlen-tail33-lb-5"]
+    for o, s, what in ((tr.o.half(), tr.final_state.float(), "o: dtype fp16, expected bf16"),
+                       (tr.o.to(p.v.dtype), tr.final_state.bfloat16(), "final_state: dtype bf16, expected fp32")):
+        v = judge_plant(p, Outputs(o=o, final_state=s), tr, bl)
+        assert v.status == "fail" and what in v.reason, v.reason
+        assert {t["dtype"] for t in v.tensors.values()}
+
+
+def test_check_refuses_an_inverse_of_another_chunk_than_the_recipe(tmp_path, capsys):
+    p = get_case("smoke/dense-T64-lb-5").build()
+    tr = truth(p)
+    inputs, outputs = str(tmp_path / "p.safetensors"), str(tmp_path / "o.safetensors")
+    save_problem(inputs, p)
+    save_outputs(outputs, {"o": tr.o.to(p.v.dtype), "final_state": tr.final_state.float(),
+                           "ws_inv": torch.zeros(p.HV * 4, 16, 16)}, {"what": "truth"})
+    assert main(["check", "--inputs", inputs, "--outputs", outputs, "--recipe", "flashkda"]) == 2
+    assert "ws_inv: expected chunk 32" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("control", list(BATCH_CONTROLS))
+def test_the_batch_negative_controls_fail_on_every_small_case_they_change(small, control):
+    bad = negative_control(variant=control)
+    route = bad.routes()[0]
+    db = load_tolerances()
+    seen = 0
+    for cid in SMALL:
+        p, tr, bl = small[cid]
+        ok, why = bad.accepts(p, route)
+        if not ok:
+            assert "changes nothing" in why
+            continue
+        seen += 1
+        v = judge_plant(p, bad.run(p, route), tr, bl)
+        assert v.status == "fail", (control, cid, v.reason)
+    assert seen >= 1, control
+
+
+class _Fixed:
+    """A backend that returns given outputs (the same bytes check reads from a file)."""
+    name = "external"
+
+    def __init__(self, outputs):
+        self.outputs = outputs
+
+    def available(self):
+        return True, ""
+
+    def version(self):
+        return "fixed"
+
+    def routes(self):
+        return [Route(name="flashkda", recipe="flashkda")]
+
+    def accepts(self, problem, route):
+        return True, ""
+
+    def run(self, problem, route):
+        return Outputs(**{k: v.clone() for k, v in self.outputs.items()})
+
+
+def test_check_and_run_give_the_same_verdict_on_the_same_outputs(tmp_path, capsys):
+    cid = "smoke/varlen-tail33-lb-5"
+    case = get_case(cid)
+    p = case.build()
+    leak = plant(p, "leak")
+    outs = {"o": leak.o, "final_state": leak.final_state}
+    inputs, outputs = str(tmp_path / "p.safetensors"), str(tmp_path / "o.safetensors")
+    save_problem(inputs, p)
+    save_outputs(outputs, outs, {"what": "planted leak"})
+    assert main(["check", "--inputs", inputs, "--outputs", outputs, "--recipe", "flashkda", "--json"]) == 1
+    checked = json.loads(capsys.readouterr().out)
+    rec = run_cell(as_loaded(_Fixed(outs)), Route(name="flashkda", recipe="flashkda"), case, TruthCache("cpu"),
+                   BaselineCache(), load_tolerances(), device="cpu", guards=False)
+    assert rec["status"] == checked["status"] == "fail"
+    assert rec["reason"] == checked["reason"]
+    for name in ("o", "final_state"):
+        assert math.isclose(rec["tensors"][name]["margin"], checked["tensors"][name]["margin"], rel_tol=1e-12)
