@@ -197,9 +197,12 @@ def _check_K(p: Problem, HV: int) -> None:
         votes.setdefault(k, []).append(n)
     top = max(len(v) for v in votes.values())
     leaders = [k for k, v in votes.items() if len(v) == top]
+    def said(n: str, k: int) -> str:       # dt_bias's K is read from its shape: say which
+        return f"{n}: K = {k}" + (f" ({shape_of(p.dt_bias)} with HV={HV})" if n == "dt_bias" else "")
+
     if len(leaders) == 1:
         K = leaders[0]
-        odd = ", ".join(f"{n}: K = {k}" for n, k in ks.items() if k != K)
+        odd = ", ".join(said(n, k) for n, k in ks.items() if k != K)
         raise ProblemError(f"{odd}, but {', '.join(votes[K])} have K = {K}")
     raise ProblemError(f"{', '.join(ks)}: expected one K across them, got "
                        + ", ".join(f"{n} K = {k}" for n, k in ks.items()))
