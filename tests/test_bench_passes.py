@@ -86,7 +86,7 @@ def test_pass_times_carries_the_floors_and_bench_prints_the_design_floor(monkeyp
     monkeypatch.setattr(bench, "bench_one", fake)
     out = tmp_path / "p.json"
     assert main(["bench", "--backend", "triton", "--routes", "seg:cps=1", "--shapes", "1x96x1", "--device", "cpu",
-                 "--reps", "3", "--warmup", "1", "--passes", "--json", str(out)]) == 0
+                 "--reps", "3", "--warmup", "1", "--passes", "--json-out", str(out)]) == 0
     lines = capsys.readouterr().out.splitlines()
     row = json.loads(out.read_text())["passes"][0]
     us = {k: 1e6 * b / 4.8e12 for k, b in {                                    # the byte counts above

@@ -4,7 +4,7 @@ per-pass debugger names its pass; a survivor makes `kda-verify mutate` exit 1 un
 catalogue marks it equivalent.
 
 Each mutant runs in a child process through Triton's interpreter (~4 s per mutant here on
-one smoke case).  The whole catalogue over smoke + stress:  kda-verify mutate --json OUT.
+one smoke case).  The whole catalogue over smoke + stress:  kda-verify mutate --json-out OUT.
 """
 import hashlib
 import json
@@ -64,7 +64,7 @@ def test_cli_bad_jobs_is_a_one_line_usage_error(capsys):
 def test_parallel_jobs_keep_the_catalogue_order(tmp_path, capsys):
     out = tmp_path / "m.json"
     rc = cli_main(["mutate", "--mutant", "tail_beta_not_zeroed,pivot_row_off_by_one", "--suite", "smoke",
-                   "--case", "smoke/dense-T64-lb-5", "--jobs", "2", "--json", str(out)])
+                   "--case", "smoke/dense-T64-lb-5", "--jobs", "2", "--json-out", str(out)])
     assert rc == 0, capsys.readouterr().out
     recs = json.loads(out.read_text())["records"]
     assert [r["mutant"] for r in recs] == ["tail_beta_not_zeroed", "pivot_row_off_by_one"]
@@ -115,7 +115,7 @@ def test_survivors_decide_the_exit_status(tmp_path, capsys):
     assert rec["outcome"] == "survived" and rec["cells"] == 1 and needs_attention(rec), rec
     out = tmp_path / "m.json"
     rc = cli_main(["mutate", "--mutant", "pivot_row_off_by_one", "--suite", "smoke", "--case", "smoke/dense-T64-lb-5",
-                   "--json", str(out)])
+                   "--json-out", str(out)])
     assert rc == 0, capsys.readouterr().out
     recs = json.loads(out.read_text())["records"]
     assert [r["outcome"] for r in recs] == ["equivalent"]

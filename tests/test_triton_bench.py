@@ -55,7 +55,7 @@ def test_bad_arguments_are_one_line_errors(argv, text, capsys):
 def test_bench_runs_on_the_gpu(tmp_path, capsys):
     out = tmp_path / "b.json"
     rc = main(["bench", "--backend", "triton", "--shapes", "1x2048x12", "--routes", "seg,unseg", "--reps", "5",
-               "--json", str(out)])
+               "--json-out", str(out)])
     assert rc == 0
     data = json.loads(out.read_text())
     assert len(data["results"]) == 2 and all(r["time_us"] > 0 for r in data["results"])
@@ -68,7 +68,7 @@ def test_bench_runs_on_the_gpu(tmp_path, capsys):
 def test_bench_passes_on_the_gpu(tmp_path, graph):
     out = tmp_path / "p.json"
     rc = main(["bench", "--backend", "triton", "--shapes", "1x2048x12", "--routes", "seg:cps=4,unseg:k1=halves",
-               "--reps", "5", "--passes", "--json", str(out), *graph])
+               "--reps", "5", "--passes", "--json-out", str(out), *graph])
     assert rc == 0
     p = {r["route"]: r for r in json.loads(out.read_text())["passes"]}
     assert all(p["seg:cps=4"][k] > 0 for k in ("k1", "A", "B", "C", "total"))
@@ -100,7 +100,7 @@ def test_bench_marks_host_bound_rows_and_says_what_to_do(monkeypatch, capsys, tm
     monkeypatch.setattr(bench, "bench_one", fake)
     out = tmp_path / "b.json"
     assert main(["bench", "--backend", "triton", "--routes", "seg", "--shapes", "1x256x12;1x16384x12",
-                 "--device", "cpu", "--json", str(out)]) == 0
+                 "--device", "cpu", "--json-out", str(out)]) == 0
     lines = capsys.readouterr().out.splitlines()
     small = [ln for ln in lines if "1x256x12" in ln][0]
     large = [ln for ln in lines if "1x16384x12" in ln][0]

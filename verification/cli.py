@@ -14,8 +14,8 @@ import sys
 
 from kda_ref.problem import ProblemError  # noqa: F401 - re-exported (old imports)
 
-from .errors import (EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_USAGE, Interrupted, UsageError,  # noqa: F401
-                     bad_input_errors, save_traceback)
+from .errors import (EXIT_CODES_HELP, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_USAGE, Interrupted,  # noqa: F401
+                     UsageError, bad_input_errors, save_traceback)
 
 
 def _commands():
@@ -28,11 +28,15 @@ def _commands():
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kda-verify", description="Numerical verification of KDA forward kernels "
-                                     "against a float64 oracle.")
+    parser = argparse.ArgumentParser(prog="kda-verify", description="numerical verification of KDA forward kernels "
+                                     "against a float64 oracle", epilog=EXIT_CODES_HELP,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for mod in _commands():
-        p = sub.add_parser(mod.NAME, help=mod.HELP, description=mod.HELP)
+        examples = getattr(mod, "EXAMPLES", "").strip("\n")
+        epilog = "Examples:\n" + "\n".join(f"  {ln}" for ln in examples.splitlines()) if examples else None
+        p = sub.add_parser(mod.NAME, help=mod.HELP, description=mod.HELP, epilog=epilog,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
         mod.add_arguments(p)
         p.set_defaults(_run=mod.run)
     return parser

@@ -1,13 +1,7 @@
 """Errors and exit codes shared by the library and the `kda-verify` CLI.
 
-Exit codes of every `kda-verify` command (and of ``pytest -m verify``, for its matrix):
-
-    0    verified: every judged cell passed (or is a listed known failure), and at least one was judged
-    1    a kernel failure: a cell failed, was mistrusted, crashed or raised
-    2    bad input or a bad environment (one line names the argument, what was expected, what came),
-         or nothing verified: every cell was skipped (backend unavailable, case not applicable)
-    3    an internal error of kda-verify: one line names the file holding the traceback
-    130  interrupted (Ctrl-C): one line
+Exit codes of every `kda-verify` command (and of ``pytest -m verify``, for its matrix) are
+EXIT_CODES_HELP below, which ``kda-verify --help`` prints.
 
 ``UsageError`` is the bad-input error of the harness (kda_ref.problem.ProblemError and
 kda_kernels.base.BackendError are the others, ``bad_input_errors()``).  ``writable_dir`` and
@@ -22,6 +16,15 @@ import time
 import traceback
 from pathlib import Path
 
+EXIT_CODES_HELP = """\
+Exit codes:
+  0    verified: every judged cell passed (or is a listed known failure), at least one was judged
+  1    a kernel failure: a cell failed, was mistrusted, crashed or raised
+  2    bad input or a bad environment (one line names the argument, what was expected, what
+       came), or nothing verified: every cell skipped (backend unavailable, case not applicable)
+  3    an internal error of kda-verify: one line names the file that holds the traceback
+  130  interrupted (Ctrl-C): one line
+"""
 EXIT_OK = 0
 EXIT_FAIL = 1
 EXIT_USAGE = 2

@@ -13,6 +13,11 @@ import json
 NAME = "backends"
 HELP = "list the built-in backends: available here or not (and why), version, routes"
 NOT_IMPLEMENTED = "adapter not implemented in this version"
+EXAMPLES = """\
+kda-verify backends
+kda-verify backends --json
+kda-verify backends --backend mypkg.kernels:make_backend
+"""
 
 
 def _module_exists(mod_name: str) -> bool:

@@ -26,6 +26,10 @@ from pathlib import Path
 
 NAME = "calibrate"
 HELP = "measure a backend's routes on a suite and propose tolerances (a diff; the file is never rewritten)"
+EXAMPLES = """\
+kda-verify calibrate --backend fla --from-results runs/fla
+kda-verify calibrate --backend triton --suite smoke,stress --out proposal.yaml
+"""
 JUDGED = ("rel_l2", "tail_rel_l2")
 NEW_FLOOR = 1.0e-6
 
@@ -303,20 +307,20 @@ def measured_where(prov: dict, earlier, records: list[dict], out_dir) -> tuple[s
 
 
 def add_arguments(p):
-    p.add_argument("--backend", required=True, metavar="B", help="built-in name or package.module:factory")
-    p.add_argument("--suite", action="append", metavar="S", help="suite(s); repeatable or comma list")
+    p.add_argument("--backend", required=True, metavar="BACKEND", help="built-in name or package.module:factory")
+    p.add_argument("--suite", action="append", metavar="SUITE", help="suite(s); repeatable or comma list")
     p.add_argument("--from-results", metavar="DIR", help="propose from the results.jsonl of an earlier run "
                    "(kda-verify run / pytest -m verify --kda-report DIR) instead of measuring again")
-    p.add_argument("--route", action="append", metavar="R", help="routes (default: all); repeatable or comma list")
+    p.add_argument("--route", action="append", metavar="ROUTE", help="routes (default: all); repeatable or comma list")
     p.add_argument("--case", action="append", metavar="ID", help="only cases matching (exact or glob)")
     from verification.commands.run import add_fuzz_arguments
     add_fuzz_arguments(p)
-    p.add_argument("--device", metavar="D", help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--device", metavar="DEVICE", help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--long", choices=("auto", "yes", "no"), default="auto", help="include long cases (auto: on CUDA)")
-    p.add_argument("--headroom", type=float, default=2.0, metavar="X",
-                   help="m = X times the worst observed ratio kernel/baseline, rounded up (default 2)")
-    p.add_argument("--tolerances", metavar="YAML", help="the file to diff against (default: the repo's tolerances.yaml)")
-    p.add_argument("--out", metavar="PROPOSAL.yaml", help="also write the proposed entries as a YAML file")
+    p.add_argument("--headroom", type=float, default=2.0, metavar="FACTOR",
+                   help="m = FACTOR times the worst observed ratio kernel/baseline, rounded up (default 2)")
+    p.add_argument("--tolerances", metavar="PATH", help="the file to diff against (default: the repo's tolerances.yaml)")
+    p.add_argument("--out", metavar="PATH", help="also write the proposed entries as a YAML file")
 
 
 def run(args) -> int:

@@ -10,14 +10,18 @@ from __future__ import annotations
 
 NAME = "capture"
 HELP = "run a backend route on a problem file and save its outputs (for kda-verify check)"
+EXAMPLES = """\
+kda-verify capture --backend triton --route seg --inputs p.safetensors --out o.safetensors
+kda-verify capture --backend triton --route unseg --inputs p.safetensors --out o.safetensors --taps
+"""
 
 
 def add_arguments(p):
-    p.add_argument("--backend", required=True, metavar="B", help="built-in name or package.module:factory")
-    p.add_argument("--route", default=None, metavar="R", help="route name (default: the backend's first route)")
-    p.add_argument("--inputs", required=True, metavar="P", help="problem file (kda-verify-problem/1)")
-    p.add_argument("--out", required=True, metavar="O", help="output file to write (kda-verify-outputs/1)")
-    p.add_argument("--device", default=None, metavar="D", help="device to run on (default: cuda if available, else cpu)")
+    p.add_argument("--backend", required=True, metavar="BACKEND", help="built-in name or package.module:factory")
+    p.add_argument("--route", default=None, metavar="ROUTE", help="route name (default: the backend's first route)")
+    p.add_argument("--inputs", required=True, metavar="PATH", help="problem file (kda-verify-problem/1)")
+    p.add_argument("--out", required=True, metavar="PATH", help="output file to write (kda-verify-outputs/1)")
+    p.add_argument("--device", default=None, metavar="DEVICE", help="device to run on (default: cuda if available, else cpu)")
     p.add_argument("--taps", action="store_true", help="also save the ws_inv tap when the backend returns one")
 
 

@@ -6,18 +6,26 @@ import json
 
 NAME = "debug"
 HELP = "run one pass of a backend's route on oracle-fed inputs and show where the error enters"
+EXAMPLES = """\
+kda-verify debug --backend triton --route seg:cps=4 --case stress/weak-gate-lb-0.01 --pass all
+kda-verify debug --backend triton --route unseg --inputs p.safetensors --pass K1 --taps
+kda-verify debug --backend fla --route chunk:safe_gate --case smoke/paged-lb-5 --pass h,o --json
+"""
 
 
 def add_arguments(p):
-    p.add_argument("--backend", required=True, help="built-in name or package.module:factory")
-    p.add_argument("--route", required=True, help="route name (see kda-verify backends)")
+    p.add_argument("--backend", required=True, metavar="BACKEND", help="built-in name or package.module:factory")
+    p.add_argument("--route", required=True, metavar="ROUTE", help="route name (see kda-verify backends)")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--case", help="case id, e.g. stress/one-chunk-per-segment-lb-0.1")
-    src.add_argument("--inputs", help="a problem file (.safetensors)")
+    src.add_argument("--case", metavar="ID", help="case id, e.g. stress/one-chunk-per-segment-lb-0.1")
+    src.add_argument("--inputs", metavar="PATH", help="a problem file (.safetensors)")
     p.add_argument("--fuzz-n", metavar="N", help="for a fuzz case id: the n of its draw (the run's --fuzz-n; default 20)")
-    p.add_argument("--fuzz-seed", metavar="S", help="for a fuzz case id: the seed of its draw (default: the S of fuzzS-i)")
-    p.add_argument("--pass", dest="passes", default="all", help="K1|A|B|C|all (comma list allowed)")
-    p.add_argument("--device", default=None, help="cpu | cuda[:N] (default: cuda if present)")
+    p.add_argument("--fuzz-seed", metavar="SEED",
+                   help="for a fuzz case id: the seed of its draw (default: the S of fuzzS-i)")
+    p.add_argument("--pass", dest="passes", default="all", metavar="PASS",
+                   help="the pass to run: K1, A, B, C (FlashKDA-style) or gate, intra, h, o (fla), or all; "
+                        "comma list allowed (default all)")
+    p.add_argument("--device", default=None, metavar="DEVICE", help="cpu or cuda[:N] (default: cuda if available, else cpu)")
     p.add_argument("--threshold", action="append", default=[], metavar="TENSOR=VALUE",
                    help="override a row-error threshold, e.g. ws_inv=1e-2")
     p.add_argument("--taps", action="store_true",

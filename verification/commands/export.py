@@ -4,13 +4,19 @@ from __future__ import annotations
 
 NAME = "export"
 HELP = "write the inputs of a case (e.g. stress/weak-gate-lb-0.01) as a problem file (.safetensors)"
+EXAMPLES = """\
+kda-verify export --case stress/weak-gate-lb-0.01 --out p.safetensors
+kda-verify export --case smoke/dense-T64-lb-5 --case smoke/paged-lb-5 --out problems/
+kda-verify export --case fuzz/fuzz0-7 --fuzz-n 200 --out p.safetensors
+"""
 
 
 def add_arguments(p):
     p.add_argument("--case", required=True, action="append", metavar="ID",
                    help="case id (repeatable; with several, --out is a directory)")
     p.add_argument("--fuzz-n", metavar="N", help="for a fuzz case id: the n of its draw (the run's --fuzz-n; default 20)")
-    p.add_argument("--fuzz-seed", metavar="S", help="for a fuzz case id: the seed of its draw (default: the S of fuzzS-i)")
+    p.add_argument("--fuzz-seed", metavar="SEED",
+                   help="for a fuzz case id: the seed of its draw (default: the S of fuzzS-i)")
     p.add_argument("--out", required=True, metavar="PATH", help="output file, or directory for several cases")
 
 

@@ -8,26 +8,33 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 
 NAME = "mutate"
 HELP = "mutation testing: run each mutant of our Triton FlashKDA through the harness (killed? localized?)"
+EXAMPLES = """\
+kda-verify mutate --list
+kda-verify mutate --mutant tail_gate_not_zeroed --suite smoke
+kda-verify mutate --json-out mutants.json
+kda-verify mutate --device cuda --jobs 8 --json-out mutants-cuda.json
+"""
 
 
 def add_arguments(p):
     p.add_argument("--mutant", action="append", default=[], metavar="NAME",
                    help="a mutant of the catalogue (repeatable or a comma list; default: all); --list shows them")
     p.add_argument("--list", action="store_true", help="list the catalogue and exit")
-    p.add_argument("--suite", default="smoke,stress", help="comma list of suites (default smoke,stress)")
+    p.add_argument("--suite", default="smoke,stress", metavar="SUITES", help="comma list of suites (default smoke,stress)")
     p.add_argument("--case", action="append", default=[], metavar="GLOB",
                    help="only cases whose id matches (repeatable)")
     p.add_argument("--long", choices=("no", "yes"), default="no",
                    help="include the long cases (64k tokens; default no: the interpreter cannot run them)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="cpu: Triton's interpreter (default); cuda: compiled kernels on the GPU")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="cpu: Triton's interpreter; cuda: compiled kernels on the GPU (default: cuda if available, "
+                        "else cpu)")
     p.add_argument("--taps", choices=("yes", "no"), default="yes",
                    help="judge the ws_inv tap too (default yes)")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds per mutant (default 900)")
+    p.add_argument("--timeout", type=float, default=900.0, metavar="SECONDS", help="seconds per mutant (default 900)")
     p.add_argument("--jobs", type=int, default=1, metavar="N",
                    help="mutants run at once, each in its own child process (default 1; on a GPU the children "
                         "share it: compilation, not the kernels, is what takes the time)")
-    p.add_argument("--json", metavar="OUT", help="write the records as JSON")
+    p.add_argument("--json-out", metavar="PATH", help="also write the records as JSON to PATH")
 
 
 def _names(values) -> list:
@@ -55,6 +62,11 @@ def run(args) -> int:
     bad = [s for s in suites if s not in SUITES]
     if bad or not suites:
         raise UsageError(f"--suite: expected a comma list of {', '.join(SUITES)}, got {args.suite!r}")
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.json_out:
+        from verification.errors import writable_file
+        writable_file(args.json_out, "--json-out")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device: expected cpu or an available CUDA device, got 'cuda' (no CUDA device here)")
     if args.timeout <= 0:
@@ -80,9 +92,9 @@ def run(args) -> int:
             print(f"[{done}/{len(mutants)}] {mutants[i].name}: {rec['outcome']} ({where}; "
                   f"localized: {rec.get('localized')}) {rec.get('seconds', 0):.1f} s", flush=True)
     print(format_table(records))
-    if args.json:
+    if args.json_out:
         from verification.runner import jsonable
-        with open(args.json, "w") as f:
+        with open(args.json_out, "w") as f:
             json.dump(jsonable(dict(suites=suites, device=args.device, long=args.long == "yes",
                                     taps=args.taps == "yes", records=records)), f, indent=1, allow_nan=False)
     return 1 if any(needs_attention(r) for r in records) else 0

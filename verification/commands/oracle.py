@@ -4,7 +4,12 @@ from __future__ import annotations
 import time
 
 NAME = "oracle"
-HELP = "Compute the float64 truth (o, final state or state cache; optionally ws_* and segments) of a problem file."
+HELP = "compute the float64 truth (o, final state or state cache; optionally ws_* and segments) of a problem file"
+EXAMPLES = """\
+kda-verify oracle --inputs p.safetensors --out truth.safetensors
+kda-verify oracle --inputs p.safetensors --out truth.safetensors --workspace
+kda-verify oracle --inputs p.safetensors --out truth.safetensors --method segmented --chunks-per-seg 4
+"""
 
 
 def check_device(device: str):
@@ -28,15 +33,17 @@ def check_device(device: str):
 
 
 def add_arguments(parser):
-    parser.add_argument("--inputs", required=True, help="problem file (safetensors, see README 'Problem files')")
-    parser.add_argument("--out", required=True, help="truth file to write (safetensors)")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+    parser.add_argument("--inputs", required=True, metavar="PATH", help="problem file (safetensors, see README 'Problem files')")
+    parser.add_argument("--out", required=True, metavar="PATH", help="truth file to write (safetensors)")
+    parser.add_argument("--device", default=None, metavar="DEVICE",
+                        help="cpu or cuda[:N] (default: cuda if available, else cpu)")
     parser.add_argument("--workspace", action="store_true",
                         help="also write ws_* (production layout), ws_pivot, ws_cond1 and the segment tensors")
     parser.add_argument("--method", default="chunked", choices=("chunked", "segmented", "recurrence", "fla"),
                         help="which float64 form computes o and the state (default chunked)")
-    parser.add_argument("--chunk-size", type=int, default=64, help="chunk size C of the workspace (16, 32, 64)")
-    parser.add_argument("--chunks-per-seg", type=int, default=None,
+    parser.add_argument("--chunk-size", type=int, default=64, metavar="C",
+                        help="chunk size C of the workspace (16, 32, 64; default 64)")
+    parser.add_argument("--chunks-per-seg", type=int, default=None, metavar="N",
                         help="chunks per segment for the segment tensors / segmented method (default: one per sequence)")
 
 
@@ -48,8 +55,9 @@ def run(args) -> int:
     from verification.problem_file import load_problem, save_outputs
 
     from verification.errors import writable_file
+    from verification.runner import default_device
 
-    dev = check_device(args.device)
+    dev = check_device(args.device or default_device())
     writable_file(args.out, "--out")
     if args.chunk_size not in (16, 32, 64) or (args.method == "fla" and args.chunk_size not in (32, 64)):
         allowed = "32 or 64 (fla)" if args.method == "fla" else "16, 32 or 64"

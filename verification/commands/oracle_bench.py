@@ -13,24 +13,32 @@ import json
 import time
 
 NAME = "oracle-bench"
-HELP = "Time the float64 oracle (recurrence and workspace + segments + chunked) on a device."
+HELP = "time the float64 oracle (recurrence and workspace + segments + chunked) on a device"
+EXAMPLES = """\
+kda-verify oracle-bench --device cuda
+kda-verify oracle-bench --shapes 1x2048x4 --device cpu --recurrence-tokens 256 --json
+"""
 
 H200_FP64_TFLOPS = 56.5
 DEFAULT_SHAPES = "1x16384x96,1x65536x12"
 
 
 def add_arguments(parser):
-    parser.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available, else cpu)")
-    parser.add_argument("--shapes", default=DEFAULT_SHAPES, help=f"BxTxH,... (default {DEFAULT_SHAPES})")
-    parser.add_argument("--K", type=int, default=128)
-    parser.add_argument("--V", type=int, default=128)
-    parser.add_argument("--chunk-size", type=int, default=64, help="workspace chunk size (16, 32, 64)")
-    parser.add_argument("--chunks-per-seg", type=int, default=16, help="chunks per segment of passes A/B/C")
-    parser.add_argument("--recurrence-tokens", type=int, default=None,
+    parser.add_argument("--device", default=None, metavar="DEVICE",
+                        help="cpu or cuda[:N] (default: cuda if available, else cpu)")
+    parser.add_argument("--shapes", default=DEFAULT_SHAPES, metavar="SHAPES", help=f"BxTxH,... (default {DEFAULT_SHAPES})")
+    parser.add_argument("--K", type=int, default=128, metavar="K", help="key head dimension K (default 128)")
+    parser.add_argument("--V", type=int, default=128, metavar="V", help="value head dimension V (default 128)")
+    parser.add_argument("--chunk-size", type=int, default=64, metavar="C",
+                        help="workspace chunk size (16, 32, 64; default 64)")
+    parser.add_argument("--chunks-per-seg", type=int, default=16, metavar="N",
+                        help="chunks per segment of passes A/B/C (default 16)")
+    parser.add_argument("--recurrence-tokens", type=int, default=None, metavar="N",
                         help="time the recurrence on the first N tokens only and extrapolate to T")
     parser.add_argument("--no-recurrence", action="store_true", help="skip the recurrence")
-    parser.add_argument("--repeat", type=int, default=2, help="timed repetitions of the chunked truth (best kept)")
-    parser.add_argument("--peak-tflops", type=float, default=H200_FP64_TFLOPS,
+    parser.add_argument("--repeat", type=int, default=2, metavar="N",
+                        help="timed repetitions of the chunked truth, best kept (default 2)")
+    parser.add_argument("--peak-tflops", type=float, default=H200_FP64_TFLOPS, metavar="TFLOPS",
                         help="the float64 matmul ceiling to report against (default 56.5, the H200)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
 

@@ -6,6 +6,10 @@ from pathlib import Path
 
 NAME = "report"
 HELP = "write report.md, report.html, report.json and plots from a results directory"
+EXAMPLES = """\
+kda-verify report kda-runs/smoke
+kda-verify report runs/fla
+"""
 
 
 def add_arguments(p):

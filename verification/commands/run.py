@@ -20,6 +20,13 @@ import sys
 
 NAME = "run"
 HELP = "run every (backend, route, case) cell of the chosen suites and write the report"
+EXAMPLES = """\
+kda-verify run --backend triton --route seg --suite smoke --out kda-runs/smoke
+kda-verify run --backend triton,fla --suite smoke,stress,default,k3-prefill --out runs/gpu
+kda-verify run --backend emulator --suite fuzz --fuzz-n 200 --fuzz-seed 1 --out runs/fuzz
+kda-verify run --backend triton --route seg --suite stress --case 'stress/weak-*' --out runs/weak
+kda-verify run --backend triton --suite smoke --out runs/r1 --resume --isolate --timeout 600
+"""
 
 
 def split_list(values) -> list[str]:
@@ -53,7 +60,7 @@ def add_arguments(p):
     p.add_argument("--device", metavar="DEVICE", help="torch device for problems, oracle and kernels "
                                                   "(default: cuda if available, else cpu)")
     p.add_argument("--max-cells", type=int, metavar="N", help="stop after running N cells (resume later)")
-    p.add_argument("--tolerances", metavar="YAML", help="tolerances file (default: tolerances.yaml of the repo)")
+    p.add_argument("--tolerances", metavar="PATH", help="tolerances file (default: tolerances.yaml of the repo)")
     p.add_argument("--no-report", action="store_true", help="do not write the report at the end")
     p.add_argument("--allow-nothing-verified", action="store_true",
                    help="exit 0 when every cell was skipped (a CI job that expects an unavailable backend); "
@@ -66,7 +73,7 @@ def add_fuzz_arguments(p):
     """--fuzz-n / --fuzz-seed: the size and seed of the fuzz suite's draw (every command with --suite)."""
     p.add_argument("--fuzz-n", metavar="N", help="with --suite fuzz: how many cases to draw (default 20); a fuzz "
                    "case id (fuzz/fuzz0-123) names a case of one draw, so a rerun needs the same N and seed")
-    p.add_argument("--fuzz-seed", metavar="S", help="with --suite fuzz: the seed of the draw (default 0)")
+    p.add_argument("--fuzz-seed", metavar="SEED", help="with --suite fuzz: the seed of the draw (default 0)")
 
 
 def fuzz_args(args, suites: list[str], names=("--fuzz-n", "--fuzz-seed")) -> tuple:

@@ -5,19 +5,26 @@ import json
 import sys
 
 NAME = "selfcheck"
-HELP = "Verify the float64 oracle: its forms against each other, NumPy, mpmath, and its inverses' residuals."
+HELP = "verify the float64 oracle: its forms against each other, NumPy, mpmath, and its inverses' residuals"
+EXAMPLES = """\
+kda-verify selfcheck --quick
+kda-verify selfcheck --json --device cuda
+"""
 
 
 def add_arguments(parser):
     parser.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
     parser.add_argument("--quick", action="store_true", help="one seed per recipe instead of four")
-    parser.add_argument("--device", default="cpu", help="device of the float64 oracle (cpu or cuda); default cpu")
+    parser.add_argument("--device", default=None, metavar="DEVICE",
+                        help="device of the float64 oracle, cpu or cuda[:N] (default: cuda if available, else cpu)")
 
 
 def run(args) -> int:
     from verification.commands.oracle import check_device
     from verification.selfcheck import format_table, selfcheck_report
 
+    from verification.runner import default_device
+    args.device = args.device or default_device()
     check_device(args.device)
     rep = selfcheck_report(quick=args.quick, device=args.device)
     rows = rep.pop("_rows")
