@@ -53,7 +53,7 @@ M="$OUT/matrix" F="$OUT/fuzz"
 VERIFY=($PY -m pytest -q -p no:cacheprovider "${PLUGIN[@]}" -m verify tests/test_verify_matrix.py --kda-backend moonshot
         -n "$JOBS" --dist loadgroup -rfEsx)
 # the matrix and fuzz share the GPU; fuzz cells are tiny
-step matrix+fuzz 300 bash -c "
+step matrix+fuzz 240 bash -c "
   ${VERIFY[*]} --kda-suite smoke,default,stress,k3-prefill --kda-report '$M' > '$OUT/matrix.txt' 2>&1 &
   ${VERIFY[*]} --kda-suite fuzz --kda-fuzz-n $FUZZ_N --kda-route cutlass:state=fp32 --kda-report '$F' > '$OUT/fuzz.txt' 2>&1 &
   $PY tools/device/moonshot_probe.py --json '$OUT/probe.json' > '$OUT/probe.txt' 2>&1 &
@@ -62,6 +62,9 @@ echo "--- probe"; cat "$OUT/probe.txt" 2>/dev/null; rm -f "$OUT/probe.txt"
 for d in matrix fuzz; do
   echo "--- $d: tail"; tail -n 60 "$OUT/$d.txt" 2>/dev/null
   [ -f "$OUT/$d/report.md" ] || timeout 60 $PY -m verification.cli report "$OUT/$d" >/dev/null 2>&1 || true
+done
+for d in matrix fuzz; do
+  [ -d "$OUT/$d" ] && tar -czf "$OUT/$d.tgz" -C "$OUT" "$d" "$d.txt" && rm -rf "${OUT:?}/$d" "$OUT/$d.txt"
 done
 
 JSON=--json
@@ -74,7 +77,4 @@ if [ -d "$AITER/aiter" ]; then
     --backend triton,moonshot,aiter --routes seg:BW=64:inv=bf16x6 --shapes "1x16384x12;1x8192x96" \
     --reps "$BENCH_REPS" --warmup 3 $JSON "$OUT/bench_aiter.json"
 fi
-for d in matrix fuzz; do
-  [ -d "$OUT/$d" ] && tar -czf "$OUT/$d.tgz" -C "$OUT" "$d" "$d.txt" && rm -rf "${OUT:?}/$d" "$OUT/$d.txt"
-done
 echo "=== done at +$(( $(date +%s) - T0 ))s"
