@@ -54,9 +54,9 @@ VERIFY=($PY -m pytest -q -p no:cacheprovider "${PLUGIN[@]}" -m verify tests/test
         -n "$JOBS" --dist loadgroup -rfEsx)
 # the matrix and fuzz share the GPU; fuzz cells are tiny
 step matrix+fuzz 240 bash -c "
-  ${VERIFY[*]} --kda-suite smoke,default,stress,k3-prefill --kda-report '$M' > '$OUT/matrix.txt' 2>&1 &
-  ${VERIFY[*]} --kda-suite fuzz --kda-fuzz-n $FUZZ_N --kda-route cutlass:state=fp32 --kda-report '$F' > '$OUT/fuzz.txt' 2>&1 &
-  $PY tools/device/moonshot_probe.py --json '$OUT/probe.json' > '$OUT/probe.txt' 2>&1 &
+  timeout 230 ${VERIFY[*]} --kda-suite smoke,default,stress,k3-prefill --kda-report '$M' > '$OUT/matrix.txt' 2>&1 &
+  timeout 230 ${VERIFY[*]} --kda-suite fuzz --kda-fuzz-n $FUZZ_N --kda-route cutlass:state=fp32 --kda-report '$F' > '$OUT/fuzz.txt' 2>&1 &
+  timeout 230 $PY tools/device/moonshot_probe.py --json '$OUT/probe.json' > '$OUT/probe.txt' 2>&1 &
   wait"
 echo "--- probe"; cat "$OUT/probe.txt" 2>/dev/null; rm -f "$OUT/probe.txt"
 for d in matrix fuzz; do
