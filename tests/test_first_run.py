@@ -137,3 +137,27 @@ def test_main_command_runs_our_triton_kernel_through_the_interpreter_on_a_cpu(tm
                         "--suite", "smoke", "--case", DENSE, "--out", str(tmp_path / "off"), "--no-report"],
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 2 and "nothing verified: backend triton unavailable: no CUDA device" in r.stderr, r.stderr
+
+
+def _readme_commands() -> list[str]:
+    """The command lines of the README's first code block under "## Install, test, run"."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Install, test, run", 1)[1]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    return [ln.split("  #", 1)[0].strip() for ln in block.splitlines() if ln.strip()]
+
+
+def test_ci_runs_the_readmes_install_test_and_main_lines_exactly_in_a_fresh_venv():
+    install, test, main_cmd = _readme_commands()
+    assert install == 'pip install -e ".[test]"' and test == "python -m pytest -q"
+    assert main_cmd.startswith("kda-verify run --backend triton ")
+    ci = [ln.strip() for ln in (ROOT / ".ci/run").read_text().splitlines()]
+    lines = [ln for ln in ci if ln and not ln.startswith("#")]
+    at = [lines.index(c) for c in (install, test, main_cmd)]       # each exactly as the README writes it
+    assert at == sorted(at), lines
+    # before the install line only what a user making a fresh environment runs (and CI's own clock)
+    before = [ln for ln in lines[:at[0]] if not ln.startswith(("step ", "step()", "start=", "set -euo", "cd ",
+                                                                  "trap "))]
+    assert before == ['venv="$(mktemp -d)/venv"', 'python3 -m venv "$venv"', '. "$venv/bin/activate"'], before
+    # no pinned torch / triton install of CI's own anywhere
+    assert not any(re.search(r"pip3? install .*(torch|triton)", ln) for ln in lines), lines
