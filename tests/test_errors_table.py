@@ -41,6 +41,11 @@ def test_a_row_that_does_not_exit_2_with_one_line_is_an_error_of_the_table(tmp_p
     with pytest.raises(TableError, match=r"expected exit 2 and one line 'kda-verify oracle: error: \.\.\.', "
                                          r"got exit 2 and \['usage: kda-verify oracle"):
         cli(["oracle", "--bogus"])                                   # argparse: usage and error, two lines
+    with pytest.raises(TableError, match=r"expected an input it names alike to print the same message, got "
+                                         r"\"--shapes: expected BxTxH"):
+        make_line(Row("alike but not the same", "x", lambda: cli(["run", "--suite", "nope", "--backend", "emulator",
+                                                                  "--out", "R"]),
+                      alike=((None, lambda: cli(["oracle-bench", "--shapes", "1x2", "--device", "cpu"])),)))
     with pytest.raises(TableError, match=r"expected '\(Safe' in the message"):
         make_line(Row("quoted text absent", "x", lambda: "plain message", quoted="(Safe"))
 

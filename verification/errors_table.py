@@ -45,6 +45,8 @@ class Row:
     produce: Callable[[], str]       # runs in the scratch directory; returns the message
     quoted: str = ""                 # the message's tail from this text on is another library's words,
                                      # which change with its version: shown as "...)"
+    alike: tuple = ()                # (prefix, produce) of the other inputs the situation names: each must
+                                     # exit 2 with one line beginning with prefix (None: the row's own message)
 
 
 # ----------------------------------------------------------------------------- entry points
@@ -290,10 +292,16 @@ def rows() -> list[Row]:
         Row("A_log shape", P, oracle_of(lambda p: p.replace(A_log=p.A_log[:1]))),
         Row("dt_bias size", P, oracle_of(lambda p: p.replace(dt_bias=p.dt_bias[:-1]))),
         Row("dt_bias shaped [K,HV]", P, oracle_of(lambda p: p.replace(dt_bias=p.dt_bias.reshape(2, 16).T.contiguous()))),
-        Row("float8 inputs (any of q k v g beta A_log dt_bias)", P,
-            oracle_of(lambda p: p.replace(q=p.q.to(torch.float8_e4m3fn)))),
-        Row("integer initial state (or state_cache)", P,
-            oracle_of(lambda p: p.replace(initial_state=p.initial_state.to(torch.int64)))),
+        Row("float8 inputs (k, v, g, beta, A_log, dt_bias alike)", P,
+            oracle_of(lambda p: p.replace(q=p.q.to(torch.float8_e4m3fn))),
+            alike=tuple((f"{n}: expected a float16, bfloat16, float32 or float64 tensor, got ",
+                         oracle_of(lambda p, n=n: p.replace(**{n: getattr(p, n).to(torch.float8_e5m2)})))
+                        for n in ("k", "v", "g", "beta", "A_log", "dt_bias"))),
+        Row("integer initial state (state_cache alike)", P,
+            oracle_of(lambda p: p.replace(initial_state=p.initial_state.to(torch.int64))),
+            alike=(("state_cache: expected a float16, bfloat16, float32 or float64 tensor, got [7, 2, 16, 16] int32",
+                    oracle_of(lambda p: base("paged").replace(
+                        state_cache=torch.zeros(base("paged").state_cache.shape, dtype=torch.int32)))),)),
         Row("initial_state with another N, HV, K or V", P,
             oracle_of(lambda p: p.replace(initial_state=p.initial_state[..., :-1]))),
         Row("initial_state in the other layout", P, oracle_of(lambda p: base("gva").replace(state_layout="vk"))),
@@ -303,11 +311,17 @@ def rows() -> list[Row]:
             oracle_of(lambda p: p.replace(cu_seqlens=_cu([0, 17, 50, 40, 114, 119, 119, 119])))),
         Row("cu_seqlens not ending at T", P,
             oracle_of(lambda p: p.replace(cu_seqlens=_cu([0, 17, 50, 50, 114, 118, 118, 118])))),
-        Row("cu_seqlens float or bool", P, oracle_of(lambda p: p.replace(cu_seqlens=p.cu_seqlens.bool()))),
+        Row("cu_seqlens bool (float alike)", P, oracle_of(lambda p: p.replace(cu_seqlens=p.cu_seqlens.bool())),
+            alike=(("cu_seqlens: expected an integer tensor [N+1] with N >= 1, got [8] float64",
+                    oracle_of(lambda p: p.replace(cu_seqlens=p.cu_seqlens.double()))),)),
         Row("varlen with B != 1", P, oracle_of(
             lambda p: base("dense").replace(cu_seqlens=_cu([0, 70]), initial_state=base("dense").initial_state[:1]))),
-        Row("NaN or Inf in q, k, v, g, beta, A_log, dt_bias, initial_state", P,
-            oracle_of(lambda p: p.replace(q=_set(p.q, (0, 3, 1, 2), float("nan"))))),
+        Row("NaN in q (NaN or Inf in k, v, g, beta, A_log, dt_bias, initial_state alike)", P,
+            oracle_of(lambda p: p.replace(q=_set(p.q, (0, 3, 1, 2), float("nan")))),
+            alike=tuple((f"{n}: expected finite values, got 1 NaN/Inf (first at index ",
+                         oracle_of(lambda p, n=n, x=x: p.replace(**{n: _set(getattr(p, n), (0,) * getattr(p, n).dim(), x)}))) for n, x in (
+                ("k", float("inf")), ("v", float("nan")), ("g", -float("inf")), ("beta", float("nan")),
+                ("A_log", float("nan")), ("dt_bias", float("inf")), ("initial_state", float("nan"))))),
         Row("NaN/Inf in a cache slot that is read", P, oracle_of(_paged_nan_read)),
         Row("state_indices out of range", P,
             oracle_of(lambda p: base("paged").replace(state_indices=_set(base("paged").state_indices, 2, 7)))),
@@ -320,8 +334,11 @@ def rows() -> list[Row]:
         Row("a file without its metadata block", P, _file_row(meta={})),
         Row("lower_bound key missing (gate=lower_bound)", P, _file_row(meta={"lower_bound": None})),
         Row("lower_bound none for gate=lower_bound", P, _file_row(meta={"lower_bound": "none"})),
-        Row("unknown metadata value (same for beta, state_layout, qk_l2norm, output_final_state, scale, "
-            "lower_bound, format)", P, _file_row(meta={"gate": "tanh"})),
+        Row("unknown metadata value (beta, state_layout, qk_l2norm, output_final_state, scale, lower_bound, "
+            "format alike)", P, _file_row(meta={"gate": "tanh"}),
+            alike=tuple((f"{k}: expected ", _file_row(meta={k: v})) for k, v in (
+                ("beta", "relu"), ("state_layout", "kvv"), ("qk_l2norm", "yes"), ("output_final_state", "1"),
+                ("scale", "nan"), ("lower_bound", "-five"), ("format", "other/9")))),
         Row("tensor missing from a file", P, _file_row(drop=("beta",))),
         Row("unknown tensor in a file", P, _file_row(add={"gamma": torch.zeros(3)})),
         Row("missing file", P, lambda: cli(["oracle", "--inputs", "none.safetensors", "--out", "T.safetensors"])),
@@ -345,7 +362,8 @@ def rows() -> list[Row]:
                                                    "--chunk-size", "48"])),
         Row("bad `--shapes`", "oracle-bench --shapes 1x2",
             lambda: cli(["oracle-bench", "--shapes", "1x2", "--device", "cpu"])),
-        Row("unknown suite (same for `calibrate`)", "run --suite nope", _run("--suite", "nope")),
+        Row("unknown suite (`calibrate` alike)", "run --suite nope", _run("--suite", "nope"),
+            alike=((None, lambda: cli(["calibrate", "--backend", "emulator", "--suite", "nope"])),)),
         Row("unknown route", "run --route nope", _run("--route", "nope")),
         Row("unknown backend", "run --backend nope",
             lambda: cli(["run", "--backend", "nope", "--suite", "smoke", "--out", "R", "--no-report"])),
@@ -355,9 +373,13 @@ def rows() -> list[Row]:
         Row("`--device cuda` without a GPU", "run --device cuda", _no_gpu(
             ["run", "--backend", "emulator", "--suite", "smoke", "--out", "R", "--no-report", "--device", "cuda"])),
         Row("`--max-cells 0`", "run --max-cells 0", _run("--max-cells", "0")),
-        Row("`--fuzz-n 0` (`--fuzz-seed -1`, `calibrate`, `export`, `debug` alike)", "run --fuzz-n 0",
+        Row("`--fuzz-n 0` (`--fuzz-seed -1`, `calibrate`, `export` alike)", "run --fuzz-n 0",
             lambda: cli(["run", "--backend", "emulator", "--suite", "fuzz", "--out", "R", "--no-report",
-                         "--fuzz-n", "0"])),
+                         "--fuzz-n", "0"]),
+            alike=(("--fuzz-seed: expected an integer >= 0, got '-1'", lambda: cli(
+                      ["run", "--backend", "emulator", "--suite", "fuzz", "--out", "R", "--no-report", "--fuzz-seed", "-1"])),
+                   (None, lambda: cli(["calibrate", "--backend", "emulator", "--suite", "fuzz", "--fuzz-n", "0"])),
+                   (None, lambda: cli(["export", "--case", "fuzz/fuzz0-000", "--fuzz-n", "0", "--out", "P.safetensors"])))),
         Row("`--fuzz-n` without the fuzz suite", "run --suite smoke --fuzz-n 50", _run("--fuzz-n", "50")),
         Row("a fuzz case without the draw's n", "export --case fuzz/fuzz0-123",
             lambda: cli(["export", "--case", "fuzz/fuzz0-123", "--out", "P.safetensors"])),
@@ -375,9 +397,10 @@ def rows() -> list[Row]:
         Row("a backend without passes", "debug --backend emulator", lambda: cli(
             ["debug", "--backend", "emulator", "--route", "flashkda", "--case", "smoke/dense-T64-lb-5", "--pass", "all"])),
         Row("`report DIR` not a directory", "report runs/none", lambda: cli(["report", "runs/none"])),
-        Row("a bad option of the pytest plugin (`--kda-backend`, `--kda-route`, `--kda-case`, `--kda-device`, "
-            "`--kda-tolerances`, `--kda-fuzz-n` alike): one failing item `verify[options]`",
-            "pytest -m verify --kda-suite nope", lambda: pytest_verify(["--kda-backend", "emulator", "--kda-suite", "nope"])),
+        Row("a bad option of the pytest plugin: one failing item `verify[options]` with the message of the "
+            "matching `run` flag", "pytest -m verify --kda-suite nope",
+            lambda: pytest_verify(["--kda-backend", "emulator", "--kda-suite", "nope"]),
+            alike=((None, _run("--suite", "nope")),)),
         Row("an invariance on the wrong kind of problem", "invariance.varlen_slice(backend, route, p)",
             _invariance_varlen),
         Row("a split outside the sequence", "invariance.split_carry(backend, route, p, 80)", _invariance_split),
@@ -403,17 +426,26 @@ def row_head(row: Row) -> str:
     return f"| {_cell(row.situation)} | {_code(row.where)} |"
 
 
-def make_line(row: Row) -> str:
-    """The table line of ``row``: its message produced in a fresh scratch directory."""
+def _in_scratch(produce: Callable[[], str]) -> str:
     cwd = os.getcwd()
     with tempfile.TemporaryDirectory(prefix="kda-errors-") as d:
         os.chdir(d)
         try:
-            msg = row.produce()
+            return produce()
         finally:
             os.chdir(cwd)
+
+
+def make_line(row: Row) -> str:
+    """The table line of ``row``: its message produced in a fresh scratch directory."""
+    msg = _in_scratch(row.produce)
     if "\n" in msg:
         raise TableError(f"{row.situation}: expected one line, got {msg!r}")
+    for prefix, produce in row.alike:
+        other = _in_scratch(produce)
+        if not other.startswith(msg if prefix is None else prefix):
+            raise TableError(f"{row.situation}: expected an input it names alike to print "
+                             f"{'the same message' if prefix is None else repr(prefix + '...')}, got {other!r}")
     if row.quoted:
         if row.quoted not in msg:
             raise TableError(f"{row.situation}: expected {row.quoted!r} in the message, got {msg!r}")
@@ -445,7 +477,11 @@ def main(argv=None) -> int:
     ap.add_argument("--check", action="store_true", help="exit 1 when README.md's table differs")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    table = make_table()
+    try:
+        table = make_table()
+    except TableError as e:
+        print(f"errors_table: error: {e}", file=sys.stderr)
+        return 1
     if args.write:
         README.write_text(replace_table(README.read_text(), table))
         print(f"wrote the bad-input table ({len(table.splitlines()) - 2} rows) to {README}")
