@@ -1,10 +1,10 @@
 """The Problem: the inputs and options of one KDA forward, and their validation.
 
-Shapes (DESIGN §2), with HV value heads sharing H query/key heads (GVA, HV % H == 0):
+Shapes, with HV value heads sharing H query/key heads (GVA, HV % H == 0):
 
     q, k   [B, T, H, K]          v    [B, T, HV, V]
     g      [B, T, HV, K]         beta [B, T, HV]
-    A_log  [HV]                  dt_bias [HV*K]
+    A_log  [HV]                  dt_bias [HV*K] or [HV, K]
     cu_seqlens [N+1] (varlen, B == 1)
     initial_state [N, HV, K, V] ("kv") or [N, HV, V, K] ("vk")
     state_cache [slots, HV, V, K] + state_indices int [N] + has_initial_state bool [N] ("paged")
