@@ -128,3 +128,14 @@ def test_without_the_plugin_the_matrix_module_says_how_to_register_it(matrix):
     assert "test_kda_verify_plugin_is_registered" in out and "1 failed" in out
     rc, out = matrix("-m", "verify", "--kda-backend", "emulator", "--kda-case", "smoke/dense-*", "--collect-only")
     assert "test_kda_verify_plugin_is_registered" not in out and "3 tests collected" in out
+
+
+def test_unwritable_report_dir_is_one_line_exit_2(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    r = _pytest("-m", "verify", "--kda-backend", "emulator", "--kda-case", DENSE, "--kda-device", "cpu",
+                "--kda-report", str(f))
+    lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stdout + r.stderr
+    assert lines == [f"Exit: kda-verify: error: --kda-report: expected a directory, got '{f}', an existing file"], lines

@@ -117,8 +117,11 @@ def pytest_configure(config):
     out = config.getoption("--kda-report", default=None)
     if out and _worker_id(config) is None:
         # the controller (or a run without xdist) starts the report directory afresh
-        d = Path(out)
-        d.mkdir(parents=True, exist_ok=True)
+        from verification.errors import UsageError, writable_dir
+        try:
+            d = writable_dir(out, "--kda-report")
+        except UsageError as e:             # one line and exit 2, as kda-verify run says it; not a traceback
+            pytest.exit(f"kda-verify: error: {e}", returncode=2)
         for f in [d / "results.jsonl", *d.glob("results-*.jsonl")]:
             f.unlink(missing_ok=True)
 
