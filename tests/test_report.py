@@ -1,4 +1,5 @@
 """The report: files, self-contained HTML, strict JSON, merged per-worker results, plots."""
+import html
 import json
 import math
 import re
@@ -58,7 +59,8 @@ def test_report_files_exist_and_html_is_self_contained(tmp_path, records):
     assert "seg:cps=4" in page and "SIGABRT" in page and "Fatal: abort" in page
     assert f"--out {tmp_path}/repro" in page
     md = paths["md"].read_text()
-    assert "3 FAILING" in md and "kda-verify run --backend triton --route seg:cps=4" in md
+    assert "**VERIFIED 5 of 7 cells: 3 pass, 2 fail, 1 crashed, 1 skipped**" in md
+    assert "kda-verify run --backend triton --route seg:cps=4" in md and "ALL PASS" not in md + page
     assert "![margin_heatmap](plots/margin_heatmap.png)" in md
 
 
@@ -70,7 +72,7 @@ def test_report_json_is_strict_and_complete(tmp_path, records):
     data = json.loads(text, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
     assert data["summary"]["counts"]["pass"] == 3 and data["summary"]["counts"]["fail"] == 2
     assert data["summary"]["counts"]["crashed"] == 1 and data["summary"]["counts"]["skipped"] == 1
-    assert data["summary"]["ok"] is False
+    assert data["summary"]["ok"] is False and data["summary"]["verified"] == 5
     assert len(data["cells"]) == len(records)
     assert data["summary"]["per_route"]["triton:unseg"]["worst_margin"] == "NaN"
 
@@ -97,11 +99,16 @@ def test_summary_of_all_pass_is_ok(records):
     assert s["per_route"]["emulator:flashkda"]["worst_margin"] == pytest.approx(4e-3 / (2 * 2.6e-3 + 1e-6))
 
 
-def test_report_of_only_skipped_cells_writes_no_empty_plots(tmp_path, records):
+def test_report_of_only_skipped_cells_writes_no_empty_plots_and_is_never_green(tmp_path, records):
     skipped = [r for r in records if r["status"] == "skipped"]
     paths = write_report(tmp_path, records=skipped, provenance={"git": {"commit": "abc"}})
     assert "error_vs_T" not in paths["plots"] and "worst_chunks" not in paths["plots"]
-    assert "abc" in paths["md"].read_text()
+    md, page = paths["md"].read_text(), paths["html"].read_text()
+    assert "abc" in md
+    line = "NOTHING VERIFIED: 1 cells skipped (backend fla unavailable: no GPU)"
+    assert f"**{line}**" in md and line in page and "ALL PASS" not in md + page
+    assert summarize(skipped)["ok"] is False
+    assert 'class="verdict" style="color:#2e7d32"' not in page                # not green
 
 
 def test_report_command(tmp_path, records, capsys):
@@ -110,7 +117,7 @@ def test_report_command(tmp_path, records, capsys):
         append_record(tmp_path / "results-gw0.jsonl", r)
     assert main(["report", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("7 cells: 3 pass, 2 fail, 1 crashed, 1 skipped")
+    assert out.startswith("VERIFIED 5 of 7 cells: 3 pass, 2 fail, 1 crashed, 1 skipped\n")
     assert (tmp_path / "report.html").exists() and (tmp_path / "plots" / "margin_heatmap.png").exists()
     assert main(["report", str(tmp_path / "nope")]) == 2
     assert "DIR: expected a results directory" in capsys.readouterr().err
@@ -118,3 +125,173 @@ def test_report_command(tmp_path, records, capsys):
     empty.mkdir()
     assert main(["report", str(empty)]) == 2
     assert "expected results.jsonl or results-*.jsonl" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------- rendering
+def _slice_rec(case, status="fail", **kw):
+    r = _rec("triton", "seg:cps=4", case, status, 9e-3, 3e-3, 64, reason=kw.pop("reason", "o: err > threshold"))
+    r["tensors"]["o"].update({"dtype": kw.pop("dtype", "bf16"), "expected_dtype": "bf16", "tensor_margin": 1.4,
+                              "margin": 2.5, "slice": {"where": "sequence 2 head 0", "err": 2.1e-2,
+                                                       "baseline_err": 4e-3, "threshold": 8.4e-3, "margin": 2.5}})
+    r["tensors"]["final_state"] = {"err": 1e-3, "threshold": 5e-3, "margin": 0.2, "dtype": "fp32",
+                                   "expected_dtype": "fp32", "baseline_err": 2e-3}
+    r["margin"] = 2.5
+    r.update(kw)
+    return r
+
+
+def test_failing_cells_show_the_worst_slice_and_cells_show_dtypes(tmp_path):
+    recs = [_slice_rec("smoke/a"), _slice_rec("smoke/b", status="pass", dtype="fp32")]
+    paths = write_report(tmp_path, records=recs, provenance={})
+    md, page = paths["md"].read_text(), paths["html"].read_text()
+    fail_table = md.split("## Failing cells", 1)[1].split("\n## ", 1)[0]
+    row = next(ln for ln in fail_table.splitlines() if ln.startswith("| fail |"))
+    assert row == ("| fail | triton | seg:cps=4 | smoke/a | o | 0.009 | 0.006 | 1.4 | sequence 2 head 0 | 0.021 | "
+                   "0.004 | 2.5 |"), row
+    assert "<td>sequence 2 head 0</td>" in page
+    cells = md.split("## Cells", 1)[1].split("\n## ", 1)[0]
+    assert "| o bf16, final_state fp32 |" in cells
+    assert "| o fp32 (expected bf16), final_state fp32 |" in cells
+
+
+def test_out_of_contract_cells_have_their_own_section_and_never_count_as_pass_or_fail(tmp_path):
+    ooc = {**_rec("moonshot", "cutlass:state=fp32", "stress/lb-6", "out-of-contract", 0.3, 3e-3, 64),
+           "reason": "out of contract (lower_bound -6 outside [-5, 0]); the kernel returned finite values: o rel_l2 0.3"}
+    recs = [_rec("moonshot", "cutlass:state=fp32", "smoke/a", "pass", 3e-3, 2.5e-3, 64), ooc]
+    s = summarize(recs)
+    assert s["headline"] == "VERIFIED 1 of 2 cells: 1 pass, 1 out-of-contract" and s["ok"] and s["failing"] == 0
+    assert s["per_route"]["moonshot:cutlass:state=fp32"]["worst_margin"] == pytest.approx(3e-3 / (2 * 2.5e-3 + 1e-6))
+    paths = write_report(tmp_path, records=recs, provenance={})
+    md, page = paths["md"].read_text(), paths["html"].read_text()
+    title = "Out of contract (documented range, not checked by the kernel)"
+    section = md.split(f"## {title}", 1)[1].split("\n## ", 1)[0]
+    assert "stress/lb-6" in section and "the kernel returned finite values" in section
+    assert f"<h2>{title}</h2>" in page and "## Failing cells" not in md
+    assert "out-of-contract" not in s["headline"].split(":")[1].split(",")[0]      # not among the passes
+
+
+def test_markdown_and_html_have_the_same_sections_in_the_same_order(tmp_path, records):
+    from verification.report import OUT_OF_CONTRACT, SECTIONS
+    extra = [{**_rec("emulator", "moonshot", "smoke/c", "known-fail", 3.4, 5e-3, 64), "reason": "known failure: x"},
+             {**_rec("moonshot", "cutlass", "smoke/d", "out-of-contract", 0.3, 3e-3, 64), "reason": "out of contract"}]
+    paths = write_report(tmp_path, records=records + extra, provenance={"git": {"commit": "abc"}},
+                         timing={"started": 0.0, "sums": {}})
+    md_titles = re.findall(r"^## (.+)$", paths["md"].read_text(), flags=re.M)
+    html_titles = [html.unescape(t) for t in re.findall(r"<h2>(.+?)</h2>", paths["html"].read_text())]
+    assert md_titles == html_titles
+    assert md_titles == [t for t in SECTIONS if t in md_titles]
+    assert {"Failing cells", "Known failures", OUT_OF_CONTRACT, "Skipped (not verified)", "Routes", "Plots",
+            "Cells", "Repro", "Provenance"} <= set(md_titles)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_clip_never_cuts_mid_word(seed):
+    import random
+
+    from verification.report import clip
+    rnd = random.Random(seed)
+    words = ["o:", "rel_l2", "0.0103", ">", "threshold", "sequence", "2", "head", "0;", "final_state:", "(tolerance",
+             "*/*/bf16/o)", "x" * 30]
+    text = " ".join(rnd.choice(words) for _ in range(80))
+    for width in (20, 57, 120, 200):
+        out = clip(text, width)
+        first = text.split(" ")[0]
+        assert out.endswith(" …") and (len(out) <= width + 1 or out == first + " …")
+        kept, orig = out[:-2].split(" "), text.split(" ")
+        assert kept[:-1] == orig[:len(kept) - 1] and kept[-1] == orig[len(kept) - 1].rstrip(",;:"), out
+    assert clip("short reason", 200) == "short reason"
+    assert clip("a" * 50 + " tail", 20) == "a" * 50 + " …"           # one long word is kept whole
+
+
+def test_a_long_reason_in_the_cells_table_ends_at_a_word_boundary(tmp_path):
+    reason = "final_state: rel_l2 0.0103 > 0.00479 = 2*0.00239+1e-05 (tolerance */*/bf16/final_state); " * 5
+    rec = {**_rec("triton", "unseg", "smoke/a", "fail", 9e-3, 3e-3, 64), "reason": reason}
+    md = write_report(tmp_path, records=[rec], provenance={})["md"].read_text()
+    row = next(ln for ln in md.split("## Cells", 1)[1].splitlines() if ln.startswith("| fail |"))
+    cell = row.rstrip(" |").rsplit(" | ", 1)[1]
+    assert cell.endswith(" …")
+    assert reason.startswith(cell[:-2].replace("\\|", "|")) and reason[len(cell) - 2] == " ", cell
+
+
+# ---------------------------------------------------------------------------------------- plots
+def _varlen_records(n_routes):
+    recs = []
+    for i in range(n_routes):
+        route = f"seg:cps={i}:A=fused:B=prefetch:BW=32:scan=bf16:extra=long-name"
+        for case, T in (("smoke/a", 40), ("smoke/b", 64), ("smoke/c", 67), ("smoke/d", 96), ("smoke/e", 97)):
+            recs.append(_rec("triton", route, case, "pass", 3e-3 + 1e-4 * i, 3e-3, T))
+    return recs
+
+
+def _overlap(a, b) -> bool:
+    return a.x0 < b.x1 and b.x0 < a.x1 and a.y0 < b.y1 and b.y0 < a.y1
+
+
+@pytest.mark.parametrize("n_routes", [3, 24])
+def test_error_vs_T_labels_every_T_and_keeps_titles_whole_and_apart(n_routes):
+    from verification.report import error_vs_T_figure
+    fig = error_vs_T_figure(_varlen_records(n_routes))
+    fig.canvas.draw()
+    r = fig.canvas.get_renderer()
+    axes = [ax for ax in fig.axes if ax.axison]
+    shown = [[t.get_text() for t in ax.get_xticklabels() if t.get_visible() and t.get_text()] for ax in axes]
+    shown = [x for x in shown if x]
+    assert len(shown) >= min(4, len(axes))                 # every column's lowest panel (shared x above it)
+    assert all(x == ["40", "64", "67", "96", "97"] for x in shown), shown
+    titles = [ax.title for ax in axes if ax.get_title()]
+    assert titles and not any("…" in t.get_text() for t in titles)
+    assert all(t.get_text().replace("\n", "").startswith("triton:seg:cps=") for t in titles) or n_routes <= 6
+    if fig._suptitle is not None:
+        sup = fig._suptitle.get_window_extent(r)
+        assert not any(_overlap(sup, t.get_window_extent(r)) for t in titles)
+    fw, fh = fig.get_size_inches() * fig.dpi
+    for t in titles + ([fig._suptitle] if fig._suptitle is not None else []):
+        e = t.get_window_extent(r)
+        assert e.x0 >= 0 and e.x1 <= fw and e.y0 >= 0 and e.y1 <= fh, t.get_text()
+    # the baseline is drawn above the route line (dashed, zorder 4) on a band below it (zorder 1)
+    ax = axes[0]
+    zs = sorted(line.get_zorder() for line in ax.get_lines())
+    assert zs[0] < 3 <= zs[-2] < zs[-1]
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+
+
+def _pixels(path):
+    import numpy as np
+    from matplotlib.image import imread
+    img = imread(path)[..., :3]
+    return np.round(img * 255).astype(int).reshape(-1, 3)
+
+
+def test_margin_heatmap_draws_known_fail_in_the_html_colour_and_its_title_fits(tmp_path):
+    import numpy as np
+
+    from verification.report import STATUS_COLOURS, margin_heatmap_figure, plot_margin_heatmap
+    recs = [_rec("emulator", "moonshot", "smoke/correlated-weak-lb-0.01", "known-fail", 3.4, 5e-3, 64, margin=264.0),
+            _rec("emulator", "flashkda", "smoke/correlated-weak-lb-0.01", "pass", 3e-3, 3e-3, 64)]
+    p = plot_margin_heatmap(recs, tmp_path / "h.png")
+    want = np.array([int(STATUS_COLOURS["known-fail"][k:k + 2], 16) for k in (1, 3, 5)])
+    px = _pixels(p)
+    assert (np.abs(px - want).max(axis=1) <= 2).sum() > 500                # a known-fail cell's worth of it
+    fig = margin_heatmap_figure(recs)
+    fig.canvas.draw()
+    e = fig.axes[0].title.get_window_extent(fig.canvas.get_renderer())
+    fw = fig.get_size_inches()[0] * fig.dpi
+    assert e.x0 >= 0 and e.x1 <= fw
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    assert "KF 264" in texts
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+
+
+def test_worst_chunks_legend_gives_o_margin_and_names_the_other_failing_tensor():
+    from verification.report import worst_chunks_figure
+    r = _rec("emulator-bad", "carry_scaled", "smoke/a", "fail", 3e-3, 2.5e-3, 64, curve=[3e-3, 3e-3])
+    r["tensors"]["o"]["margin"] = 0.6
+    r["tensors"]["final_state"] = {"err": 1e-2, "threshold": 5e-3, "margin": 2.15}
+    r["margin"] = 2.15
+    fig = worst_chunks_figure([r])
+    (text,) = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert text == "emulator-bad:carry_scaled  smoke/a: o margin 0.6, cell fail (final_state 2.15)", text
+    import matplotlib.pyplot as plt
+    plt.close(fig)

@@ -23,11 +23,13 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from .runner import FAILING, RESULTS_FILE, RUN_FILE, STATUSES, as_float, jsonable, read_records
+from .runner import (FAILING, JUDGED, RESULTS_FILE, RUN_FILE, STATUSES, as_float, jsonable, read_records,
+                     verified_headline)
 
 PLOTS = ("error_vs_T", "worst_chunks", "margin_heatmap")
 STATUS_COLOURS = {"pass": "#2e7d32", "fail": "#c62828", "mistrusted": "#ef6c00", "crashed": "#6a1b9a",
-                  "error": "#4e342e", "skipped": "#757575", "known-fail": "#f9a825"}
+                  "error": "#4e342e", "skipped": "#757575", "known-fail": "#f9a825", "out-of-contract": "#0277bd"}
+UNJUDGED = ("skipped", "crashed", "error", "out-of-contract")     # no margin of these belongs on a plot
 
 
 # ----------------------------------------------------------------------------------------
@@ -81,6 +83,9 @@ def o_err(rec: dict) -> float:
 
 
 def summarize(records: list[dict]) -> dict:
+    """Counts per status and per route (with the route's worst margin over its judged cells),
+    the failing count, ``verified`` (cells judged: runner.JUDGED), the ``headline`` and ``ok``:
+    no cell failing and at least one verified."""
     counts = {s: 0 for s in STATUSES}
     per_route: dict[str, dict] = {}
     for r in records:
@@ -89,12 +94,13 @@ def summarize(records: list[dict]) -> dict:
         pr = per_route.setdefault(route_label(r), {s: 0 for s in STATUSES} | {"worst_margin": None})
         pr[st] = pr.get(st, 0) + 1
         m = as_float(r.get("margin"))
-        if r.get("status") not in ("skipped",) and r.get("margin") is not None:
+        if st not in UNJUDGED and r.get("margin") is not None:
             w = pr["worst_margin"]
             pr["worst_margin"] = m if w is None or (math.isnan(m) or m > as_float(w)) else w
     failing = [r for r in records if r.get("status") in FAILING]
+    verified = sum(r.get("status") in JUDGED for r in records)
     return {"cells": len(records), "counts": counts, "failing": len(failing), "per_route": per_route,
-            "ok": not failing}
+            "verified": verified, "headline": headline(records), "ok": not failing and verified > 0}
 
 
 def _worst(records: list[dict], n: int) -> list[dict]:
@@ -103,7 +109,7 @@ def _worst(records: list[dict], n: int) -> list[dict]:
     scored = []
     for r in records:
         curve = (((r.get("metrics") or {}).get("o") or {}).get("chunk_rel_l2")) or []
-        if r.get("status") in ("skipped", "crashed", "error") or not any(_finite_pos(as_float(x)) for x in curve):
+        if r.get("status") in UNJUDGED or not any(_finite_pos(as_float(x)) for x in curve):
             continue
         scored.append((_o_margin(r), r))
     scored.sort(key=lambda x: -x[0])
@@ -135,59 +141,75 @@ def _route_colours(plt, n: int) -> list:
     return [pal[i % len(pal)] for i in range(n)]
 
 
-def _legend_below(fig, ax, n_entries: int, ncol: int = 2) -> None:
-    """A legend under the axes (long route / case labels would squeeze a legend at the side)."""
-    rows = math.ceil(n_entries / ncol)
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=ncol, framealpha=0.9)
-    fig.set_size_inches(fig.get_size_inches()[0], 4.6 + 0.2 * rows)
-
-
 def _o_margin(r: dict) -> float:
     m = as_float(((r.get("tensors") or {}).get("o") or {}).get("margin"))
     return math.inf if math.isnan(m) else m
 
 
-def _t_axis(ax, Ts: list[int]) -> None:
-    from matplotlib.ticker import FixedLocator, NullFormatter, NullLocator
-    lo, hi = min(Ts), max(Ts)
-    if hi >= 4 * lo:
-        ax.set_xscale("log", base=2)
-    distinct = []
-    for t in sorted(set(Ts)):                   # labels at least 8% apart, so none overlap
-        if not distinct or t >= 1.08 * distinct[-1]:
-            distinct.append(t)
-    if len(distinct) <= 14:
-        ax.xaxis.set_major_locator(FixedLocator(distinct))
-        ax.xaxis.set_minor_locator(NullLocator())
-        ax.xaxis.set_minor_formatter(NullFormatter())
-        ax.set_xticks(distinct, [str(t) for t in distinct], rotation=45 if len(distinct) > 7 else 0, fontsize=8)
+def wrap_label(label: str, width: int) -> str:
+    """A route label over several lines of at most ``width`` characters, broken after a ':'
+    (never inside a field; a field longer than ``width`` keeps its own line)."""
+    parts = label.split(":")
+    lines, cur = [], ""
+    for i, part in enumerate(parts):
+        piece = part + (":" if i < len(parts) - 1 else "")
+        if cur and len(cur) + len(piece) > width:
+            lines.append(cur)
+            cur = piece
+        else:
+            cur += piece
+    lines.append(cur)
+    return "\n".join(lines)
+
+
+def _t_slots(Ts: list[int]) -> list[int]:
+    """The distinct T of the plot, ascending: each gets one evenly spaced slot on the x axis, so
+    every T is labelled however close two are (64 and 67, 96 and 97)."""
+    return sorted(set(Ts))
+
+
+def _t_axis(ax, distinct: list[int], label: bool = True) -> None:
+    from matplotlib.ticker import FixedLocator, NullLocator
+    ax.xaxis.set_major_locator(FixedLocator(range(len(distinct))))
+    ax.xaxis.set_minor_locator(NullLocator())
+    step = max(1, math.ceil(len(distinct) / 40))
+    labels = [str(t) if i % step == 0 else "" for i, t in enumerate(distinct)]
+    rot = 0 if len(distinct) <= 8 and max(len(str(t)) for t in distinct) <= 5 else 60
+    ax.set_xticks(range(len(distinct)), labels if label else [""] * len(distinct), rotation=rot,
+                  ha="right" if rot else "center", fontsize=7.5)
+    ax.set_xlim(-0.5, len(distinct) - 0.5)
 
 
 FACET_ABOVE = 6       # more routes than this: one panel per route
 MAX_PANELS = 24
+BASE_BAND = dict(color="0.55", lw=7, alpha=0.35, solid_capstyle="round", zorder=1)
 
 
-def _error_series(records: list[dict]) -> tuple[dict, dict, dict]:
-    """{route label: [(T, err, status)]}, {route label: [(T, baseline err)]} of o, and
-    {route label: recipe}."""
+def _error_series(records: list[dict]) -> tuple[dict, dict, dict, set]:
+    """{route label: [(T, err, status)]}, {route label: [(T, baseline err)]} of o,
+    {route label: recipe} and the route labels whose cells are judged against their own recipe
+    (the emulator: err = baseline by construction)."""
     series: dict[str, list] = {}
     base: dict[str, list] = {}
     recipes: dict[str, str] = {}
+    self_judged: set = set()
     for r in records:
         shape = r.get("shape") or {}
         T = shape.get("T")
-        if not T or r.get("status") in ("skipped", "crashed", "error"):
+        if not T or r.get("status") in UNJUDGED:
             continue
         e = o_err(r)
         if _finite_pos(e):
             series.setdefault(route_label(r), []).append((T, e, r.get("status")))
             recipes[route_label(r)] = r.get("recipe")
+            if r.get("self_judged"):
+                self_judged.add(route_label(r))
             b = as_float(((r.get("tensors") or {}).get("o") or {}).get("baseline_err"))
             if not _finite_pos(b):
                 b = as_float(((r.get("baseline") or {}).get("o") or {}).get("rel_l2"))
             if _finite_pos(b):
                 base.setdefault(route_label(r), []).append((T, b))
-    return series, base, recipes
+    return series, base, recipes, self_judged
 
 
 def _worst_line(pts) -> tuple[list, list]:
@@ -195,91 +217,126 @@ def _worst_line(pts) -> tuple[list, list]:
     return Ts, [max(p[1] for p in pts if p[0] == T) for T in Ts]
 
 
-def plot_error_vs_T(records: list[dict], path: Path) -> Optional[Path]:
-    """rel-L2 of o against T (tokens of the forward) per route: every cell a dot, a line through
-    the worst cell per T, the route's baseline (its emulated recipe, same metric) dashed black,
-    failing cells marked by a red x.  Up to FACET_ABOVE routes share one panel; more get one
-    panel each (the MAX_PANELS routes with the largest error; the heatmap shows every route)."""
+def error_vs_T_figure(records: list[dict]):
+    """rel-L2 of o against T (tokens of the forward) per route, one evenly spaced slot per
+    distinct T: every cell a dot, a line through the worst cell per T, the route's baseline (its
+    emulated recipe, same metric) as a grey band under a dashed black line (visible where the
+    route lies on it), failing cells marked by a red x.  Up to FACET_ABOVE routes share one
+    panel; more get one panel each (the MAX_PANELS routes with the largest error; the heatmap
+    shows every route)."""
     plt = _plt()
-    series, base, recipes = _error_series(records)
+    series, base, recipes, self_judged = _error_series(records)
     if not series:
         return None
     labels = sorted(series)
-    allT = [p[0] for pts in series.values() for p in pts]
+    distinct = _t_slots([p[0] for pts in series.values() for p in pts])
+    slot = {t: i for i, t in enumerate(distinct)}
+    dropped = 0
     if len(labels) <= FACET_ABOVE:
-        fig, ax = plt.subplots(figsize=(11, 5.4), dpi=110)
+        fig, ax = plt.subplots(figsize=(11, 6.0), dpi=110, layout="constrained")
         axes = [ax] * len(labels)
     else:
-        dropped = 0
         if len(labels) > MAX_PANELS:
             labels = sorted(labels, key=lambda lab: -max(p[1] for p in series[lab]))[:MAX_PANELS]
             dropped = len(series) - MAX_PANELS
             labels.sort()
         ncol = 4
         nrow = math.ceil(len(labels) / ncol)
-        fig, grid = plt.subplots(nrow, ncol, figsize=(15, 2.7 * nrow + 1.0), dpi=100, sharex=True, sharey=True,
-                                 squeeze=False)
+        fig, grid = plt.subplots(nrow, ncol, figsize=(16, 2.9 * nrow + 1.4), dpi=100, sharex=True, sharey=True,
+                                 squeeze=False, layout="constrained")
         axes = [grid[i // ncol][i % ncol] for i in range(len(labels))]
         for k in range(len(labels), nrow * ncol):
             grid[k // ncol][k % ncol].axis("off")
-    colours = _route_colours(plt, len(labels))
     faceted = len(set(map(id, axes))) > 1
+    # one panel per route needs no colour to tell routes apart: one strong colour reads best on the band
+    colours = ["#1f77b4"] * len(labels) if faceted else _route_colours(plt, len(labels))
     any_bad = False
     for c, label, ax in zip(colours, labels, axes):
         pts = sorted(series[label])
         Ts, worst = _worst_line(pts)
-        ax.plot(Ts, worst, "-", color=c, lw=1.5, alpha=0.9, label=None if faceted else label)
-        ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=16 if faceted else 20, color=c, alpha=0.75, zorder=3)
+        own = " (judged against its own recipe)" if label in self_judged else ""
+        ax.plot([slot[t] for t in Ts], worst, "-", color=c, lw=1.6, alpha=0.95, zorder=3,
+                label=None if faceted else label + own)
+        ax.scatter([slot[p[0]] for p in pts], [p[1] for p in pts], s=16 if faceted else 20, color=c, alpha=0.8,
+                   zorder=3)
         bad = [p for p in pts if p[2] in FAILING]
         if bad:
-            ax.scatter([p[0] for p in bad], [p[1] for p in bad], s=55, marker="x", color="red", linewidths=1.5,
-                       zorder=5, label="failing cell" if not any_bad and not faceted else None)
+            ax.scatter([slot[p[0]] for p in bad], [p[1] for p in bad], s=55, marker="x", color="red",
+                       linewidths=1.5, zorder=6, label="failing cell" if not any_bad and not faceted else None)
             any_bad = True
         if label in base and faceted:
             bT, bw = _worst_line(sorted(set(base[label])))
-            ax.plot(bT, bw, color="black", lw=1.0, dashes=(5, 2), zorder=4)
+            ax.plot([slot[t] for t in bT], bw, **BASE_BAND)
+            ax.plot([slot[t] for t in bT], bw, color="black", lw=0.9, dashes=(4, 3), zorder=4)
         if faceted:
-            ax.set_title(label if len(label) <= 44 else label[:43] + "…", fontsize=8)
+            title = wrap_label(label, 44) + ("\njudged against its own recipe" if own else "")
+            ax.set_title(title, fontsize=8)
             ax.grid(True, which="both", alpha=0.25)
-            _t_axis(ax, allT)
     ax0 = axes[0]
     ax0.set_yscale("log")
     if faceted:
-        fig.supxlabel("T (tokens per forward; varlen: all sequences)", fontsize=10)
+        for k, ax in enumerate(axes):
+            _t_axis(ax, distinct)
+            if k + ncol >= len(labels):           # nothing below it: its own T labels
+                ax.xaxis.set_tick_params(labelbottom=True)
+        fig.supxlabel("T (tokens per forward; varlen: all sequences), one slot per distinct T", fontsize=10)
         fig.supylabel("rel-L2 of o vs the float64 oracle", fontsize=10)
         extra = f"; {dropped} more routes in the heatmap" if dropped else ""
-        fig.suptitle("Output error vs sequence length, one panel per route: worst cell per T (line), every cell "
-                     f"(dots), failing (red x), the route's baseline (dashed){extra}", fontsize=10)
+        fig.suptitle("Output error vs sequence length, one panel per route\n"
+                     "line: worst cell per T · dots: every cell · red x: failing cell · grey band under a dashed "
+                     f"line: the route's baseline (its emulated recipe){extra}", fontsize=10)
     else:
         by_recipe: dict[str, list] = {}
         for label in labels:
             by_recipe.setdefault(recipes.get(label) or "?", []).extend(base.get(label, []))
-        dashes = [(5, 2), (2, 2), (7, 2, 1, 2), (1, 1)]
+        dashes = [(4, 3), (2, 2), (7, 2, 1, 2), (1, 1)]
         for j, (recipe, pts) in enumerate(sorted(by_recipe.items())):
             if pts:
                 bT, bw = _worst_line(sorted(set(pts)))
-                ax0.plot(bT, bw, color="black", lw=1.0, dashes=dashes[j % len(dashes)], zorder=4,
-                         label=f"baseline: {recipe} recipe")
-        _t_axis(ax0, allT)
-        ax0.set_xlabel("T (tokens per forward; varlen: all sequences)")
-        ax0.set_ylabel("rel-L2 of o vs the float64 oracle (worse of all / tail)")
+                ax0.plot([slot[t] for t in bT], bw, **BASE_BAND)
+                ax0.plot([slot[t] for t in bT], bw, color="black", lw=0.9, dashes=dashes[j % len(dashes)], zorder=4,
+                         label=f"baseline: {recipe} recipe (grey band)")
+        _t_axis(ax0, distinct)
+        ax0.set_xlabel("T (tokens per forward; varlen: all sequences), one slot per distinct T")
+        ax0.set_ylabel("rel-L2 of o vs the float64 oracle")
         ax0.set_title("Output error vs sequence length: a line through the worst cell per T, per route")
         ax0.grid(True, which="both", alpha=0.25)
-        _legend_below(fig, ax0, len(ax0.get_legend_handles_labels()[1]), ncol=3)
-    fig.tight_layout()
+        fig.legend(loc="outside lower center", fontsize=8, ncol=2, framealpha=0.9)
+    return fig
+
+
+def plot_error_vs_T(records: list[dict], path: Path) -> Optional[Path]:
+    """Save error_vs_T_figure to ``path`` (None, and nothing written, when there is nothing to plot)."""
+    fig = error_vs_T_figure(records)
+    if fig is None:
+        return None
     fig.savefig(path)
-    plt.close(fig)
+    _plt().close(fig)
     return path
 
 
-def plot_worst_chunks(records: list[dict], path: Path, n: int = 6) -> Optional[Path]:
-    """The per-chunk rel-L2 curve of o along T for the n cells with the largest margin."""
+def _cell_note(r: dict) -> str:
+    """``cell fail (final_state 161)``: the cell's status and its tensors other than o over their
+    threshold, with their margins."""
+    over = []
+    for n, t in (r.get("tensors") or {}).items():
+        if n == "o" or not isinstance(t, dict) or t.get("margin") is None:
+            continue
+        m = as_float(t.get("margin"))
+        if math.isnan(m) or m > 1:
+            over.append(f"{n} {m:.3g}")
+    return f"cell {r.get('status')}" + (f" ({', '.join(over)})" if over else "")
+
+
+def worst_chunks_figure(records: list[dict], n: int = 6):
+    """The per-chunk rel-L2 curve of o along T for the n cells with the largest o margin; each
+    legend entry gives o's margin and the cell's status with the tensors over their threshold."""
     worst = _worst(records, n)
     if not worst:
         return None
     plt = _plt()
     from matplotlib.ticker import MaxNLocator
-    fig, ax = plt.subplots(figsize=(11, 5.4), dpi=110)
+    fig, ax = plt.subplots(figsize=(11, 5.0 + 0.22 * len(worst)), dpi=110, layout="constrained")
     colours = _route_colours(plt, len(worst))
     for i, r in enumerate(worst):
         curve = [as_float(x) for x in r["metrics"]["o"]["chunk_rel_l2"]]
@@ -287,29 +344,49 @@ def plot_worst_chunks(records: list[dict], path: Path, n: int = 6) -> Optional[P
         ys = [curve[k] for k in xs]
         if not xs:
             continue
-        m = _o_margin(r)
         ax.plot(xs, ys, "-o" if len(xs) < 40 else "-", ms=3, lw=1.3, color=colours[i],
-                label=f"{route_label(r)}  {r.get('case')}  ({r.get('status')}, o margin {m:.3g})")
+                label=f"{route_label(r)}  {r.get('case')}: o margin {_o_margin(r):.3g}, {_cell_note(r)}")
     ax.set_yscale("log")
     ax.set_xlabel("chunk index along T (32 tokens per chunk, all sequences and heads pooled)")
     ax.set_ylabel("rel-L2 of o within the chunk")
     ax.set_title(f"Per-chunk error of o: the {len(worst)} cells with the largest o margin (worst per route first)")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(True, which="both", alpha=0.25)
-    _legend_below(fig, ax, len(ax.get_legend_handles_labels()[1]), ncol=2)
-    fig.tight_layout()
+    fig.legend(loc="outside lower center", fontsize=8, ncol=1, framealpha=0.9)
+    return fig
+
+
+def plot_worst_chunks(records: list[dict], path: Path, n: int = 6) -> Optional[Path]:
+    """Save worst_chunks_figure to ``path`` (None, and nothing written, when there is nothing to plot)."""
+    fig = worst_chunks_figure(records, n)
+    if fig is None:
+        return None
     fig.savefig(path)
-    plt.close(fig)
+    _plt().close(fig)
     return path
 
 
-def _short_case(case_id: str, width: int = 36) -> str:
-    return case_id if len(case_id) <= width else case_id[: width - 1] + "…"
+def _short_case(case_id: str, width: int = 48) -> str:
+    return clip(case_id, width)
 
 
-def plot_margin_heatmap(records: list[dict], path: Path) -> Optional[Path]:
-    """route x case grid; colour = log10(margin) (green: headroom, red: over the tolerance);
-    grey: skipped; black with a cross: crashed or error; purple: a NaN / infinite margin."""
+HEAT_KINDS = {   # status (or a non-finite margin) -> (fill, text, legend); colours as the HTML's badges
+    "known-fail": (STATUS_COLOURS["known-fail"], "KF", "known-fail (KF and its margin): listed in tolerances.yaml"),
+    "out-of-contract": (STATUS_COLOURS["out-of-contract"], "OOC", "out of contract (OOC): not judged"),
+    "skipped": (STATUS_COLOURS["skipped"], "", "skipped: not verified"),
+    "crashed": (STATUS_COLOURS["crashed"], "✕", "crashed (✕)"),
+    "error": (STATUS_COLOURS["error"], "E", "error (E)"),
+    "nan": (STATUS_COLOURS["fail"], "NaN", "fail with a NaN error"),
+    "inf": (STATUS_COLOURS["fail"], "∞", "fail with an infinite margin"),
+}
+
+
+def margin_heatmap_figure(records: list[dict]):
+    """route x case grid; colour = log10(margin) (green: headroom, red: over the tolerance),
+    the margin written in the cell; a red frame marks a fail, an orange one mistrusted; cells
+    with no margin to colour are filled in the HTML report's colour of their status (HEAT_KINDS,
+    known-fail with its margin); "self": the emulator judged against its own recipe (margin 1
+    by construction)."""
     rows = sorted({route_label(r) for r in records})
     cols = list(dict.fromkeys(r.get("case") for r in records))
     if not rows or not cols:
@@ -317,16 +394,18 @@ def plot_margin_heatmap(records: list[dict], path: Path) -> Optional[Path]:
     import numpy as np
     plt = _plt()
     from matplotlib.colors import TwoSlopeNorm
+    from matplotlib.patches import Patch
 
     grid = np.full((len(rows), len(cols)), np.nan)
-    kind = {}
-    failing = []
+    kind, framed, selfj, kf_margin = {}, [], set(), {}
     for r in records:
         i, j = rows.index(route_label(r)), cols.index(r.get("case"))
         st = r.get("status")
         m = as_float(r.get("margin"))
-        if st in ("skipped", "crashed", "error") or r.get("margin") is None:
-            kind[(i, j)] = st
+        if st in UNJUDGED or st == "known-fail" or r.get("margin") is None:
+            kind[(i, j)] = st if st in HEAT_KINDS else "skipped"
+            if st == "known-fail":
+                kf_margin[(i, j)] = m
         elif math.isnan(m):
             kind[(i, j)] = "nan"
         elif math.isinf(m):
@@ -336,46 +415,72 @@ def plot_margin_heatmap(records: list[dict], path: Path) -> Optional[Path]:
         else:
             grid[i, j] = math.log10(m)
         if st in ("fail", "mistrusted"):
-            failing.append((i, j))
-    cw = min(0.55, max(0.28, 14.0 / max(len(cols), 1)))
-    fig_w = min(40.0, 3.0 + cw * len(cols) + 1.5)
-    fig_h = min(30.0, 2.6 + 0.42 * len(rows) + 0.09 * max(len(c) for c in map(_short_case, cols)))
-    fig, ax = plt.subplots(figsize=(fig_w, fig_h), dpi=100)
+            framed.append((i, j, "#b71c1c" if st == "fail" else STATUS_COLOURS["mistrusted"]))
+        if r.get("self_judged") and st == "pass":
+            selfj.add((i, j))
+    cw = min(0.6, max(0.3, 14.0 / max(len(cols), 1)))
+    label_in = 0.075 * max(len(c) for c in map(_short_case, cols))
+    fig_w = min(40.0, 3.6 + cw * len(cols) + 1.6)
+    fig_h = min(30.0, 2.8 + 0.42 * len(rows) + label_in)
+    fig, ax = plt.subplots(figsize=(max(fig_w, 8.0), fig_h), dpi=100, layout="constrained")
     finite = grid[np.isfinite(grid)]
     lo = min(-0.5, float(finite.min()) if finite.size else -1.0)
     hi = max(0.5, float(finite.max()) if finite.size else 1.0)
-    cmap = plt.get_cmap("RdYlGn_r").with_extremes(bad="#d9d9d9")
+    cmap = plt.get_cmap("RdYlGn_r").with_extremes(bad="white")
     im = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, norm=TwoSlopeNorm(vcenter=0.0, vmin=lo, vmax=hi),
                    aspect="auto", interpolation="nearest")
+    small = len(cols) <= 40 and len(rows) <= 30
     for (i, j), k in kind.items():
-        if k in ("crashed", "error"):
-            ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, color="black"))
-            ax.text(j, i, "✕" if k == "crashed" else "E", ha="center", va="center", color="white", fontsize=8)
-        elif k in ("nan", "inf"):
-            ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, color="#6a1b9a"))
-            ax.text(j, i, "NaN" if k == "nan" else "∞", ha="center", va="center", color="white", fontsize=7)
-    for i, j in failing:
-        ax.add_patch(plt.Rectangle((j - 0.46, i - 0.46), 0.92, 0.92, fill=False, edgecolor="#b71c1c", lw=2.2))
-    if len(cols) <= 40 and len(rows) <= 30:
+        fill, text, _ = HEAT_KINDS[k]
+        ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, color=fill))
+        if k == "known-fail" and small and math.isfinite(kf_margin.get((i, j), math.nan)):
+            text = f"KF {kf_margin[(i, j)]:.2g}" if kf_margin[(i, j)] < 100 else f"KF {kf_margin[(i, j)]:.0f}"
+        if text and small:
+            ax.text(j, i, text, ha="center", va="center", color="black" if k == "known-fail" else "white",
+                    fontsize=6.5)
+    for i, j, colour in framed:
+        ax.add_patch(plt.Rectangle((j - 0.46, i - 0.46), 0.92, 0.92, fill=False, edgecolor=colour, lw=2.2))
+    if small:
         for i in range(len(rows)):
             for j in range(len(cols)):
                 v = grid[i, j]
                 if np.isfinite(v) and (i, j) not in kind:
                     mv = 10 ** v
-                    ax.text(j, i, f"{mv:.0f}" if mv >= 100 else f"{mv:.2g}", ha="center", va="center", fontsize=6.5,
+                    txt = "self" if (i, j) in selfj else (f"{mv:.0f}" if mv >= 100 else f"{mv:.2g}")
+                    ax.text(j, i, txt, ha="center", va="center", fontsize=6.5,
                             color="white" if abs(v) > 0.6 * max(abs(lo), hi) else "black")
     ax.set_xticks(range(len(cols)))
     ax.set_xticklabels([_short_case(c) for c in cols], rotation=60, ha="right", fontsize=7)
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels(rows, fontsize=8)
-    cb = fig.colorbar(im, ax=ax, fraction=0.03, pad=0.02)
-    cb.set_label("log10(margin) = log10(err / threshold); > 0 fails", fontsize=8)
-    ax.set_title("Margin per route and case (red frame: fail / mistrusted; purple: NaN or Inf error; grey: skipped; "
-                 "black: crashed ✕ / error E)",
-                 fontsize=9)
-    fig.tight_layout()
+    cb = fig.colorbar(im, ax=ax, fraction=0.04, pad=0.02)
+    cb.set_label("log10(margin), margin = err / threshold; > 0 fails", fontsize=8)
+    ax.set_title("Margin per route and case (err / threshold; > 1 fails)", fontsize=10)
+    handles = []
+    if any(c == "#b71c1c" for *_, c in framed):
+        handles.append(Patch(facecolor="white", edgecolor="#b71c1c", lw=2, label="red frame: fail"))
+    if any(c != "#b71c1c" for *_, c in framed):
+        handles.append(Patch(facecolor="white", edgecolor=STATUS_COLOURS["mistrusted"], lw=2,
+                             label="orange frame: mistrusted"))
+    for k in HEAT_KINDS:
+        if k in kind.values():
+            handles.append(Patch(facecolor=HEAT_KINDS[k][0], label=HEAT_KINDS[k][2]))
+    if selfj:
+        handles.append(Patch(facecolor="#ffffbf", edgecolor="0.7", label="self: the emulator judged against its own "
+                                                                            "recipe (margin 1 by construction)"))
+    if handles:
+        fig.legend(handles=handles, loc="outside lower center", ncol=2 if fig_w < 12 else 3, fontsize=7.5,
+                   framealpha=0.9)
+    return fig
+
+
+def plot_margin_heatmap(records: list[dict], path: Path) -> Optional[Path]:
+    """Save margin_heatmap_figure to ``path`` (None, and nothing written, when there is nothing to plot)."""
+    fig = margin_heatmap_figure(records)
+    if fig is None:
+        return None
     fig.savefig(path)
-    plt.close(fig)
+    _plt().close(fig)
     return path
 
 
@@ -393,8 +498,14 @@ def make_plots(records: list[dict], plots_dir: Path) -> dict[str, Path]:
 
 
 # ----------------------------------------------------------------------------------------
-# Rendering
+# Rendering: one list of sections, rendered to Markdown and to HTML in the same order
 # ----------------------------------------------------------------------------------------
+OUT_OF_CONTRACT = "Out of contract (documented range, not checked by the kernel)"
+SECTIONS = ("Failing cells", "Known failures", OUT_OF_CONTRACT, "Skipped (not verified)", "Routes", "Plots",
+            "Cells", "Repro", "Where the time went", "Provenance")
+REASON_CHARS = 200
+
+
 def _g(x, fmt=".3g") -> str:
     if x is None:
         return "–"
@@ -404,8 +515,53 @@ def _g(x, fmt=".3g") -> str:
     return format(f, fmt) if math.isfinite(f) else str(x if isinstance(x, str) else f)
 
 
+def clip(text: str, width: int) -> str:
+    """``text`` on one line, at most ``width`` characters plus " …": cut at the last space before
+    ``width`` (trailing , ; : dropped) and ended with " …"; a first word longer than ``width`` is
+    kept whole (never cut mid-word)."""
+    t = " ".join(str(text or "").split())
+    if len(t) <= width:
+        return t
+    cut = t.rfind(" ", 0, width)
+    if cut <= 0:
+        nxt = t.find(" ", width)
+        return t if nxt < 0 else t[:nxt].rstrip(",;:") + " …"
+    return t[:cut].rstrip(" ,;:") + " …"
+
+
 def _repro(rec: dict, out_dir: Path) -> str:
     return re.sub(r"--out DIR\b", f"--out {out_dir}/repro", rec.get("repro", ""))
+
+
+def _tensor_margin(t: dict) -> float:
+    """The whole-tensor margin of a tensor record (its ``margin`` is the worse of the whole and
+    its worst slice, kept apart as ``tensor_margin`` and ``slice``)."""
+    m = as_float(t.get("tensor_margin", t.get("margin")))
+    return math.inf if math.isnan(m) else m
+
+
+def worst_tensor(rec: dict) -> tuple[Optional[str], dict]:
+    """(name, record) of the tensor of a cell with the largest margin (NaN counted as worst)."""
+    best, name = None, None
+    for n, t in (rec.get("tensors") or {}).items():
+        if not isinstance(t, dict) or t.get("margin") is None:
+            continue
+        m = as_float(t.get("margin"))
+        m = math.inf if math.isnan(m) else m
+        if best is None or m > best:
+            best, name = m, n
+    return name, ((rec.get("tensors") or {}).get(name) or {}) if name else {}
+
+
+def _dtypes(rec: dict) -> str:
+    """``o bf16, final_state fp32``; a dtype other than expected as ``fp32 (expected bf16)``."""
+    parts = []
+    for n, t in (rec.get("tensors") or {}).items():
+        if isinstance(t, dict) and t.get("dtype"):
+            d = str(t["dtype"])
+            want = t.get("expected_dtype")
+            parts.append(f"{n} {d}" + (f" (expected {want})" if want and want != d else ""))
+    return ", ".join(parts) or "–"
 
 
 def cell_rows(records: list[dict]) -> list[dict]:
@@ -421,10 +577,10 @@ def cell_rows(records: list[dict]) -> list[dict]:
             "shape": f"{shape.get('B')}x{shape.get('T')}x{shape.get('H')}" if shape else "–",
             "o_err": _g(t.get("err", m.get("rel_l2"))), "o_tail": _g(m.get("tail_rel_l2")),
             "o_threshold": _g(t.get("threshold")), "baseline": _g(t.get("baseline_err")),
-            "state_err": _g(st_t.get("err")), "margin": _g(r.get("margin")),
+            "state_err": _g(st_t.get("err")), "margin": _g(r.get("margin")), "dtypes": _dtypes(r),
             "kernel_ms": _g(as_float((r.get("timings") or {}).get("kernel_s")) * 1e3, ".3g")
             if (r.get("timings") or {}).get("kernel_s") is not None else "–",
-            "reason": (r.get("reason") or "")[:200],
+            "reason": clip(r.get("reason") or "", REASON_CHARS),
         })
     return rows
 
@@ -432,7 +588,110 @@ def cell_rows(records: list[dict]) -> list[dict]:
 TABLE_COLS = (("status", "status"), ("backend", "backend"), ("route", "route"), ("case", "case"),
               ("shape", "B×T×H"), ("o_err", "o rel-L2"), ("o_tail", "o tail"), ("baseline", "baseline"),
               ("o_threshold", "threshold"), ("state_err", "state rel-L2"), ("margin", "margin"),
-              ("kernel_ms", "kernel ms"))
+              ("dtypes", "dtypes"), ("kernel_ms", "kernel ms"), ("reason", "reason"))
+NUM_COLS = {"o rel-L2", "o tail", "baseline", "threshold", "state rel-L2", "margin", "kernel ms", "err",
+            "slice err", "slice baseline", "slice margin", "cells", "worst margin", "seconds", "share"}
+FAIL_COLS = ("status", "backend", "route", "case", "tensor", "err", "threshold", "margin", "worst slice",
+             "slice err", "slice baseline", "slice margin")
+
+
+def failing_row(rec: dict) -> list[str]:
+    """The failing-cells table's row of one cell: its worst tensor (whole-tensor err, threshold,
+    margin) and that tensor's worst slice (where, err, the baseline's err there, margin)."""
+    name, t = worst_tensor(rec)
+    sl = t.get("slice") if isinstance(t.get("slice"), dict) else {}
+    return [str(rec.get("status")), str(rec.get("backend")), str(rec.get("route")), str(rec.get("case")),
+            name or "–", _g(t.get("err")) if t else "–", _g(t.get("threshold")) if t else "–",
+            _g(_tensor_margin(t)) if t else "–", str(sl.get("where", "–")), _g(sl.get("err")) if sl else "–",
+            _g(sl.get("baseline_err")) if sl else "–", _g(sl.get("margin")) if sl else "–"]
+
+
+def _skip_groups(records: list[dict]) -> list[tuple[int, str]]:
+    groups: dict[str, int] = {}
+    for r in records:
+        if r.get("status") == "skipped":
+            k = clip(r.get("reason") or "no reason given", REASON_CHARS)
+            groups[k] = groups.get(k, 0) + 1
+    return sorted(((n, k) for k, n in groups.items()), key=lambda x: (-x[0], x[1]))
+
+
+def _cell_name(r: dict) -> str:
+    return f"{r.get('backend')} {r.get('route')} {r.get('case')}"
+
+
+def _tail(r: dict, n: int) -> tuple[str, str]:
+    what = "stderr tail" if r.get("stderr_tail") else "traceback tail"
+    text = r.get("stderr_tail") or r.get("traceback") or ""
+    return what, "\n".join(text.strip().splitlines()[-n:])
+
+
+def headline(records: list[dict]) -> str:
+    """The report's headline, the same line ``kda-verify run`` and ``pytest -m verify`` print
+    (runner.verified_headline): ``VERIFIED n of N cells: ...`` when n cells were judged (pass,
+    known-fail, fail, mistrusted), else ``NOTHING VERIFIED: ...``; never ALL PASS over skips."""
+    return verified_headline(records)
+
+
+def sections(summary: dict, records: list[dict], prov: dict, plots: dict, out_dir: Path,
+             breakdown: Optional[dict] = None) -> list[tuple[str, list]]:
+    """[(title, blocks)] in SECTIONS order, the sections with nothing to show left out.  A block
+    is ("text", str), ("table", headers, rows), ("items", [(status, cell, text, [(label, code)],
+    tail)]), ("code", str) or ("images", plots)."""
+    out: list[tuple[str, list]] = []
+    failing = [r for r in records if r.get("status") in FAILING]
+    if failing:
+        items = []
+        for r in failing:
+            subs = [("repro", _repro(r, out_dir))]
+            items.append((r["status"], _cell_name(r), r.get("reason", ""), subs,
+                          _tail(r, 12) if (r.get("stderr_tail") or r.get("traceback")) else None))
+        out.append(("Failing cells", [
+            ("text", "Each cell's worst tensor against its threshold, and that tensor's worst slice (the "
+                     "(sequence, head), 16-token block or cache slot whose error is furthest over its "
+                     "own threshold) against the baseline's error on the same slice."),
+            ("table", list(FAIL_COLS), [failing_row(r) for r in failing]), ("items", items)]))
+    known = [r for r in records if r.get("status") == "known-fail"]
+    if known:
+        out.append(("Known failures", [
+            ("text", "Listed in tolerances.yaml with their reason and evidence; they do not fail the run."),
+            ("items", [("known-fail", _cell_name(r), r.get("reason", ""), [], None) for r in known])]))
+    ooc = [r for r in records if r.get("status") == "out-of-contract"]
+    if ooc:
+        out.append((OUT_OF_CONTRACT, [
+            ("text", "Cells whose inputs lie outside the range the kernel documents but does not check; each "
+                     "reason says what the kernel did (raised, or returned a right or wrong answer). Never "
+                     "counted as a pass or a failure."),
+            ("items", [("out-of-contract", _cell_name(r), r.get("reason", ""), [("repro", _repro(r, out_dir))],
+                        None) for r in ooc])]))
+    skipped = _skip_groups(records)
+    if skipped:
+        out.append(("Skipped (not verified)", [("table", ["cells", "reason"], [[str(n), k] for n, k in skipped])]))
+    present = [s for s in STATUSES if summary["counts"].get(s)] or ["pass", "fail"]
+    present += [s for s in summary["counts"] if s not in STATUSES and summary["counts"][s]]
+    out.append(("Routes", [("table", ["route"] + present + ["worst margin"],
+                            [[route] + [str(pr.get(s, 0)) for s in present] + [_g(pr["worst_margin"])]
+                             for route, pr in sorted(summary["per_route"].items())])]))
+    if plots:
+        out.append(("Plots", [("images", plots)]))
+    rows = cell_rows(records)
+    out.append(("Cells", [("table", [h for _, h in TABLE_COLS], [[str(row[k]) for k, _ in TABLE_COLS] for row in rows])]))
+    repro = [_repro(r, out_dir) for r in records if r.get("status") != "skipped" and r.get("repro")]
+    if repro:
+        out.append(("Repro", [("text", "One command per cell (the same --out may be reused with --resume):"),
+                              ("code", "\n".join(repro))]))
+    if breakdown:
+        from .timing import PARTS, part_note
+        busy = breakdown["busy_s"] if breakdown["busy_s"] > 0 else 1.0
+        out.append(("Where the time went", [
+            ("text", f"Wall {breakdown['wall_s']:.1f} s for {breakdown['cells']} cells"
+                     + (f" on {breakdown['workers']} xdist workers ({breakdown['busy_s']:.1f} s of worker time; "
+                        "shares are of that)" if breakdown.get("workers") else "") + "."),
+            ("table", ["part", "seconds", "share", "what"],
+             [[p, f"{breakdown[f'{p}_s']:.2f}", f"{100 * breakdown[f'{p}_s'] / busy:.1f}%", part_note(breakdown, p)]
+              for p in PARTS])]))
+    out.append(("Provenance", [("code", json.dumps(jsonable(_prov_public(prov)), indent=1))]))
+    assert [t for t, _ in out] == [t for t in SECTIONS if t in {x for x, _ in out}]
+    return out
 
 
 def _md_escape(s) -> str:
@@ -441,46 +700,30 @@ def _md_escape(s) -> str:
 
 def render_markdown(summary: dict, records: list[dict], prov: dict, plots: dict, out_dir: Path,
                     breakdown: Optional[dict] = None) -> str:
-    L = ["# kda-verify report", ""]
-    c = summary["counts"]
-    verdict = "ALL PASS" if summary["ok"] else f"{summary['failing']} FAILING"
-    L.append(f"**{verdict}** — {summary['cells']} cells: " + ", ".join(f"{v} {k}" for k, v in c.items() if v))
-    if breakdown:
-        from .timing import markdown as timing_md
-        L += ["", "## Where the time went", ""] + timing_md(breakdown)
-    L += ["", "## Routes", "", "| route | " + " | ".join(STATUSES) + " | worst margin |",
-          "|---" * (len(STATUSES) + 2) + "|"]
-    for route, pr in sorted(summary["per_route"].items()):
-        L.append(f"| {_md_escape(route)} | " + " | ".join(str(pr[s]) for s in STATUSES)
-                 + f" | {_g(pr['worst_margin'])} |")
-    known = [r for r in records if r.get("status") == "known-fail"]
-    if known:
-        L += ["", "## Known failures (listed in tolerances.yaml with their reason; they do not fail the run)", ""]
-        for r in known:
-            L.append(f"- `{r['backend']} {r['route']} {r['case']}` — {_md_escape(r.get('reason', ''))}")
-    failing = [r for r in records if r.get("status") in FAILING]
-    if failing:
-        L += ["", "## Failing cells", ""]
-        for r in failing:
-            L.append(f"- **{r['status']}** `{r['backend']} {r['route']} {r['case']}` — {_md_escape(r.get('reason', ''))}")
-            L.append(f"  - repro: `{_repro(r, out_dir)}`")
-            if r.get("stderr_tail") or r.get("traceback"):
-                what = "stderr tail" if r.get("stderr_tail") else "traceback tail"
-                tail = "\n".join((r.get("stderr_tail") or r.get("traceback")).strip().splitlines()[-8:])
-                L += [f"  - {what}:", "", "```", tail, "```", ""]
-    if plots:
-        L += ["", "## Plots", ""]
-        for name, p in plots.items():
-            L.append(f"![{name}]({Path(p).relative_to(out_dir).as_posix()})")
-            L.append("")
-    L += ["", "## Cells", "", "| " + " | ".join(h for _, h in TABLE_COLS) + " | reason |",
-          "|" + "---|" * (len(TABLE_COLS) + 1)]
-    for row in cell_rows(records):
-        L.append("| " + " | ".join(_md_escape(row[k]) for k, _ in TABLE_COLS) + f" | {_md_escape(row['reason'])} |")
-    L += ["", "## Repro", "", "One command per cell (the same `--out` may be reused with `--resume`):", "", "```"]
-    L += [_repro(r, out_dir) for r in records if r.get("status") != "skipped"]
-    L += ["```", "", "## Provenance", "", "```", json.dumps(jsonable(_prov_public(prov)), indent=1), "```", ""]
-    return "\n".join(L)
+    L = ["# kda-verify report", "", f"**{summary['headline']}**"]
+    for title, blocks in sections(summary, records, prov, plots, out_dir, breakdown):
+        L += ["", f"## {title}", ""]
+        for b in blocks:
+            if b[0] == "text":
+                L += [b[1], ""]
+            elif b[0] == "table":
+                L.append("| " + " | ".join(b[1]) + " |")
+                L.append("|" + "---|" * len(b[1]))
+                L += ["| " + " | ".join(_md_escape(c) for c in row) + " |" for row in b[2]]
+                L.append("")
+            elif b[0] == "items":
+                for st, cell, text, subs, tail in b[1]:
+                    L.append(f"- **{st}** `{cell}` — {_md_escape(text)}")
+                    L += [f"  - {label}: `{code}`" for label, code in subs]
+                    if tail:
+                        L += [f"  - {tail[0]}:", "", "```", tail[1], "```", ""]
+                L.append("")
+            elif b[0] == "code":
+                L += ["```", b[1], "```", ""]
+            elif b[0] == "images":
+                for name, p in b[1].items():
+                    L += [f"![{name}]({Path(p).relative_to(out_dir).as_posix()})", ""]
+    return "\n".join(L).rstrip("\n") + "\n"
 
 
 def _prov_public(prov: dict) -> dict:
@@ -501,12 +744,20 @@ th{background:#f3f3f3;position:sticky;top:0} td.num{text-align:right;font-family
 .st{color:#fff;border-radius:3px;padding:1px 5px;font-size:11px;font-weight:600}
 code,pre{font-family:Menlo,Consolas,monospace;font-size:11.5px} pre{background:#f6f8fa;padding:8px;overflow:auto}
 img{max-width:100%;border:1px solid #eee;margin:6px 0} .verdict{font-size:16px;font-weight:700}
+li{margin-bottom:6px}
 """
 
 
 def _img_tag(path: Path, alt: str) -> str:
     data = base64.b64encode(Path(path).read_bytes()).decode("ascii")
     return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{data}">'
+
+
+def headline_colour(summary: dict) -> str:
+    """Red when a cell failed, orange when nothing was verified, green otherwise."""
+    if summary["failing"]:
+        return STATUS_COLOURS["fail"]
+    return STATUS_COLOURS["pass"] if summary["verified"] else STATUS_COLOURS["mistrusted"]
 
 
 def render_html(summary: dict, records: list[dict], prov: dict, plots: dict, out_dir: Path,
@@ -517,61 +768,41 @@ def render_html(summary: dict, records: list[dict], prov: dict, plots: dict, out
         return f'<span class="st" style="background:{STATUS_COLOURS.get(st, "#999")}">{e(str(st))}</span>'
 
     H = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8"><title>kda-verify report</title>',
-         f"<style>{_CSS}</style></head><body>", "<h1>kda-verify report</h1>"]
-    c = summary["counts"]
-    verdict = "ALL PASS" if summary["ok"] else f"{summary['failing']} FAILING"
-    colour = "#2e7d32" if summary["ok"] else "#c62828"
-    H.append(f'<p class="verdict" style="color:{colour}">{verdict}</p><p>{summary["cells"]} cells: '
-             + ", ".join(f"{badge(k)} {v}" for k, v in c.items() if v) + "</p>")
-    H.append("<h2>Routes</h2><table><tr><th>route</th>" + "".join(f"<th>{s}</th>" for s in STATUSES)
-             + "<th>worst margin</th></tr>")
-    for route, pr in sorted(summary["per_route"].items()):
-        H.append(f"<tr><td>{e(route)}</td>" + "".join(f'<td class="num">{pr[s]}</td>' for s in STATUSES)
-                 + f'<td class="num">{e(_g(pr["worst_margin"]))}</td></tr>')
-    H.append("</table>")
-    if breakdown:
-        from .timing import PARTS, part_note
-        busy = breakdown["busy_s"] if breakdown["busy_s"] > 0 else 1.0
-        H.append(f"<h2>Where the time went</h2><p>Wall {breakdown['wall_s']:.1f} s for {breakdown['cells']} cells"
-                 + (f" on {breakdown['workers']} xdist workers ({breakdown['busy_s']:.1f} s of worker time)"
-                    if breakdown.get("workers") else "") + "</p>")
-        H.append("<table><tr><th>part</th><th>seconds</th><th>share</th><th>what</th></tr>")
-        for p in PARTS:
-            sec = breakdown[f"{p}_s"]
-            H.append(f'<tr><td>{p}</td><td class="num">{sec:.2f}</td><td class="num">{100 * sec / busy:.1f}%</td>'
-                     f"<td>{e(part_note(breakdown, p))}</td></tr>")
-        H.append("</table>")
-    failing = [r for r in records if r.get("status") in FAILING]
-    if failing:
-        H.append("<h2>Failing cells</h2><ul>")
-        for r in failing:
-            H.append(f"<li>{badge(r['status'])} <code>{e(r['backend'])} {e(r['route'])} {e(r['case'])}</code>: "
-                     f"{e(r.get('reason', ''))}<br>repro: <code>{e(_repro(r, out_dir))}</code>")
-            tail = r.get("stderr_tail") or r.get("traceback")
-            if tail:
-                H.append("<pre>" + e("\n".join(tail.strip().splitlines()[-12:])) + "</pre>")
-            H.append("</li>")
-        H.append("</ul>")
-    if plots:
-        H.append("<h2>Plots</h2>")
-        for name, p in plots.items():
-            H.append(f"<div>{_img_tag(p, name)}</div>")
-    H.append("<h2>Cells</h2><table><tr>" + "".join(f"<th>{e(h)}</th>" for _, h in TABLE_COLS)
-             + "<th>reason</th><th>repro</th></tr>")
-    for r, row in zip(records, cell_rows(records)):
-        cells = []
-        for k, _ in TABLE_COLS:
-            v = row[k]
-            if k == "status":
-                cells.append(f"<td>{badge(v)}</td>")
-            else:
-                cls = ' class="num"' if k in ("o_err", "o_tail", "baseline", "o_threshold", "state_err",
-                                               "margin", "kernel_ms") else ""
-                cells.append(f"<td{cls}>{e(str(v))}</td>")
-        H.append("<tr>" + "".join(cells) + f"<td>{e(row['reason'])}</td>"
-                 f"<td><code>{e(_repro(r, out_dir)) if r.get('status') != 'skipped' else ''}</code></td></tr>")
-    H.append("</table>")
-    H.append("<h2>Provenance</h2><pre>" + e(json.dumps(jsonable(_prov_public(prov)), indent=1)) + "</pre>")
+         f"<style>{_CSS}</style></head><body>", "<h1>kda-verify report</h1>",
+         f'<p class="verdict" style="color:{headline_colour(summary)}">{e(summary["headline"])}</p>']
+    for title, blocks in sections(summary, records, prov, plots, out_dir, breakdown):
+        H.append(f"<h2>{e(title)}</h2>")
+        for b in blocks:
+            if b[0] == "text":
+                H.append(f"<p>{e(b[1])}</p>")
+            elif b[0] == "table":
+                heads = b[1]
+                H.append("<table><tr>" + "".join(f"<th>{e(h)}</th>" for h in heads) + "</tr>")
+                for row in b[2]:
+                    cells = []
+                    for h, v in zip(heads, row):
+                        if h == "status":
+                            cells.append(f"<td>{badge(v)}</td>")
+                        elif h in NUM_COLS or (heads[0] == "route" and h != "route"):
+                            cells.append(f'<td class="num">{e(v)}</td>')
+                        else:
+                            cells.append(f"<td>{e(v)}</td>")
+                    H.append("<tr>" + "".join(cells) + "</tr>")
+                H.append("</table>")
+            elif b[0] == "items":
+                H.append("<ul>")
+                for st, cell, text, subs, tail in b[1]:
+                    H.append(f"<li>{badge(st)} <code>{e(cell)}</code>: {e(text)}"
+                             + "".join(f"<br>{e(label)}: <code>{e(code)}</code>" for label, code in subs))
+                    if tail:
+                        H.append(f"<br>{e(tail[0])}:<pre>{e(tail[1])}</pre>")
+                    H.append("</li>")
+                H.append("</ul>")
+            elif b[0] == "code":
+                H.append(f"<pre>{e(b[1])}</pre>")
+            elif b[0] == "images":
+                for name, p in b[1].items():
+                    H.append(f"<div>{_img_tag(p, name)}</div>")
     H.append("</body></html>")
     return "\n".join(H)
 

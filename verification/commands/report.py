@@ -32,9 +32,7 @@ def run(args) -> int:
     if not records:
         raise UsageError(f"DIR: expected at least one cell in the results files of {args.dir!r}, got none")
     paths = write_report(d, records=records)
-    s = summarize(records)
-    tally = ", ".join(f"{v} {k}" for k, v in s["counts"].items() if v)
-    print(f"{s['cells']} cells: {tally}")
+    print(summarize(records)["headline"])          # the same headline as `run` and the report
     print(f"report: {paths['md']}\n        {paths['html']}\n        {paths['json']}")
     for name, p in paths["plots"].items():
         print(f"plot:   {p}")
