@@ -75,6 +75,11 @@ CATALOGUE: tuple = (
          "a = lower_bound * tl.sigmoid(rate * g)")],
        "the gate of the tail rows past Lc left at lb sigmoid(rate dt_bias): their G keeps falling, and "
        "k1_prepare_kernel, which does not mask its tail rows, multiplies their zero k by 2^-(G - G_pivot)"),
+    _m("one_head_decay_scaled", "K1", K,
+       [("a = tl.where(m2, lower_bound * tl.sigmoid(rate * g), 0.0)",
+         "a = tl.where(m2, lower_bound * tl.sigmoid(rate * g), 0.0) * tl.where(h == 1, 1.05, 1.0)")],
+       "head 1's log-decay a scaled by 1.05 (its decay exp(a) raised to 1.05): one head of many off by "
+       "a few percent"),
     _m("gate_rate_not_exponentiated", "K1", K,
        [("rate = tl.exp(tl.load(alog_ptr + h).to(tl.float32))",
          "rate = tl.load(alog_ptr + h).to(tl.float32)")],
@@ -209,6 +214,14 @@ CATALOGUE: tuple = (
          "            S = tl.dot(Alo, hi, tl.dot(Ahi, lo, tl.dot(Ahi, hi, bb)))\n"
          "        tl.store(hin_ptr + cur * K * V + v_tile, S)")],
        "the scan stores h_in[s] after the update (the outgoing state, one segment late)", routes=(SEG,)),
+    _m("scan_not_reset_at_sequence_start", "B", K,
+       [("    s0 = tl.load(seg_off_ptr + n)\n",
+         "    s0 = tl.load(seg_off_ptr + tl.maximum(n - 1, 0))\n    own0 = tl.load(seg_off_ptr + n)\n"),
+        ("        tl.store(hin_ptr + cur * K * V + v_tile, S)\n",
+         "        tl.store(hin_ptr + cur * K * V + v_tile, S, mask=(s >= own0) & (v_tile >= 0))\n")],
+       "no state reset at a sequence start: the scan of sequence n walks sequence n-1's segments first, "
+       "so n's first h_in carries n-1's segment maps (one request's state leaking into the next)",
+       routes=(SEG,)),
     _m("prefetch_reads_wrong_next_segment", "B", K,
        [("nxt = ((s + 1) * H + h).to(tl.int64)", "nxt = (s * H + h).to(tl.int64)")],
        "the prefetching scan loads the current segment again instead of the next", routes=(SEG,)),
