@@ -3,14 +3,21 @@
 Input: DIR/results.jsonl (and DIR/results-*.jsonl, one per pytest-xdist worker; merged,
 the last record of a key wins) and DIR/run.json (provenance).  Output:
 
-    report.md      summary, per-cell table, failures with their repro lines, provenance
-    report.html    the same, self-contained: CSS inline, plots as base64 PNG, no external asset
+    report.md      the headline, then SECTIONS in order: failing cells (worst tensor, worst
+                   slice, reason, repro), known failures, out-of-contract cells, skipped cells by
+                   reason, routes, plots, every cell, repro lines, where the time went, provenance
+    report.html    the same sections in the same order, self-contained: CSS inline, plots as
+                   base64 PNG, no external asset
     report.json    {"provenance", "summary", "cells"}: strict JSON (non-finite -> "NaN"/"Infinity")
-    plots/error_vs_T.png       rel-L2 of o vs T per route (log-log), baseline recipes dashed
+    plots/error_vs_T.png       rel-L2 of o (log) vs T (one slot per distinct T) per route, the
+                               route's baseline a grey band under a dashed line
     plots/worst_chunks.png     per-chunk rel-L2 curve of o along T for the worst cells
-    plots/margin_heatmap.png   route x case, colour = log10(margin), margin = err / threshold
+    plots/margin_heatmap.png   route x case, colour = log10(margin), margin = err / threshold;
+                               cells without a margin in their status's HTML colour
 
-A margin above 1 fails; below 1 it says how much headroom the tolerance leaves.
+The headline is runner.verified_headline: ``VERIFIED n of N cells: ...`` when n cells were
+judged (pass, known-fail, fail, mistrusted), ``NOTHING VERIFIED: ...`` when none was.  A
+margin above 1 fails; below 1 it says how much headroom the tolerance leaves.
 """
 from __future__ import annotations
 
