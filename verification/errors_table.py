@@ -256,9 +256,11 @@ def _out_existing_file() -> str:
     return cli(["run", "--backend", "emulator", "--suite", "smoke", "--out", "afile", "--no-report"])
 
 
-def _out_under_a_file(argv: list[str]) -> Callable[[], str]:
+def _out_under_a_file(argv: list[str], problem: bool = False) -> Callable[[], str]:
     def produce() -> str:
         Path("afile").write_text("")
+        if problem:
+            write_problem(base())
         return cli(argv)
     return produce
 
@@ -390,8 +392,13 @@ def rows() -> list[Row]:
         Row("`--out` (a directory) an existing file", "run --out afile", _out_existing_file),
         Row("`--out` that cannot be created", "run --out afile/sub",
             _out_under_a_file(["run", "--backend", "emulator", "--suite", "smoke", "--out", "afile/sub", "--no-report"])),
-        Row("an `--out` file whose directory is a file", "export --out afile/P.safetensors",
-            _out_under_a_file(["export", "--case", "smoke/dense-T64-lb-5", "--out", "afile/P.safetensors"])),
+        Row("an `--out` file whose directory is a file (`oracle`, `capture` alike)", "export --out afile/P.safetensors",
+            _out_under_a_file(["export", "--case", "smoke/dense-T64-lb-5", "--out", "afile/P.safetensors"]),
+            alike=tuple(("--out: expected a file in a directory, got 'afile/T.safetensors' ('afile' is a file)",
+                         _out_under_a_file(argv, problem=True)) for argv in (
+                ["oracle", "--inputs", "P.safetensors", "--out", "afile/T.safetensors"],
+                ["capture", "--backend", "emulator", "--route", "flashkda", "--inputs", "P.safetensors",
+                 "--out", "afile/T.safetensors"]))),
         Row("unknown route (emulator)", "capture --route nope", lambda: cli(
             ["capture", "--backend", "emulator", "--route", "nope", "--inputs", "P.safetensors", "--out", "O"])),
         Row("a backend without passes", "debug --backend emulator", lambda: cli(
