@@ -59,7 +59,7 @@ def cli(argv: list[str]) -> str:
             rc = main(argv)
         except SystemExit as e:          # argparse's own errors
             rc = e.code
-        except BaseException as e:       # noqa: BLE001 - a traceback is what the table must not show
+        except Exception as e:           # noqa: BLE001 - a traceback is what the table must not show
             raise TableError(f"kda-verify {' '.join(argv)}: raised {type(e).__name__}: {e}") from e
     lines = err.getvalue().strip().splitlines()
     prefix = f"kda-verify {argv[0]}: error: "
