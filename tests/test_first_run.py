@@ -161,3 +161,14 @@ def test_ci_runs_the_readmes_install_test_and_main_lines_exactly_in_a_fresh_venv
     assert before == ['venv="$(mktemp -d)/venv"', 'python3 -m venv "$venv"', '. "$venv/bin/activate"'], before
     # no pinned torch / triton install of CI's own anywhere
     assert not any(re.search(r"pip3? install .*(torch|triton)", ln) for ln in lines), lines
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the matrix runs the compiled kernels")
+def test_pytest_verify_of_triton_on_a_cpu_runs_the_interpreter_too():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-m", "pytest", "tests/test_verify_matrix.py", "-p", "no:cacheprovider", "-q",
+                        "-m", "verify", "--kda-backend", "triton", "--kda-route", "seg", "--kda-case", DENSE],
+                       cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "kda-verify: no CUDA device: the triton backend runs in Triton's CPU interpreter" in r.stderr
+    assert "VERIFIED 1 of 1 cells: 1 pass" in r.stdout and "1 passed" in r.stdout

@@ -23,6 +23,8 @@ Options:
 The terminal summary's headline says how many cells were judged (``VERIFIED n of N cells:
 ...``); a session whose matrix judged no cell at all (``NOTHING VERIFIED: N cells skipped
 (reason)``) exits 2 with one line saying why, unless --kda-allow-skips.
+With ``--kda-backend triton`` on a machine without CUDA the plugin turns on Triton's CPU
+interpreter (TRITON_INTERPRET=1) before the kernels are built, as ``kda-verify run`` does.
 A cell that cannot run here (backend unavailable, case not applicable) is skipped with the
 reason; so is a cell out of the kernel's contract (a documented range it does not check: the
 reason says what the kernel did there, never a pass or a failure).  The terminal summary ends with the time breakdown of the cells that ran
@@ -124,6 +126,13 @@ def pytest_configure(config):
             pytest.exit(f"kda-verify: error: {e}", returncode=2)
         for f in [d / "results.jsonl", *d.glob("results-*.jsonl")]:
             f.unlink(missing_ok=True)
+    if _selects_verify(config):
+        # --kda-backend triton on a machine without CUDA: Triton's interpreter, as kda-verify run sets it up
+        from verification.commands.run import setup_interpreter
+        note = setup_interpreter(_split(config.getoption("--kda-backend")), config.getoption("--kda-device") or "cpu")
+        if note:
+            import sys
+            sys.stderr.write(f"kda-verify: {note}\n")
 
 
 def _selects_verify(config) -> bool:
