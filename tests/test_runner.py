@@ -181,3 +181,22 @@ def test_progress_bar_on_a_tty_redraws_one_line_with_an_eta():
     out = buf.getvalue()
     assert out.count("\r[") == 4 and out.endswith("\n") and out.count("\n") == 1
     assert "[##########" in out and "4/4 100% ETA 0s" in out and "fail=1 pass=2 skipped=1" in out
+
+
+def test_progress_cuts_a_long_reason_at_a_word_boundary():
+    from verification.runner import Progress, clip_words
+    assert clip_words("short", 10) == "short"
+    assert clip_words("alpha beta gamma delta", 15) == "alpha beta…"
+    assert clip_words("x" * 30, 10) == "x" * 9 + "…"
+    reason = "o: rel_l2 " + " ".join(f"word{i:03d}" for i in range(80))     # ~650 characters
+    buf = _quiet()
+    Progress(1, stream=buf, tty=False).step({"status": "fail", "backend": "b", "route": "r", "case": "c",
+                                             "reason": reason})
+    line = buf.getvalue().strip()
+    assert line.endswith("…") and line[:-1].split()[-1] in reason.split(), line     # a whole word, then "…"
+    # the redrawn tty line too: a long case id is cut between words
+    buf = _quiet()
+    Progress(1, stream=buf, tty=True).step({"status": "pass", "backend": "b", "route": "r", "reason": "",
+                                            "case": " ".join(f"part{i:03d}" for i in range(60))})
+    line = buf.getvalue().strip()
+    assert line.endswith("…") and line[:-1].split()[-1].startswith("part") and len(line[:-1].split()[-1]) == 7

@@ -742,9 +742,22 @@ def _fmt_s(s: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else (f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s")
 
 
+def clip_words(text: str, n: int) -> str:
+    """``text`` cut to at most ``n`` characters at a word boundary, with "…" where it was cut
+    (never mid-word; a single word longer than n is cut at n - 1)."""
+    text = str(text)
+    if len(text) <= n:
+        return text
+    cut = text[:n - 1]
+    space = cut.rfind(" ")
+    if space > n // 2:
+        cut = cut[:space]
+    return cut.rstrip(" ,;:") + "…"
+
+
 class Progress:
     """A progress bar with ETA on a stream (stderr): redrawn in place on a tty, one plain
-    line per cell otherwise (logs, CI)."""
+    line per cell otherwise (logs, CI); a long reason is cut at a word boundary ("…")."""
 
     def __init__(self, total: int, stream=None, tty: Optional[bool] = None, width: int = 24):
         self.total, self.done, self.width = int(total), 0, width
@@ -770,12 +783,12 @@ class Progress:
             bar = "#" * fill + "." * (self.width - fill)
             tally = " ".join(f"{k}={v}" for k, v in sorted(self.counts.items()))
             line = f"\r[{bar}] {self.done}/{self.total} {frac:4.0%} ETA {eta} | {tally} | {st}: {label}"
-            self.stream.write(line[:200].ljust(120))
+            self.stream.write(clip_words(line, 200).ljust(120))
             if self.done == self.total:
                 self.stream.write("\n")
         else:
             self.stream.write(f"[{self.done}/{self.total} {frac:4.0%} ETA {eta}] {st:<10} {label}"
-                              f"{(' - ' + rec['reason'][:160]) if st != 'pass' and rec.get('reason') else ''}\n")
+                              f"{(' - ' + clip_words(rec['reason'], 240)) if st != 'pass' and rec.get('reason') else ''}\n")
         self.stream.flush()
 
 
@@ -809,8 +822,6 @@ class RunSummary:
         cell at all is the caller's to refuse: ``nothing_verified_reason``)."""
         return 1 if self.failed else 0
 
-
-def plan(backends: list[LoadedBackend], routes: Optional[list[str]], cases: list) -> list[tuple]:
     @property
     def verified(self) -> int:
         """How many cells reached a verdict (pass, known-fail, fail, mistrusted)."""
@@ -880,6 +891,8 @@ def note_self_judged(rec: dict) -> dict:
         rec["self_judged"] = True
     return rec
 
+
+def plan(backends: list[LoadedBackend], routes: Optional[list[str]], cases: list) -> list[tuple]:
     """The cells, case-major: [(LoadedBackend, Route, Case), ...]."""
     from verification.cli import UsageError
     strict = len(backends) == 1
@@ -979,9 +992,9 @@ def run_matrix(backends: Iterable, cases: list, out_dir=None, *, routes: Optiona
                 rec = iso.run(lb, route, case, device)
             else:
                 rec = run_cell(lb, route, case, truth_cache, baseline_cache, db, device, guards=guards)
+            note_self_judged(rec)
             if results is not None:
                 append_record(results, rec)
-            note_self_judged(rec)
             summary.records.append(rec)
             summary.fresh.append(rec)
             summary.ran += 1

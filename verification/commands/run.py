@@ -141,7 +141,7 @@ def run(args) -> int:
 
     from verification import provenance
     from verification.errors import EXIT_USAGE, Interrupted, UsageError, writable_dir
-    from verification.runner import default_device, nothing_verified_reason, run_matrix, verified_headline
+    from verification.runner import clip_words, default_device, nothing_verified_reason, run_matrix, verified_headline
 
     started = time.perf_counter()
 
@@ -181,7 +181,8 @@ def run(args) -> int:
         print(f"stopped after --max-cells {args.max_cells}; continue with --resume")
     shown = 10
     for r in summary.failed[:shown]:
-        print(f"  {r['status'].upper():<10} {r['backend']} {r['route']} {r['case']}: {r.get('reason', '')[:160]}")
+        print(f"  {r['status'].upper():<10} {r['backend']} {r['route']} {r['case']}: "
+              f"{clip_words(r.get('reason', ''), 240)}")
         print(f"             repro: {r.get('repro', '').replace('--out DIR', f'--out {args.out}/repro')}")
     if len(summary.failed) > shown:
         print(f"  ... and {len(summary.failed) - shown} more failing cells (see the report)")
