@@ -88,29 +88,25 @@ STUBS = (("intj/__init__.py", "intj/__init__.py",
 
 K1 = P + "_gluon_kernels/gfx950/chunk_delta_attn/flash_kda_k1.py"
 UTILS = P + "_triton_kernels/chunk_delta_attn/chunk_delta_attn_utils.py"
+ARCH_INFO = P + "utils/_triton/arch_info.py"
 
 
 def wrap_module_constexprs(text: str) -> tuple[str, int]:
-    """``NAME: gl.constexpr = gl.X(...)`` at module level -> ``... = gl.constexpr(gl.X(...))``.
-    Returns the new text and the number of assignments wrapped."""
+    """Append ``NAME = gl.constexpr(NAME)`` for every module-level ``NAME: gl.constexpr = gl.X(...)``
+    (the original lines stay as they are, so module-level code reading ``NAME.attr`` still sees the
+    layout object; the kernels, compiled later, see the constexpr).  Returns the new text and the
+    number of names rebound."""
     tree = ast.parse(text)
-    lines = text.splitlines(keepends=True)
-    offsets = [0]
-    for line in lines:
-        offsets.append(offsets[-1] + len(line))
-    edits = []
-    for node in tree.body:
-        if not (isinstance(node, ast.AnnAssign) and isinstance(node.value, ast.Call)):
-            continue
-        if ast.unparse(node.annotation) != "gl.constexpr" or ast.unparse(node.value.func) == "gl.constexpr":
-            continue
-        v = node.value
-        start = offsets[v.lineno - 1] + v.col_offset
-        end = offsets[v.end_lineno - 1] + v.end_col_offset
-        edits.append((start, end))
-    for start, end in reversed(edits):
-        text = text[:start] + "gl.constexpr(" + text[start:end] + ")" + text[end:]
-    return text, len(edits)
+    names = [node.target.id for node in tree.body
+             if isinstance(node, ast.AnnAssign) and isinstance(node.value, ast.Call)
+             and isinstance(node.target, ast.Name) and ast.unparse(node.annotation) == "gl.constexpr"
+             and ast.unparse(node.value.func) != "gl.constexpr"]
+    if not names:
+        return text, 0
+    trailer = ["", "", "# --- appended by kda-verify's tools/assemble_aiter.py: triton 3.6 compiles a Gluon kernel",
+               "# --- reading a module-level layout only if it is a gl.constexpr object"]
+    trailer += [f"{n} = gl.constexpr({n})" for n in names]
+    return text.rstrip("\n") + "\n" + "\n".join(trailer) + "\n", len(names)
 
 
 def fail(msg: str) -> None:
@@ -164,8 +160,8 @@ def main(argv=None) -> int:
     if n == 0:
         fail(f"{K1}: expected module-level gl.constexpr layouts to wrap, found none")
     k1.write_text(text)
-    transforms = [dict(file=K1, wrapped=n, what="module-level `NAME: gl.constexpr = gl.X(...)` -> "
-                       "`gl.constexpr(gl.X(...))`",
+    transforms = [dict(file=K1, wrapped=n, what=f"{n} module-level `NAME: gl.constexpr = gl.X(...)` layouts "
+                       "rebound at the end of the module as `NAME = gl.constexpr(NAME)`",
                        why="triton 3.6 rejects a bare layout object read as a global in a Gluon kernel "
                            "('SwizzledSharedLayout' object has no attribute '_flatten_ir')")]
 
@@ -175,6 +171,13 @@ def main(argv=None) -> int:
                            "chunk_delta_attn_autotune_configs(configs, default_config)",
                            why="the 2026-08 siblings the package __init__ imports (gla_output, wy_fast, "
                                "utils/cumsum) import that name, which the newer utils module dropped"))
+
+    arch = a.out / ARCH_INFO
+    arch.write_text(arch.read_text() + (SHIMS / "arch_info_compat.py").read_text())
+    transforms.append(dict(file=ARCH_INFO, what="appended tools/aiter_shims/arch_info_compat.py: a non-string "
+                           "arch (Triton's CUDA target, e.g. 90) becomes 'sm90'",
+                           why="the newest config_utils.resolve_config_dir asserts a string arch, so flash_kda "
+                               "would not import on an NVIDIA GPU; AMD archs are strings and unchanged"))
 
     record = dict(base=dict(repo="ROCm/aiter", commit=base_commit, tree=str(a.base)),
                   files=[s[2] for s in sources], stubs=stubs, transforms=transforms,

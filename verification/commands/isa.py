@@ -77,18 +77,24 @@ def run(args) -> int:
 
 
 def _run_aiter(args) -> int:
-    from verification.aiter_isa import AiterIsaError, aiter_isa_report, table
+    from verification.aiter_isa import AiterIsaError, aiter_isa_report, table_header, table_row
     from verification.cli import UsageError
     archs = _split(args.arch if args.arch != "gfx950,gfx1250,sm90" else "gfx950,gfx1250", "--arch")
+    started = []
+
+    def stream(report):          # the table row by row: a compile can take minutes
+        if not args.json:
+            if not started:
+                table_header()
+                started.append(1)
+            table_row(report)
     try:
-        reports = aiter_isa_report(archs)
+        reports = aiter_isa_report(archs, on_report=stream)
     except AiterIsaError as e:
         raise UsageError(str(e)) from None
     if args.json:
         json.dump([r.as_dict() for r in reports], sys.stdout, indent=1)
         print()
-    else:
-        table(reports)
     failed = [r for r in reports if not r.ok]
     print(f"{len(reports) - len(failed)}/{len(reports)} aiter kernel variants compiled ({', '.join(archs)}); "
           f"{spill_summary(reports)}", file=sys.stderr)
