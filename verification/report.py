@@ -142,9 +142,10 @@ def _finite_pos(x: float) -> bool:
 
 
 def _route_colours(plt, n: int) -> list:
-    """n distinguishable colours (tab20 without its greys, which the baselines use)."""
+    """n distinguishable colours (tab20 without its greys, which the baselines use, and its reds,
+    which mark failing cells)."""
     cmap = plt.get_cmap("tab20")
-    pal = [cmap(i) for i in (0, 2, 4, 6, 8, 10, 12, 16, 18, 1, 3, 5, 7, 9, 11, 13, 17, 19)]
+    pal = [cmap(i) for i in (0, 2, 4, 8, 10, 12, 16, 18, 1, 3, 5, 9, 11, 13, 17, 19)]
     return [pal[i % len(pal)] for i in range(n)]
 
 
@@ -257,7 +258,7 @@ def error_vs_T_figure(records: list[dict]):
     faceted = len(set(map(id, axes))) > 1
     # one panel per route needs no colour to tell routes apart: one strong colour reads best on the band
     colours = ["#1f77b4"] * len(labels) if faceted else _route_colours(plt, len(labels))
-    any_bad = False
+    any_bad = any_known = False
     for c, label, ax in zip(colours, labels, axes):
         pts = sorted(series[label])
         Ts, worst = _worst_line(pts)
@@ -266,6 +267,12 @@ def error_vs_T_figure(records: list[dict]):
                 label=None if faceted else label + own)
         ax.scatter([slot[p[0]] for p in pts], [p[1] for p in pts], s=16 if faceted else 20, color=c, alpha=0.8,
                    zorder=3)
+        known = [p for p in pts if p[2] == "known-fail"]
+        if known:
+            ax.scatter([slot[p[0]] for p in known], [p[1] for p in known], s=70, marker="o", facecolors="none",
+                       edgecolors=STATUS_COLOURS["known-fail"], linewidths=1.8, zorder=5,
+                       label="known-fail cell" if not faceted and not any_known else None)
+            any_known = True
         bad = [p for p in pts if p[2] in FAILING]
         if bad:
             ax.scatter([slot[p[0]] for p in bad], [p[1] for p in bad], s=55, marker="x", color="red",
@@ -290,7 +297,7 @@ def error_vs_T_figure(records: list[dict]):
         fig.supylabel("rel-L2 of o vs the float64 oracle", fontsize=10)
         extra = f"; {dropped} more routes in the heatmap" if dropped else ""
         fig.suptitle("Output error vs sequence length, one panel per route\n"
-                     "line: worst cell per T · dots: every cell · red x: failing cell · grey band under a dashed "
+                     "line: worst cell per T · dots: every cell · red x: failing cell · amber ring: known-fail · grey band under a dashed "
                      f"line: the route's baseline (its emulated recipe){extra}", fontsize=10)
     else:
         by_recipe: dict[str, list] = {}
