@@ -33,8 +33,10 @@ import torch
 F64 = torch.float64
 ZERO_TRUST = 0.30      # oneDNN benchdnn's zero_trust_percent: more zeros than this is suspicious
 NEGLIGIBLE = 2.0 ** -24  # |ref| below this times max|ref|: a value any kernel may flush to zero
-SLICE_ROWS = 16        # tokens per (sequence, block) slice of o: a state leaking into a sequence's
-                       # first tokens stays visible in the block that holds them
+SLICE_ROWS = 16        # tokens per (sequence, block) slice of o
+START_ROWS = 4         # the first tokens of each sequence, a slice of their own: a state carried
+                       # into a sequence at lb -5 decays within a few tokens, which a 16-token
+                       # block would dilute four times
 METRIC_KEYS = ("rel_l2", "max_abs", "tail_rel_l2", "chunk_rel_l2", "max_ulp",
                "nan_frac", "inf_frac", "zero_frac", "mistrusted")
 
@@ -126,8 +128,10 @@ def slice_sums(d: torch.Tensor, r: torch.Tensor, problem, tensor: str) -> Option
     """Squared error and squared reference of every slice of one output, float64 on d's device.
 
     d = x - ref and r = ref, both float64 and shaped as the output:
-    o [B,T,HV,V] -> "seq_head" [N, HV] (sequence n, head h; count = len_n * V elements) and
-                    "seq_block" [S] (sequence n, tokens SLICE_ROWS*b .. of it, all heads);
+    o [B,T,HV,V] -> "seq_head" [N, HV] (sequence n, head h; count = len_n * V elements),
+                    "seq_block" [S] (sequence n, tokens SLICE_ROWS*b .. of it, all heads) and
+                    "seq_start" (sequence n's first START_ROWS tokens, all heads; sequences
+                    longer than that);
     final_state [N,HV,*,*] -> "seq_head" [N, HV];
     state_cache (written slots only, in state_indices order) [N,HV,*,*] -> "slot_head" [N, HV].
     Returns {kind: {"err_sq": [...], "ref_sq": [...], "count": [...], "labels": [...]}} as
@@ -160,6 +164,15 @@ def slice_sums(d: torch.Tensor, r: torch.Tensor, problem, tensor: str) -> Option
             bl[(n, b)] = min(SLICE_ROWS, lens[n] - SLICE_ROWS * b) * HV * V
         out["seq_block"] = {"err_sq": eb, "ref_sq": rb,
                             "count": [bl[lab] for lab in blabels], "labels": [list(x) for x in blabels]}
+        starts = [(n, b, min(e, b + START_ROWS)) for n, (b, e) in enumerate(problem.seq_bounds()) if e - b > START_ROWS]
+        if starts:
+            rows_e, rows_r = e2.sum(1), r2.sum(1)
+            se = torch.stack([rows_e[b:e].sum() for _, b, e in starts])
+            sr = torch.stack([rows_r[b:e].sum() for _, b, e in starts])
+            vals = torch.cat([se, sr]).tolist()
+            out["seq_start"] = {"err_sq": vals[:len(starts)], "ref_sq": vals[len(starts):],
+                                "count": [(e - b) * HV * V for _, b, e in starts],
+                                "labels": [[n, e - b] for n, b, e in starts]}
         return out
     N, HV = d.shape[0], d.shape[1]
     e2 = d.reshape(N, HV, -1).square().sum(-1)

@@ -10,7 +10,8 @@ it to the same judge as ``check`` and ``run`` with the flashkda recipe's baselin
     gate^1.2   the same with 1.2
     slot swap  the final states of the first two written cache slots exchanged
 
-``python -m verification.planted [CASE ...]`` prints the table (default: the cases below).
+``python -m verification.planted [--device DEVICE] [CASE ...]`` prints the table row by row
+(default: the cases below).
 """
 from __future__ import annotations
 
@@ -99,29 +100,37 @@ def pooled_margin(verdict) -> float:
     return max((t.get("tensor_margin", t.get("margin", 0.0)) for t in verdict.tensors.values()), default=0.0)
 
 
-def table(case_ids=CASES) -> str:
+def rows(case_ids=CASES, device: str = "cpu"):
+    """The table's rows, one at a time (header first)."""
     from verification.cases import get_case
-    rows = ["| case | plant | caught | pooled margin | slice margin | the slice the verdict names |",
-            "|---|---|---|---|---|---|"]
+    yield "| case | plant | caught | pooled margin | slice margin | the slice the verdict names |"
+    yield "|---|---|---|---|---|---|"
     for cid in case_ids:
-        problem = get_case(cid).build()
+        problem = get_case(cid).build(device=device)
         tr = truth(problem)
         baselines: dict = {}
         for name in PLANTS:
             out = plant(problem, name)
             if out is None:
-                rows.append(f"| {cid} | {name} | n/a (changes nothing) | | | |")
+                yield f"| {cid} | {name} | n/a (changes nothing) | | | |"
                 continue
             v = judge_plant(problem, out, tr, baselines)
             worst = max(v.tensors.items(), key=lambda kv: kv[1].get("margin", 0.0))
             sl = worst[1].get("slice") or {}
             where = (f"{worst[0]} {sl.get('where', '')}: {sl.get('err', float('nan')):.3g} vs baseline "
                      f"{sl.get('baseline_err', float('nan')):.3g}") if sl else worst[0]
-            rows.append(f"| {cid} | {name} | {'yes' if v.status == 'fail' else 'NO (' + v.status + ')'} | "
-                        f"{pooled_margin(v):.3g} | {sl.get('margin', float('nan')):.3g} | {where} |")
-    return "\n".join(rows)
+            yield (f"| {cid} | {name} | {'yes' if v.status == 'fail' else 'NO (' + v.status + ')'} | "
+                   f"{pooled_margin(v):.3g} | {sl.get('margin', float('nan')):.3g} | {where} |")
+
+
+def table(case_ids=CASES, device: str = "cpu") -> str:
+    return "\n".join(rows(case_ids, device))
 
 
 if __name__ == "__main__":
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    print(table(tuple(sys.argv[1:]) or CASES))
+    args = sys.argv[1:]
+    device = "cpu"
+    if args[:1] == ["--device"]:
+        device, args = args[1], args[2:]
+    for row in rows(tuple(args) or CASES, device):
+        print(row, flush=True)

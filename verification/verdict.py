@@ -16,8 +16,9 @@ m * best + floor and the record says so (``cap_lifted``).  Example: one token wh
 q^ and k^ gets 13-24% wrong.  A recipe that alone fails a case the others pass (Moonshot's on
 correlated keys) still meets the cap.
 
-Every slice is judged too (``judge_slices``): o per (sequence, head) and per (sequence,
-16-token block), a state per (sequence, head), the paged cache per (written slot, head), each
+Every slice is judged too (``judge_slices``): o per (sequence, head), per (sequence, 16-token
+block) and over each sequence's first 4 tokens, a state per (sequence, head), the paged cache
+per (written slot, head), each
 against the same slice of the baseline:
 
     slice err s = sqrt(err_sq / max(ref_sq, (NEGLIGIBLE_SLICE * rms(ref))^2 * count))
@@ -57,7 +58,7 @@ STATUSES = ("pass", "fail", "mistrusted", "not-applicable")
 NEGLIGIBLE_SLICE = 1e-2     # a slice whose rms is below this fraction of the tensor's is judged on the tensor's scale
 SLICE_FLOOR_SHARE = 0.5     # a slice is held to at least this share of the whole tensor's baseline error
 SLICE_KINDS = {"seq_head": ("sequence", "head"), "seq_block": ("sequence", "tokens"),
-               "slot_head": ("slot", "head")}
+               "seq_start": ("sequence", "tokens"), "slot_head": ("slot", "head")}
 RECIPE_COST = ("moonshot", "fla", "flashkda")   # cheapest rounding first: bf16 state < input-dtype tiles < fp32 state
 
 
@@ -267,6 +268,8 @@ def _slice_label(kind: str, label) -> str:
     if kind == "seq_block":
         from verification.metrics import SLICE_ROWS
         return f"sequence {label[0]} tokens {SLICE_ROWS * label[1]}-{SLICE_ROWS * (label[1] + 1) - 1}"
+    if kind == "seq_start":
+        return f"sequence {label[0]} tokens 0-{label[1] - 1}"
     return f"{a} {label[0]} {b} {label[1]}"
 
 

@@ -71,12 +71,11 @@ def run(args) -> int:
         raise UsageError(f"--recipe: expected one of {', '.join(RECIPES)}, got {args.recipe!r}")
     db = load_tolerances(args.tolerances)
     problem = validate(load_problem(args.inputs).to(args.device))
-    outs = load_outputs(args.outputs)
+    if problem.is_empty:
+        raise UsageError(f"--inputs: {problem.empty_reason()}")
+    outs = load_outputs(args.outputs, problem)
     outs = {k: v.to(args.device) for k, v in outs.items()}
     route = Route(name=args.route or args.recipe, recipe=args.recipe)
-    if problem.B * problem.T == 0 or problem.N == 0:
-        raise UsageError(f"--inputs: an empty problem (B={problem.B}, T={problem.T}, N={problem.N}) has nothing "
-                         f"to verify")
     if "ws_inv" in outs and int(outs["ws_inv"].shape[-1]) != RECIPES[args.recipe].chunk:
         raise UsageError(f"--outputs: ws_inv: expected chunk {RECIPES[args.recipe].chunk} (the {args.recipe} recipe's), "
                          f"got {int(outs['ws_inv'].shape[-1])} (shape {list(outs['ws_inv'].shape)})")
