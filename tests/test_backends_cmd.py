@@ -29,3 +29,13 @@ def test_external_backends_and_unavailable_reasons(capsys):
     assert "kda_test_backends:unavailable  unavailable" in out
     assert "reason: this test backend is never available" in out
     assert "routes: r1, r2" in out
+
+
+def test_triton_without_cuda_says_run_turns_the_interpreter_on(monkeypatch):
+    import torch
+    from verification.commands.backends import describe
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    row = describe("triton")
+    assert not row["available"] and row["reason"].startswith("no CUDA device, and TRITON_INTERPRET is not 1")
+    assert "kda-verify run and pytest -m verify turn Triton's CPU interpreter on themselves" in row["reason"]

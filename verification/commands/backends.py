@@ -50,6 +50,9 @@ def describe(name: str, spec: str | None = None) -> dict:
         row["available"], row["reason"] = bool(ok), "" if ok else str(why or "no reason given")
     except Exception as e:  # noqa: BLE001
         row["reason"] = f"available() raised {type(e).__name__}: {e}"
+    if name == "triton" and spec is None and not row["available"] and row["reason"].startswith("no CUDA device"):
+        row["reason"] += (" (kda-verify run and pytest -m verify turn Triton's CPU interpreter on themselves "
+                          "for the triton backend; elsewhere set TRITON_INTERPRET=1 before Triton is imported)")
     try:
         row["version"] = str(b.version())
     except Exception as e:  # noqa: BLE001
