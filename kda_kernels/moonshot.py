@@ -28,7 +28,9 @@ dt_bias (reshaped [H, K]; zeros where the problem has none) go to fp32 and cu_se
 all exact; fp32 beta logits are rounded to bf16 (the kernel takes bf16 only), which the
 route's info lists.  q, k, v, g must come as contiguous bf16: a production caller (fla's
 FlashKDA dispatch) passes them as they come, and flash_kda raises on anything else, so such
-problems are "not applicable" with the kernel's own words.
+problems are "not applicable" with the kernel's own words.  So is a problem without tokens
+(B*T = 0): flash_kda.fwd does not raise there, it aborts the process (cute's TMA descriptor
+assertion).
 """
 from __future__ import annotations
 
@@ -146,6 +148,9 @@ class MoonshotBackend:
                 for n in STATE_DTYPES]
 
     def accepts(self, p: Problem, route: Route) -> tuple[bool, str]:
+        if p.B * p.T == 0:
+            return False, ("not applicable: flash_kda.fwd aborts the process on a problem without tokens (a failed "
+                           f"assertion in cute's make_tma_copy_desc, SIGABRT; no exception), got B={p.B} T={p.T}")
         if p.K != D or p.V != D:
             return False, (f"not applicable: flash_kda supports only K = V = 128 (it checks 'currently only supports "
                            f"D == 128', one D for q and v), got K={p.K} V={p.V}")

@@ -121,6 +121,13 @@ def test_refusals_are_not_applicable_in_moonshots_own_terms(name, change, words)
     assert not ok and why.startswith("not applicable: ") and words in why, why
 
 
+def test_a_problem_without_tokens_is_refused_before_the_kernel_aborts():
+    p = get_case("stress/weak-gate-lb-0.1").build()
+    empty = p.replace(q=p.q[:, :0], k=p.k[:, :0], v=p.v[:, :0], g=p.g[:, :0], beta=p.beta[:, :0])
+    ok, why = moon.MoonshotBackend().accepts(empty, _route())
+    assert not ok and "aborts the process on a problem without tokens" in why and why.endswith("got B=1 T=0")
+
+
 def test_a_paged_problem_is_not_applicable():
     ok, why = moon.MoonshotBackend().accepts(get_case("smoke/paged-lb-5").build(), _route())
     assert not ok and "no paged state cache" in why
