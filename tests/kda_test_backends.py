@@ -7,6 +7,8 @@
     crashing     kills its own process: os.abort() (route "abort") or os._exit(3) (route "exit")
     unavailable  available() is False with a reason
     dense_only   accepts only problems without cu_seqlens (varlen: "not applicable")
+    leak         the truth of a forward whose sequences after the first start from the previous
+                 one's final state (verification.planted's "leak"), route "flashkda"
 """
 from __future__ import annotations
 
@@ -49,6 +51,11 @@ class _TestBackend:
             if route.name == "abort":
                 os.abort()
             os._exit(3)
+        if self.mode == "leak":
+            from verification.planted import plant
+            out = plant(problem, "leak")
+            out.info = {"route_ran": route.name}
+            return out
         t = truth(problem)
         o = t.o.to(torch.bfloat16)
         fs = None if t.final_state is None else t.final_state.to(torch.float32)
@@ -88,6 +95,10 @@ def unavailable():
 
 def dense_only():
     return _TestBackend("dense_only")
+
+
+def leak():
+    return _TestBackend("leak", routes=("flashkda",))
 
 
 TEST_TOLERANCES = """\

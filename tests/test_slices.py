@@ -4,21 +4,23 @@ A pooled error hides a bug that ruins one short sequence, one head or one cache 
 batch; the verdict judges every (sequence, head), every (sequence, 16-token block) of o and
 every written slot against the same slice of the baseline (verification/verdict.py)."""
 import json
-import math
+from pathlib import Path
 
 import pytest
 import torch
 
-from kda_kernels.base import Outputs, Route
+from kda_kernels.base import Outputs
 from kda_kernels.controls import BATCH_CONTROLS, negative_control
 from kda_ref.truth import truth
 from verification.cases import build_problem, get_case
 from verification.cli import main
 from verification.planted import PLANTS, judge_plant, plant, pooled_margin
 from verification.problem_file import save_outputs, save_problem
-from verification.runner import BaselineCache, TruthCache, as_loaded, run_cell
+from verification.runner import BaselineCache, TruthCache, run_cell
 from verification.tolerances import load_tolerances
 
+pytest_plugins = ["pytester"]
+ROOT = Path(__file__).resolve().parents[1]
 SMALL = ("smoke/varlen-tail33-lb-5", "smoke/paged-lb-5", "smoke/initial-state-kv-lb-5")
 
 
@@ -149,7 +151,6 @@ def test_check_refuses_an_inverse_of_another_chunk_than_the_recipe(tmp_path, cap
 def test_the_batch_negative_controls_fail_on_every_small_case_they_change(small, control):
     bad = negative_control(variant=control)
     route = bad.routes()[0]
-    db = load_tolerances()
     seen = 0
     for cid in SMALL:
         p, tr, bl = small[cid]
@@ -163,43 +164,41 @@ def test_the_batch_negative_controls_fail_on_every_small_case_they_change(small,
     assert seen >= 1, control
 
 
-class _Fixed:
-    """A backend that returns given outputs (the same bytes check reads from a file)."""
-    name = "external"
-
-    def __init__(self, outputs):
-        self.outputs = outputs
-
-    def available(self):
-        return True, ""
-
-    def version(self):
-        return "fixed"
-
-    def routes(self):
-        return [Route(name="flashkda", recipe="flashkda")]
-
-    def accepts(self, problem, route):
-        return True, ""
-
-    def run(self, problem, route):
-        return Outputs(**{k: v.clone() for k, v in self.outputs.items()})
-
-
-def test_check_and_run_give_the_same_verdict_on_the_same_outputs(tmp_path, capsys):
+def test_check_run_and_pytest_give_the_same_verdict_on_the_same_outputs(tmp_path, capsys, pytester):
     cid = "smoke/varlen-tail33-lb-5"
     case = get_case(cid)
     p = case.build()
-    leak = plant(p, "leak")
-    outs = {"o": leak.o, "final_state": leak.final_state}
+    spec = "kda_test_backends:leak"
+    from verification.runner import load
+    lb = load(spec)
+    route = lb.backend.routes()[0]
+    leak = lb.backend.run(p, route)
     inputs, outputs = str(tmp_path / "p.safetensors"), str(tmp_path / "o.safetensors")
     save_problem(inputs, p)
-    save_outputs(outputs, outs, {"what": "planted leak"})
-    assert main(["check", "--inputs", inputs, "--outputs", outputs, "--recipe", "flashkda", "--json"]) == 1
+    save_outputs(outputs, {"o": leak.o, "final_state": leak.final_state}, {"what": "planted leak"})
+    assert main(["check", "--inputs", inputs, "--outputs", outputs, "--recipe", "flashkda",
+                 "--backend-name", lb.name, "--route", route.name, "--json"]) == 1
     checked = json.loads(capsys.readouterr().out)
-    rec = run_cell(as_loaded(_Fixed(outs)), Route(name="flashkda", recipe="flashkda"), case, TruthCache("cpu"),
-                   BaselineCache(), load_tolerances(), device="cpu", guards=False)
-    assert rec["status"] == checked["status"] == "fail"
-    assert rec["reason"] == checked["reason"]
+    rec = run_cell(lb, route, case, TruthCache("cpu"), BaselineCache(), load_tolerances(), device="cpu", guards=False)
+    pytester.makepyfile(test_matrix_copy=(ROOT / "tests" / "test_verify_matrix.py").read_text())
+    rep = tmp_path / "rep"
+    res = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-q", "-m", "verify", "--kda-backend", spec,
+                                       "--kda-case", cid, "--kda-device", "cpu", "--kda-report", str(rep))
+    plugged = [r for f in rep.glob("results*.jsonl") for r in map(json.loads, f.read_text().splitlines())]
+    assert len(plugged) == 1, "\n".join(res.outlines)
+    assert rec["status"] == checked["status"] == plugged[0]["status"] == "fail"
+    assert rec["reason"] == checked["reason"] == plugged[0]["reason"]
     for name in ("o", "final_state"):
-        assert math.isclose(rec["tensors"][name]["margin"], checked["tensors"][name]["margin"], rel_tol=1e-12)
+        margins = (rec["tensors"][name]["margin"], checked["tensors"][name]["margin"], plugged[0]["tensors"][name]["margin"])
+        assert max(margins) - min(margins) <= 1e-12 * max(margins), margins
+
+
+def test_a_route_whose_error_matches_a_cheaper_recipe_is_flagged(small):
+    # moonshot's recipe (bf16 state between chunks) judged as a route that claims flashkda's
+    from kda_kernels.emulator import emulate
+    p, tr, bl = get_case("smoke/weak-gate-lb-0.1-vk").build(), None, {}
+    tr = truth(p)
+    v = judge_plant(p, emulate(p, "moonshot"), tr, bl)
+    assert "matches the moonshot recipe" in v.reason, v.reason
+    v = judge_plant(p, emulate(p, "flashkda"), tr, bl)
+    assert "matches the" not in v.reason, v.reason

@@ -18,8 +18,6 @@ from __future__ import annotations
 import sys
 from typing import Optional
 
-import torch
-
 from kda_kernels.base import Outputs, Route
 from kda_kernels.controls import changes_anything, own_initial_state, per_sequence, start_state
 from kda_ref.preprocess import gate_activation
