@@ -93,6 +93,7 @@ def test_xdist_workers_write_their_own_files_and_the_report_merges_them(tmp_path
                 "--kda-device", "cpu", "--kda-tolerances", tol, "--kda-report", str(rep))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "2 passed" in r.stdout
+    assert "VERIFIED 2 of 2 cells: 2 pass" in r.stdout       # the controller counts the workers' cells
     files = sorted(p.name for p in rep.glob("results*.jsonl"))
     assert files and all(f.startswith("results-gw") for f in files)
     report = json.loads((rep / "report.json").read_text())
@@ -139,3 +140,13 @@ def test_unwritable_report_dir_is_one_line_exit_2(tmp_path):
     assert r.returncode == 2, r.stdout + r.stderr
     assert "Traceback" not in r.stdout + r.stderr
     assert lines == [f"Exit: kda-verify: error: --kda-report: expected a directory, got '{f}', an existing file"], lines
+
+
+def test_under_xdist_a_matrix_of_skips_verifies_nothing_and_exits_2(tol):
+    pytest.importorskip("xdist")
+    r = _pytest("-m", "verify", "-n", "2", "--kda-backend", "kda_test_backends:unavailable", "--kda-case", "smoke/*",
+                "--kda-device", "cpu", "--kda-tolerances", tol)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "NOTHING VERIFIED: 6 cells skipped (backend test-unavailable unavailable: this test backend is never " \
+           "available)" in r.stdout, r.stdout
+    assert r.stdout.count("kda-verify: nothing verified: ") == 1
