@@ -150,3 +150,15 @@ def test_under_xdist_a_matrix_of_skips_verifies_nothing_and_exits_2(tol):
     assert "NOTHING VERIFIED: 6 cells skipped (backend test-unavailable unavailable: this test backend is never " \
            "available)" in r.stdout, r.stdout
     assert r.stdout.count("kda-verify: nothing verified: ") == 1
+
+
+def test_default_backends_leave_out_the_negative_controls(matrix):
+    """Without --kda-backend the matrix takes every available built-in backend but emulator-bad,
+    whose deliberate bugs fail by design; named, it runs (and its cells fail)."""
+    rc, out = matrix("-m", "verify", "--kda-case", DENSE, "--kda-device", "cpu", "--collect-only")
+    ids = [ln for ln in out.splitlines() if "verify[" in ln]
+    assert ids and any("verify[emulator-flashkda-" in i for i in ids), out
+    assert not any("emulator-bad" in i for i in ids), out
+    rc, out = matrix("-m", "verify", "--kda-backend", "emulator-bad", "--kda-case", DENSE, "--kda-device", "cpu",
+                     "--collect-only")
+    assert any("verify[emulator-bad-" in ln for ln in out.splitlines()), out

@@ -8,7 +8,8 @@ opts in by importing the matrix marker object (this repository: tests/test_verif
 
 Options:
     --kda-backend B    built-in name or package.module:factory; repeatable or comma list
-                       (default: every built-in backend available here)
+                       (default: every built-in backend available here, but the negative
+                       controls of emulator-bad, whose deliberate bugs fail by design)
     --kda-route R      only these routes (default: every route); repeatable or comma list
     --kda-suite S      suites (default: smoke); repeatable or comma list
     --kda-case ID      only cases whose id matches (exact or glob); repeatable
@@ -51,6 +52,7 @@ WORKER_OUTPUT = "kda_verify_timing"
 CELL_PROPERTY = "kda_cell_status"     # the user property that marks a matrix cell's report, with its status
 _CELLS_KEY = "_kda_verify_cells"      # [{status, reason, backend}] of every cell reported (controller)
 _NOTHING_KEY = "_kda_verify_nothing"
+NEGATIVE_CONTROLS_MODULE = "kda_kernels.controls"   # emulator-bad: left out of the default backends
 
 
 def verify():  # pragma: no cover - a marker object: expanded into items by the collection hook
@@ -64,7 +66,7 @@ def pytest_addoption(parser):
     g = parser.getgroup("kda-verify", "kda-verify matrix (pytest -m verify)")
     g.addoption("--kda-backend", action="append", default=[], metavar="BACKEND",
                 help="backend: built-in name or package.module:factory (repeatable, comma list; "
-                     "default: every available built-in backend)")
+                     "default: every available built-in backend but the negative controls, emulator-bad)")
     g.addoption("--kda-route", action="append", default=[], metavar="ROUTE",
                 help="route names (repeatable, comma list; default: every route)")
     g.addoption("--kda-suite", action="append", default=[], metavar="SUITE",
@@ -193,6 +195,8 @@ def _backends(config) -> list:
     loaded = []
     for name, target in BUILTIN_BACKENDS.items():
         from verification.commands.backends import _module_exists
+        if target.startswith(NEGATIVE_CONTROLS_MODULE + ":"):
+            continue        # deliberate bugs that fail by design: a matrix has them only when named
         if not _module_exists(target.partition(":")[0]):
             continue
         try:
