@@ -343,8 +343,9 @@ def _cell_note(r: dict) -> str:
 
 
 def worst_chunks_figure(records: list[dict], n: int = 6):
-    """The per-chunk rel-L2 curve of o along T for the n cells with the largest o margin; each
-    legend entry gives o's margin and the cell's status with the tensors over their threshold."""
+    """The per-chunk rel-L2 curve of o along T for the n cells with the largest o margin, each
+    with its own marker and dashes (coinciding curves stay visible); each legend entry gives o's
+    margin and the cell's status with the tensors over their threshold."""
     worst = _worst(records, n)
     if not worst:
         return None
@@ -358,7 +359,9 @@ def worst_chunks_figure(records: list[dict], n: int = 6):
         ys = [curve[k] for k in xs]
         if not xs:
             continue
-        ax.plot(xs, ys, "-o" if len(xs) < 40 else "-", ms=3, lw=1.3, color=colours[i],
+        # markers and dashes differ per curve, largest first, so curves that coincide stay visible
+        ax.plot(xs, ys, marker="osD^vP"[i % 6] if len(xs) < 40 else None, ms=max(3.0, 9.0 - 1.2 * i),
+                mfc="none", mew=1.3, ls=("-", "--", "-.", ":", (0, (5, 1)), (0, (1, 2)))[i % 6], lw=1.3, color=colours[i],
                 label=f"{route_label(r)}  {r.get('case')}: o margin {_o_margin(r):.3g}, {_cell_note(r)}")
     ax.set_yscale("log")
     ax.set_xlabel("chunk index along T (32 tokens per chunk, all sequences and heads pooled)")
