@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from .preprocess import Prepared
+from .preprocess import F64, Prepared
 from .workspace import Workspace, workspace_prepared
 
 
@@ -92,3 +92,116 @@ def chunked(pp: Prepared, C: int = 64, inverse: str = "exact"):
     ws = workspace_prepared(pp, C, inverse)
     o, final = chunked_from_workspace(pp, ws)
     return o, final, ws
+
+
+# ----------------------------------------------------------------------------- streamed
+# Bytes of float64 working set per (tile, value head) of one block: the workspace fields and the
+# temporaries of building it (about 20 C x K and 8 C x C arrays), plus the tile-layout values.
+def block_bytes_per_tile_head(C: int, K: int, V: int) -> int:
+    """Float64 bytes one (tile, value head) of a streamed block holds at its peak."""
+    return 8 * (20 * C * K + 8 * C * C + 4 * C * V)
+
+
+DEFAULT_CPU_BLOCK_BYTES = 256 * 2 ** 20
+DEFAULT_CUDA_BLOCK_BYTES = 8 * 2 ** 30
+
+
+def default_block_bytes(device) -> int:
+    """The working-set budget of one streamed block on ``device``: a quarter of the memory free
+    there (CUDA: ``torch.cuda.mem_get_info``; CPU: MemAvailable), capped at 8 GiB on CUDA and
+    256 MiB on the CPU (where a smaller block stays in cache and is no slower)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev)
+        return max(1, min(DEFAULT_CUDA_BLOCK_BYTES, free // 4))
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    return DEFAULT_CPU_BLOCK_BYTES if avail is None else max(1, min(DEFAULT_CPU_BLOCK_BYTES, avail // 4))
+
+
+def block_plan(bounds, C: int, tiles_per_block: int) -> list:
+    """Cut the tiles of sequences ``bounds = [(bos, eos)]`` (chunk c of sequence n covers tokens
+    ``[bos + c C, min(bos + (c+1) C, eos))``, tiles numbered sequence by sequence) into blocks of
+    at most ``tiles_per_block`` consecutive tiles.  Each block is ``(tok0, tok1, parts)``: the
+    packed token range it covers (contiguous) and ``parts = [(n, bos', eos')]``, the piece of
+    each sequence n inside it, in block-local token indices.  A piece always starts at a chunk
+    boundary of its sequence, so the block's chunks are the problem's chunks.  Empty sequences
+    appear in no block.  Host integers only: nothing of size T is allocated."""
+    tpb = max(1, int(tiles_per_block))
+    blocks = []
+    parts, room, tok0 = [], tpb, None
+    for n, (bos, eos) in enumerate(bounds):
+        nch = -(-(eos - bos) // C)
+        c = 0
+        while c < nch:
+            take = min(room, nch - c)
+            b0, b1 = bos + c * C, min(bos + (c + take) * C, eos)
+            if tok0 is None:
+                tok0 = b0
+            parts.append((n, b0, b1))
+            c += take
+            room -= take
+            if room == 0:
+                blocks.append((tok0, b1, [(m, x0 - tok0, x1 - tok0) for m, x0, x1 in parts]))
+                parts, room, tok0 = [], tpb, None
+    if parts:
+        tok1 = parts[-1][2]
+        blocks.append((tok0, tok1, [(m, x0 - tok0, x1 - tok0) for m, x0, x1 in parts]))
+    return blocks
+
+
+def prepare_tokens(p, t0: int, t1: int, S0: torch.Tensor) -> Prepared:
+    """The Prepared inputs of packed tokens ``[t0, t1)`` of Problem ``p``, cast to float64 here
+    (the same per-token operations as ``kda_ref.preprocess.prepare``, on the slice only); bounds
+    are left empty for the caller and ``S0`` is passed through."""
+    from .preprocess import beta_activation, expand_gva, gate_activation, l2norm
+    HV, Tt = p.HV, p.B * p.T
+    q = p.q.reshape(Tt, p.H, p.K)[t0:t1].to(F64)
+    k = p.k.reshape(Tt, p.H, p.K)[t0:t1].to(F64)
+    if p.qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    q, k = expand_gva(q, HV), expand_gva(k, HV)
+    a = gate_activation(p.g.reshape(Tt, HV, p.K)[t0:t1], p.gate, p.A_log, p.dt_bias, p.lower_bound)
+    beta = beta_activation(p.beta.reshape(Tt, HV)[t0:t1], p.beta_kind)
+    v = p.v.reshape(Tt, HV, p.V)[t0:t1].to(F64)
+    return Prepared(q=q, k=k, v=v, a=a, beta=beta, scale=p.scale_value, bounds=[], S0=S0)
+
+
+def streamed(p, C: int = 64, block_tokens: Optional[int] = None, block_bytes: Optional[int] = None):
+    """(o [Ttot, HV, V], final state [N, HV, K, V] K-first) of a validated Problem by the chunked
+    form, streamed: the tiles (chunks) of all sequences, in order, are cut into blocks of
+    consecutive tiles (``block_plan``); each block's inputs are cast to float64 and preprocessed
+    (``prepare_tokens``), its workspace is built and its chunk steps run from the float64 states
+    carried over from the previous block, and its outputs are written into o.  Per block the
+    arithmetic is that of ``chunked_from_workspace`` on the same chunks.
+
+    Block size: ``block_tokens`` (rounded down to whole chunks, at least one), else the largest
+    number of tiles whose working set (``block_bytes_per_tile_head`` x HV) fits ``block_bytes``
+    (default ``default_block_bytes``).  Peak memory: the inputs, o, the states [N, HV, K, V] and
+    one block's working set."""
+    from .preprocess import initial_state_kfirst
+    HV, K, V, Tt = p.HV, p.K, p.V, p.B * p.T
+    if block_tokens is not None:
+        tpb = max(1, int(block_tokens) // C)
+    else:
+        budget = default_block_bytes(p.device) if block_bytes is None else int(block_bytes)
+        tpb = max(1, budget // (HV * block_bytes_per_tile_head(C, K, V)))
+    S = initial_state_kfirst(p).clone()                                     # [N, HV, K, V]
+    o = torch.zeros(Tt, HV, V, dtype=F64, device=p.device)
+    for t0, t1, parts in block_plan(p.seq_bounds(), C, tpb):
+        seqs = torch.tensor([n for n, _, _ in parts], dtype=torch.long, device=p.device)
+        pp = prepare_tokens(p, t0, t1, S[seqs])
+        pp.bounds = [(b0, b1) for _, b0, b1 in parts]
+        ws = workspace_prepared(pp, C)
+        o_blk, S_blk = chunked_from_workspace(pp, ws)
+        o[t0:t1] = o_blk
+        S[seqs] = S_blk
+        del pp, ws, o_blk, S_blk
+    return o, S

@@ -5,8 +5,12 @@
     state_cache  [slots, HV, V, K] after the paged write-back (paged problems only)
     extras       ws_*, ws_pivot, ws_cond1, A_seg, b_seg, h_in, seg_desc, seq_seg_off (workspace=True)
 
-By default the outputs come from the chunked form at C = 64 (kda_ref.chunked), which the
-selfcheck holds to the token recurrence (the definition) to 1e-12 relative.
+By default the outputs come from the chunked form at C = 64, streamed (``kda_ref.chunked.streamed``):
+each sequence is walked in blocks of chunks with its float64 state carried between blocks, the
+inputs cast to float64 one block at a time, so memory is the inputs, o, the states and one block's
+working set.  Its arithmetic per chunk is that of the whole-problem chunked form
+(``method="chunked"``, which holds every chunk's workspace at once); the selfcheck holds both to the
+token recurrence (the definition) to 1e-12 relative.
 """
 from __future__ import annotations
 
@@ -53,14 +57,16 @@ def finish(p: Problem, o_packed: torch.Tensor, final_kfirst: torch.Tensor) -> Tr
     return Truth(o=o, final_state=fs)
 
 
-METHODS = ("chunked", "segmented", "recurrence", "fla")
+METHODS = ("streamed", "chunked", "segmented", "recurrence", "fla")
 
 
-def truth(p: Problem, method: str = "chunked", chunk_size: int = 64, chunks_per_seg: Optional[int] = None,
-          workspace: bool = False) -> Truth:
+def truth(p: Problem, method: str = "streamed", chunk_size: int = 64, chunks_per_seg: Optional[int] = None,
+          workspace: bool = False, block_tokens: Optional[int] = None, block_bytes: Optional[int] = None) -> Truth:
     """The float64 truth of a Problem (validated first).
 
-    method: "chunked" (default; the workspace and the chunk steps, one segment per sequence),
+    method: "streamed" (default; the chunked form block by block, see ``kda_ref.chunked.streamed``;
+    ``block_tokens`` or ``block_bytes`` size the blocks, default from the memory free on the device),
+    "chunked" (the workspace of the whole problem and the chunk steps, one segment per sequence),
     "segmented" (passes A, B, C with ``chunks_per_seg``), "recurrence" (the token recurrence,
     the definition) or "fla" (fla's chunked form, chunk_size 32 or 64).
     workspace=True also returns, in ``Truth.extras``, the ws_* buffers at ``chunk_size`` (production
@@ -70,11 +76,15 @@ def truth(p: Problem, method: str = "chunked", chunk_size: int = 64, chunks_per_
     validate(p)
     if method not in METHODS:
         raise ValueError(f"method: expected one of {'|'.join(METHODS)}, got {method!r}")
+    extras: dict = {}
+    if method == "streamed" and not workspace:
+        from .chunked import streamed
+        o, final = streamed(p, chunk_size, block_tokens=block_tokens, block_bytes=block_bytes)
+        return finish(p, o, final)
     from .preprocess import prepare
     pp = prepare(p)
-    extras: dict = {}
     ws = seg = None
-    if method in ("chunked", "segmented") or workspace:
+    if method in ("streamed", "chunked", "segmented") or workspace:
         from .workspace import condition_number, workspace_prepared
         ws = workspace_prepared(pp, chunk_size)
     if method == "segmented" or workspace:
@@ -84,7 +94,7 @@ def truth(p: Problem, method: str = "chunked", chunk_size: int = 64, chunks_per_
         from .recurrence import recurrence_prepared
         r = recurrence_prepared(pp)
         o, final = r.o, r.final_state
-    elif method == "chunked":
+    elif method in ("streamed", "chunked"):   # workspace=True: the whole workspace is built anyway
         from .chunked import chunked_from_workspace
         o, final = chunked_from_workspace(pp, ws)
     elif method == "segmented":
