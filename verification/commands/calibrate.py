@@ -14,6 +14,10 @@ where ceil2 rounds up to two significant digits.  The proposal is printed as a u
 against tolerances.yaml (and written with --out as a schema-valid YAML of the proposed
 entries); tolerances.yaml itself is never rewritten.  Loosening an entry needs a written
 reason: the diff marks it, and the proposed entry carries a ``note`` to fill in.
+
+Each proposal's ``calibrated_on`` names the device (the GPU, or ``CPU (cpu)``), date and
+commit the measurements were made on: this process's, or with --from-results DIR the latest
+run recorded in DIR/run.json (the records' own device field where there is no run.json).
 """
 from __future__ import annotations
 
