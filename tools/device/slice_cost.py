@@ -1,0 +1,56 @@
+"""Time the per-slice metrics against the rest of tensor_metrics, side by side in one process.
+
+    python tools/device/slice_cost.py [--device DEVICE] [--shapes "BxTxH;..."] [--reps N]
+
+For each shape (K = V = 128, lb -5, the exact truth rounded to bf16 as the output) it times
+``tensor_metrics`` of o and of the final state with the slices and with ``slice_sums`` stubbed
+out, alternating the two, and prints the medians and the slices' share."""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import verification.metrics as metrics
+from kda_ref.truth import truth
+from verification.cases import build_problem
+
+
+def _sync(device):
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--shapes", default="1x2048x12;1x16384x12;1x16384x96;8x2048x16")
+    ap.add_argument("--reps", type=int, default=5)
+    a = ap.parse_args()
+    real = metrics.slice_sums
+    print(f"{'shape':>12} {'with slices ms':>15} {'without ms':>11} {'slices share':>13}")
+    for shape in a.shapes.split(";"):
+        B, T, H = (int(x) for x in shape.split("x"))
+        p = build_problem({"B": B, "T": T, "H": H, "lb": -5.0}, seed=1, device=a.device)
+        tr = truth(p)
+        o, fs = tr.o.to(torch.bfloat16), tr.final_state.float()
+        times = {True: [], False: []}
+        for _ in range(a.reps):
+            for with_slices in (True, False):
+                metrics.slice_sums = real if with_slices else (lambda *args, **kw: None)
+                _sync(a.device)
+                t0 = time.perf_counter()
+                metrics.tensor_metrics(o, tr.o, dtype=o.dtype, problem=p, tensor="o")
+                metrics.tensor_metrics(fs, tr.final_state, dtype=fs.dtype, problem=p, tensor="final_state")
+                _sync(a.device)
+                times[with_slices].append(time.perf_counter() - t0)
+        metrics.slice_sums = real
+        w, wo = statistics.median(times[True]) * 1e3, statistics.median(times[False]) * 1e3
+        print(f"{shape:>12} {w:>15.2f} {wo:>11.2f} {100 * (w - wo) / w:>12.1f}%", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
