@@ -9,10 +9,11 @@ def test_selfcheck_quick_json_passes(capsys):
     out = json.loads(capsys.readouterr().out)
     assert rc == 0 and out["passed"]
     names = {r["check"] for r in out["rows"]}
-    for want in ("chunked C=64 vs recurrence", "segmented C=16 cps=7 vs recurrence", "fla form BT=32 vs recurrence",
+    for want in ("chunked C=64 vs recurrence", "streamed C=64 (blocks of 1 and 3 chunks) vs recurrence",
+                 "streamed C=16 (blocks of 1 and 3 chunks) vs recurrence", "segmented C=16 cps=7 vs recurrence", "fla form BT=32 vs recurrence",
                  "float64 recurrence vs mpmath (40 digits)",
                  "inverse residual ratio, production fp32 (C=32, eps 2^-24)",
-                 "non-finite entries in chunked/segmented/fla (recurrence finite)"):
+                 "non-finite entries in chunked/streamed/segmented/fla (recurrence finite)"):
         assert want in names, want
     assert all(r["problems"] > 0 for r in out["rows"])
 
@@ -30,3 +31,20 @@ def test_selfcheck_fails_when_the_chunk_step_is_wrong(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert rc == 1
     assert "FAIL" in out and "chunked C=16 vs recurrence" in out
+
+
+def test_selfcheck_fails_when_the_streamed_carry_is_lost(monkeypatch, capsys):
+    """A streamed form that starts every block from the initial state fails its own row only."""
+    import kda_ref.chunked as ch
+    from kda_ref.preprocess import initial_state_kfirst
+    real = ch.prepare_tokens
+
+    def forget(p, t0, t1, S0):
+        return real(p, t0, t1, initial_state_kfirst(p)[: S0.shape[0]])
+
+    monkeypatch.setattr(ch, "prepare_tokens", forget)
+    rc = main(["selfcheck", "--quick", "--json"])
+    rows = {r["check"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    assert rc == 1
+    assert not rows["streamed C=16 (blocks of 1 and 3 chunks) vs recurrence"]["passed"]
+    assert rows["chunked C=16 vs recurrence"]["passed"]

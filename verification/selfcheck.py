@@ -5,11 +5,13 @@ Checks (each over a set of seeded problems; agreement is ||x - y|| / max(||y||, 
 against the token recurrence, the definition, taken over o and the final state):
 
     chunked C=16|32|64          the workspace + chunk steps, one segment per sequence
+    streamed C=16|32|64         the chunked form block by block (truth()'s default), blocks of
+                                1 and 3 chunks carrying the state between them
     segmented C=16 cps=1|2|3|7  passes A, B, C (and cps=2 at C=64)
     fla BT=32|64                fla's chunked form, pairwise exponents
     numpy chunked / recurrence  the plain NumPy path against the torch path
     mpmath (40 digits)          the whole forward in mpmath against the float64 oracle
-    finite                      no inf/NaN in chunked/segmented/fla where the recurrence is finite
+    finite                      no inf/NaN in chunked/streamed/segmented/fla where the recurrence is finite
     paged write-back            slots not written stay bit-identical
     inverse residual ratios     DTRT01 ratio of the exact solve and of the production
                                 construction in float64 (eps 2^-53) and float32 (eps 2^-24)
@@ -182,7 +184,7 @@ def _nonfinite(*xs) -> int:
 def run_selfcheck(quick: bool = False, device: str = "cpu", progress=None) -> list:
     """Run every check; returns the rows (see ``Row``)."""
     from kda_ref import numpy_ref
-    from kda_ref.chunked import chunked_from_workspace
+    from kda_ref.chunked import chunked_from_workspace, streamed
     from kda_ref.fla_form import fla_form
     from kda_ref.mp_ref import mp_recurrence
     from kda_ref.preprocess import prepare
@@ -212,6 +214,12 @@ def run_selfcheck(quick: bool = False, device: str = "cpu", progress=None) -> li
             o, fs = chunked_from_workspace(pp, ws)
             nonfinite += _nonfinite(o, fs, ws.ws_inv, ws.ws_mqk)
             row(f"chunked C={C} vs recurrence", AGREE_TOL).add(max(rel(o, ref.o), rel(fs, ref.final_state)), name)
+            worst = 0.0
+            for blk in (C, 3 * C):
+                so, sfs = streamed(p, C, block_tokens=blk)
+                nonfinite += _nonfinite(so, sfs)
+                worst = max(worst, rel(so, ref.o), rel(sfs, ref.final_state))
+            row(f"streamed C={C} (blocks of 1 and 3 chunks) vs recurrence", AGREE_TOL).add(worst, name)
             for cps in (None,) + seg_cps[C]:
                 if cps is None and C != 16:
                     continue
@@ -233,7 +241,7 @@ def run_selfcheck(quick: bool = False, device: str = "cpu", progress=None) -> li
             row(f"fla form BT={BT} vs recurrence", AGREE_TOL).add(
                 max(rel(f.o, ref.o), rel(f.final_state, ref.final_state)), name)
         if ref_finite:
-            row("non-finite entries in chunked/segmented/fla (recurrence finite)", 0).add(float(nonfinite), name)
+            row("non-finite entries in chunked/streamed/segmented/fla (recurrence finite)", 0).add(float(nonfinite), name)
         if p.paged:
             t = truth(p)
             untouched = torch.ones(p.state_cache.shape[0], dtype=torch.bool)
