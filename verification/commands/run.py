@@ -157,7 +157,6 @@ def run(args) -> int:
     note = setup_interpreter(backends, device)
     if note:
         print(f"kda-verify run: {note}", file=sys.stderr)
-    writable_dir(args.out, "--out")
     suites = split_list(args.suite)
     fuzz_n, fuzz_seed = fuzz_args(args, suites)
     long = args.long == "yes" or (args.long == "auto" and device.startswith("cuda"))
@@ -166,6 +165,7 @@ def run(args) -> int:
     if args.tolerances:
         from verification.tolerances import load_tolerances
         db = load_tolerances(args.tolerances)
+    writable_dir(args.out, "--out")        # after the arguments: a bad one leaves no directory behind
     prov = provenance.collect(device=device, seeds={c.id: c.seed for c in cases})
     try:
         summary = run_matrix(backends, cases, args.out, routes=split_list(args.route) or None,
