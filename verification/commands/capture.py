@@ -5,6 +5,16 @@
 The outputs file holds ``o`` and ``final_state`` (or ``state_cache``), and with ``--taps``
 the stored inverse ``ws_inv`` when the backend returns it, so ``kda-verify check`` can judge
 them on any machine.  Exit 0 when saved, 2 on bad input or a backend that cannot run.
+
+    kda-verify capture --backend B --route R --inputs DIR --out OUT [--resume]
+
+With a directory, every problem file DIR/NAME.safetensors (sorted by name) is run and its outputs
+saved as OUT/NAME.safetensors; a problem the route does not accept is skipped with its reason
+(OUT/NAME.skipped holds it), a kernel that raises leaves OUT/NAME.error (one line).  Each run
+is bracketed by OUT/NAME.running, so a kernel that kills the process leaves it behind: with
+``--resume`` finished problems are not run again and such a problem is marked OUT/NAME.crashed
+(not retried) instead.  Exit 0 when every problem was captured or skipped, 1 when a kernel
+raised or crashed, 2 on bad input (a bad problem file among them: one line naming it).
 """
 from __future__ import annotations
 
@@ -13,16 +23,21 @@ HELP = "run a backend route on a problem file and save its outputs (for kda-veri
 EXAMPLES = """\
 kda-verify capture --backend triton --route seg --inputs p.safetensors --out o.safetensors
 kda-verify capture --backend triton --route unseg --inputs p.safetensors --out o.safetensors --taps
+kda-verify capture --backend aiter --route gluon:seg --inputs problems/ --out outputs/ --resume
 """
 
 
 def add_arguments(p):
     p.add_argument("--backend", required=True, metavar="BACKEND", help="built-in name or package.module:factory")
     p.add_argument("--route", default=None, metavar="ROUTE", help="route name (default: the backend's first route)")
-    p.add_argument("--inputs", required=True, metavar="PATH", help="problem file (kda-verify-problem/1)")
-    p.add_argument("--out", required=True, metavar="PATH", help="output file to write (kda-verify-outputs/1)")
+    p.add_argument("--inputs", required=True, metavar="PATH",
+                   help="problem file (kda-verify-problem/1), or a directory of them")
+    p.add_argument("--out", required=True, metavar="PATH",
+                   help="output file to write (kda-verify-outputs/1), or a directory with a directory --inputs")
     p.add_argument("--device", default=None, metavar="DEVICE", help="device to run on (default: cuda if available, else cpu)")
     p.add_argument("--taps", action="store_true", help="also save the ws_inv tap when the backend returns one")
+    p.add_argument("--resume", action="store_true",
+                   help="with a directory --inputs: skip problems whose outputs are already in --out")
 
 
 def run(args) -> int:
@@ -37,6 +52,11 @@ def run(args) -> int:
 
     from verification.errors import writable_file
 
+    from pathlib import Path
+    if Path(args.inputs).is_dir():
+        return run_dir(args)
+    if args.resume:
+        raise UsageError(f"--resume: expected with a directory --inputs, got the file {args.inputs!r}")
     writable_file(args.out, "--out")
     backend = load_backend(args.backend)
     ok, why = backend.available()
@@ -71,3 +91,117 @@ def run(args) -> int:
     save_outputs(args.out, tensors, meta)
     print(f"saved {', '.join(sorted(tensors))} of {backend.name}/{route.name} on {device} to {args.out}")
     return 0
+
+
+# ----------------------------------------------------------------------------------------
+# The directory form: every problem of a directory
+# ----------------------------------------------------------------------------------------
+def problem_files(inputs, arg: str = "--inputs") -> list:
+    """The problem files of a directory (NAME.safetensors, sorted); a UsageError naming ``arg``
+    when there are none."""
+    from pathlib import Path
+
+    from verification.cli import UsageError
+    files = sorted(p for p in Path(inputs).glob("*.safetensors") if p.is_file())
+    if not files:
+        raise UsageError(f"{arg}: expected a directory holding problem files (*.safetensors, e.g. from "
+                         f"kda-verify export --suite ... --out DIR), got {str(inputs)!r} with none")
+    return files
+
+
+def run_dir(args) -> int:
+    """capture over a directory (module docstring)."""
+    import inspect
+
+    import torch
+
+    from kda_kernels.base import BackendError, load_backend
+    from kda_ref.problem import ProblemError, validate
+    from verification.cli import UsageError
+    from verification.errors import writable_dir
+    from verification.problem_file import load_outputs, load_problem, save_outputs
+
+    files = problem_files(args.inputs)
+    out_dir = writable_dir(args.out, "--out")
+    backend = load_backend(args.backend)
+    ok, why = backend.available()
+    if not ok:
+        raise BackendError(f"--backend: {backend.name} cannot run here: {why}")
+    routes = backend.routes()
+    if not routes:
+        raise BackendError(f"--backend: {backend.name} has no routes here")
+    if args.route is None:
+        route = routes[0]
+    else:
+        match = [r for r in routes if r.name == args.route]
+        if not match:
+            raise UsageError(f"--route: expected one of {', '.join(r.name for r in routes)}, got {args.route!r}")
+        route = match[0]
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    # every problem file is read before any kernel runs: a bad one is bad input, named, exit 2
+    problems = []
+    for f in files:
+        try:
+            problems.append((f, load_problem(str(f))))
+        except (UsageError, ProblemError) as e:
+            raise UsageError(f"--inputs: {f.name}: {e}") from None
+    counts = {"captured": 0, "resumed": 0, "skipped": 0, "raised": 0, "crashed": 0}
+    meta = {"backend": backend.name, "route": route.name, "recipe": route.recipe, "device": str(device),
+            "version": str(getattr(backend, "version", lambda: "")())}
+    for f, prob in problems:
+        stem = f.name[:-len(".safetensors")]
+        target = out_dir / f.name
+        running, crashed = out_dir / f"{stem}.running", out_dir / f"{stem}.crashed"
+        if args.resume:
+            if target.exists():
+                try:
+                    load_outputs(str(target))
+                    counts["resumed"] += 1
+                    continue
+                except (UsageError, ProblemError):
+                    pass                     # a partial file: run it again
+            if running.exists() or crashed.exists():
+                if running.exists():
+                    running.replace(crashed)
+                counts["crashed"] += 1
+                print(f"{f.name}: crashed in an earlier attempt ({crashed.name}); not run again "
+                      f"(delete {crashed} to retry)")
+                continue
+        for stale in (out_dir / f"{stem}.skipped", out_dir / f"{stem}.error", crashed):
+            if stale.exists():
+                stale.unlink()
+        try:
+            problem = validate(prob.to(device))
+        except ProblemError as e:
+            raise UsageError(f"--inputs: {f.name}: {e}") from None
+        ok, why = backend.accepts(problem, route)
+        if not ok:
+            (out_dir / f"{stem}.skipped").write_text(str(why) + "\n", encoding="utf-8")
+            counts["skipped"] += 1
+            print(f"{f.name}: skipped: {why}")
+            continue
+        kwargs = {}
+        if args.taps and "taps" in inspect.signature(backend.run).parameters:
+            kwargs["taps"] = True
+        elif args.taps and hasattr(backend, "taps"):
+            backend.taps = True
+        running.write_text(f"{backend.name}/{route.name}\n", encoding="utf-8")
+        try:
+            out = backend.run(problem, route, **kwargs)
+        except Exception as e:  # noqa: BLE001 - a kernel that raises is a result of this problem, recorded
+            line = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:500]
+            (out_dir / f"{stem}.error").write_text(line + "\n", encoding="utf-8")
+            running.unlink()
+            counts["raised"] += 1
+            print(f"{f.name}: {backend.name}/{route.name} raised {line}")
+            continue
+        tensors = {k: v.detach().cpu().contiguous() for k, v in out.tensors().items()}
+        if args.taps and "ws_inv" in (out.taps or {}):
+            tensors["ws_inv"] = out.taps["ws_inv"].detach().cpu().contiguous()
+        save_outputs(str(target), tensors, dict(meta, problem=f.name))
+        running.unlink()
+        counts["captured"] += 1
+        print(f"{f.name}: saved {', '.join(sorted(tensors))} to {target}")
+    print(f"{backend.name}/{route.name} on {device}: " + ", ".join(f"{v} {k}" for k, v in counts.items() if v)
+          + f" of {len(problems)} problems in {args.inputs}")
+    return 1 if counts["raised"] or counts["crashed"] else 0

@@ -9,6 +9,17 @@ stored inverse, production layout) is judged too.  Prints a per-tensor table (or
 as JSON); exit 0 pass, 1 fail or mistrusted, 2 bad input, an empty problem, or not applicable
 (no production recipe gives a sound baseline on this input).  The verdict is
 ``verification.verdict.judge`` with the same arguments as ``run`` gives it (cap lift included).
+
+    kda-verify check --inputs DIR --outputs OUT [--recipe R] [--out RESULTS] [--resume]
+
+With directories, every problem DIR/NAME.safetensors is judged against OUT/NAME.safetensors
+(kda-verify capture's directory form) the same way, and each verdict is a cell record in
+RESULTS/results.jsonl (default RESULTS = OUT) with the usual report (report.md / .html / .json);
+the recipe, backend name and route default to those the outputs file records.  A problem with
+no outputs is an ``error`` cell (``crashed`` where capture left NAME.crashed), one its route
+skipped (NAME.skipped) a skipped cell.  ``--resume`` keeps the cells already in results.jsonl.
+Exit 0 when every judged cell passed (or is a known failure), 1 when one failed, 2 when none
+was judged.
 """
 from __future__ import annotations
 
@@ -22,13 +33,19 @@ EXAMPLES = """\
 kda-verify check --inputs p.safetensors --outputs o.safetensors --recipe flashkda
 kda-verify check --inputs p.safetensors --outputs o.safetensors --recipe fla --backend-name fla --route chunk:safe_gate
 kda-verify check --inputs p.safetensors --outputs o.safetensors --recipe moonshot --json
+kda-verify check --inputs problems/ --outputs outputs/ --out results/ --resume
 """
 
 
 def add_arguments(p):
-    p.add_argument("--inputs", required=True, metavar="P", help="problem file (safetensors, kda-verify-problem/1)")
-    p.add_argument("--outputs", required=True, metavar="O", help="output file (safetensors, kda-verify-outputs/1)")
-    p.add_argument("--recipe", required=True, metavar="R", help="emulator recipe of the baseline: flashkda, fla, moonshot")
+    p.add_argument("--inputs", required=True, metavar="P",
+                   help="problem file (safetensors, kda-verify-problem/1), or a directory of them")
+    p.add_argument("--outputs", required=True, metavar="O",
+                   help="output file (safetensors, kda-verify-outputs/1), or a directory of them (kda-verify capture)")
+    p.add_argument("--recipe", metavar="R", help="emulator recipe of the baseline: flashkda, fla, moonshot "
+                   "(required for files; for directories the default is the one each outputs file records)")
+    p.add_argument("--out", metavar="DIR", help="with directories: results directory (default: the --outputs directory)")
+    p.add_argument("--resume", action="store_true", help="with directories: keep the cells already in results.jsonl")
     p.add_argument("--backend-name", default="external", metavar="NAME",
                    help="backend name for the tolerance lookup (default: external)")
     p.add_argument("--route", default=None, metavar="NAME", help="route name for the tolerance lookup (default: R)")
@@ -67,6 +84,14 @@ def run(args) -> int:
     from verification.tolerances import load_tolerances
     from verification.verdict import baseline_metrics, judge
 
+    from pathlib import Path
+    if Path(args.inputs).is_dir():
+        return run_dir(args)
+    for name, val in (("--out", args.out), ("--resume", args.resume)):
+        if val:
+            raise UsageError(f"{name}: expected with a directory --inputs, got the file {args.inputs!r}")
+    if args.recipe is None:
+        raise UsageError(f"--recipe: expected one of {', '.join(RECIPES)} for a problem file, got none")
     if args.recipe not in RECIPES:
         raise UsageError(f"--recipe: expected one of {', '.join(RECIPES)}, got {args.recipe!r}")
     db = load_tolerances(args.tolerances)
@@ -108,3 +133,155 @@ def run(args) -> int:
         print(f"{verdict.status.upper()}: {verdict.reason}")
     sys.stdout.flush()
     return {"pass": 0, "not-applicable": 2}.get(verdict.status, 1)
+
+
+# ----------------------------------------------------------------------------------------
+# The directory form: every problem of a directory against its outputs
+# ----------------------------------------------------------------------------------------
+def _case_of(problem, stem: str):
+    """(case id, suite, seed, params) of an exported problem: its meta's case when that id resolves
+    (the parameters a known failure may condition on), else the file's name."""
+    cid = str((problem.meta or {}).get("case") or stem.replace("__", "/", 1))
+    params, seed = {}, (problem.meta or {}).get("seed")
+    try:
+        from verification.cases import get_case
+        c = get_case(cid)
+        params, seed = dict(c.params), c.seed
+    except Exception:  # noqa: BLE001 - a problem that is no built-in case has no parameters
+        pass
+    return cid, cid.partition("/")[0] if "/" in cid else "files", seed, params
+
+
+def judge_files(problem, outs: dict, recipe: str, backend_name: str, route_name: str, db, device: str):
+    """The verdict of outputs ``outs`` on ``problem`` (validated, on ``device``), exactly as the
+    file form above judges one pair: truth, the recipe's baseline (taps when ws_inv is there),
+    every recipe's baseline on request, verification.verdict.judge.  Returns (verdict, baseline)."""
+    from kda_kernels.base import Route
+    from kda_kernels.emulator import RECIPES
+    from kda_ref.truth import truth
+    from verification.cli import UsageError
+    from verification.verdict import baseline_metrics, judge
+
+    route = Route(name=route_name or recipe, recipe=recipe)
+    if "ws_inv" in outs and int(outs["ws_inv"].shape[-1]) != RECIPES[recipe].chunk:
+        raise UsageError(f"--outputs: ws_inv: expected chunk {RECIPES[recipe].chunk} (the {recipe} recipe's), "
+                         f"got {int(outs['ws_inv'].shape[-1])} (shape {list(outs['ws_inv'].shape)})")
+    tr = truth(problem)
+    base = baseline_metrics(problem, recipe, tr, taps="ws_inv" in outs)
+    recipes = {recipe: base}
+
+    def recipe_baselines() -> dict:
+        for r in RECIPES:
+            if r not in recipes:
+                recipes[r] = baseline_metrics(problem, r, tr)
+        return recipes
+
+    class _Loaded:
+        taps = {k: v for k, v in outs.items() if k == "ws_inv"}
+
+        @staticmethod
+        def tensors():
+            return {k: v for k, v in outs.items() if k in ("o", "final_state", "state_cache")}
+
+    return judge(backend_name, route, problem, _Loaded(), tr, base, db, recipe_baselines=recipe_baselines), base
+
+
+def run_dir(args) -> int:
+    """check over directories (module docstring)."""
+    import time
+    from pathlib import Path
+
+    from kda_kernels.emulator import RECIPES
+    from kda_ref.problem import ProblemError, validate
+    from verification.cli import UsageError
+    from verification.commands.capture import problem_files
+    from verification.errors import writable_dir
+    from verification.problem_file import load_outputs, load_outputs_metadata, load_problem
+    from verification.report import write_report
+    from verification.runner import (FAILING, JUDGED, RESULTS_FILE, _summ, append_record, apply_known_failure,
+                                     cell_key, jsonable, read_records, verified_headline, worst_margin)
+    from verification.tolerances import load_tolerances
+
+    if args.recipe is not None and args.recipe not in RECIPES:
+        raise UsageError(f"--recipe: expected one of {', '.join(RECIPES)}, got {args.recipe!r}")
+    files = problem_files(args.inputs)
+    outputs = Path(args.outputs)
+    if not outputs.is_dir():
+        raise UsageError(f"--outputs: expected a directory of outputs files with a directory --inputs, got "
+                         f"{args.outputs!r} ({'a file' if outputs.exists() else 'no such directory'})")
+    res_dir = writable_dir(args.out or args.outputs, "--out")
+    db = load_tolerances(args.tolerances)
+    results = res_dir / RESULTS_FILE
+    done = {}
+    if args.resume and results.exists():
+        done = {r["key"]: r for r in read_records(results)}
+    elif results.exists():
+        results.unlink()
+    records = list(done.values())
+    for f in files:
+        stem = f.name[:-len(".safetensors")]
+        try:
+            problem = validate(load_problem(str(f)).to(args.device))
+        except (UsageError, ProblemError) as e:
+            raise UsageError(f"--inputs: {f.name}: {e}") from None
+        cid, suite, seed, params = _case_of(problem, stem)
+        target = outputs / f.name
+        meta = {}
+        if target.exists():
+            meta = load_outputs_metadata(str(target))
+        recipe = args.recipe or meta.get("recipe") or "flashkda"
+        if recipe not in RECIPES:
+            raise UsageError(f"--recipe: expected one of {', '.join(RECIPES)} (none given, and {target} records "
+                             f"{recipe!r}), got none")
+        backend = meta.get("backend") if args.backend_name == "external" and meta.get("backend") else args.backend_name
+        route_name = args.route or meta.get("route") or recipe
+        key = cell_key(backend, route_name, cid)
+        if key in done:
+            continue
+        rec = {"key": key, "backend": backend, "backend_spec": backend, "backend_version": meta.get("version", ""),
+               "route": route_name, "recipe": recipe, "case": cid, "suite": suite, "seed": seed, "params": jsonable(params),
+               "device": meta.get("device", "unknown"), "status": None, "reason": "",
+               "shape": {"B": problem.B, "T": problem.T, "H": problem.H, "HV": problem.HV, "K": problem.K,
+                         "V": problem.V, "N": problem.N},
+               "shape_key": [1, sum(e - b for b, e in problem.seq_bounds()), problem.H] if problem.cu_seqlens is not None
+               else [problem.B, problem.T, problem.H],
+               "dtype": None, "tensors": {}, "metrics": {}, "baseline": {}, "margin": None, "timings": {},
+               "repro": f"kda-verify check --inputs {f} --outputs {target} --recipe {recipe} --backend-name {backend} "
+                        f"--route {route_name}",
+               "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "files": {"inputs": str(f),
+                                                                                     "outputs": str(target)}}
+        from verification.metrics import dtype_name
+        rec["dtype"] = dtype_name(problem.v.dtype)
+        skipped, crashed, error = (outputs / f"{stem}.{x}" for x in ("skipped", "crashed", "error"))
+        if problem.is_empty:
+            rec.update(status="skipped", reason=f"not applicable: {problem.empty_reason()}")
+        elif not target.exists():
+            if skipped.exists():
+                rec.update(status="skipped", reason=skipped.read_text(encoding="utf-8").strip() or "not applicable")
+            elif crashed.exists():
+                rec.update(status="crashed", reason=f"the kernel killed the capture process on this problem ({crashed})")
+            elif error.exists():
+                rec.update(status="error", reason=f"the kernel raised {error.read_text(encoding='utf-8').strip()}")
+            else:
+                rec.update(status="error", reason=f"no outputs file {target} (was capture run on {args.inputs}?)")
+        else:
+            outs = {k: v.to(args.device) for k, v in load_outputs(str(target), problem).items()}
+            t0 = time.perf_counter()
+            verdict, base = judge_files(problem, outs, recipe, backend, route_name, db, args.device)
+            rec["timings"]["check_s"] = time.perf_counter() - t0
+            rec.update(status=str(verdict.status), reason=str(verdict.reason or ""),
+                       tensors=jsonable(verdict.tensors), metrics=jsonable(verdict.metrics), baseline=_summ(base))
+            if rec["status"] == "not-applicable":
+                rec["status"], rec["reason"] = "skipped", f"not applicable: {rec['reason']}"
+            rec["margin"] = jsonable(worst_margin(rec["tensors"]))
+            apply_known_failure(rec, db)
+        append_record(results, rec)
+        records.append(rec)
+        print(f"{cid}: {rec['status']}: {rec['reason'][:200]}")
+    paths = write_report(res_dir, records=records)
+    print(verified_headline(records))
+    print(f"report: {paths['md']}")
+    sys.stdout.flush()
+    if any(r.get("status") in FAILING for r in records):
+        return 1
+    return 0 if any(r.get("status") in JUDGED for r in records) else 2
