@@ -87,6 +87,55 @@ def chunked_from_workspace(pp: Prepared, ws: Workspace, return_chunk_states: boo
     return o, final, st.contiguous()
 
 
+def chunked_deferred(pp: Prepared, ws: Workspace):
+    """(o [Ttot, HV, V], final state [N, HV, K, V] K-first): the chunk steps of
+    ``chunked_from_workspace``, with the outputs taken after the sequential loop.  The loop runs
+    only what the next state needs (``chunk_step`` without its output, on the rows whose
+    sequence has a chunk at that position; a lone sequence's tiles as views, not gathered)
+    and keeps each chunk's incoming state S_c and deltas U_c; then, for all tiles at once,
+
+        o_c = ws_qd S_c + ws_mqk U_c
+
+    Extra memory: S_c [HV, tiles, K, V] and U_c [HV, tiles, C, V]."""
+    kd, qd, kr, gt = (ws.heads(n) for n in ("ws_kd", "ws_qd", "ws_kr", "ws_gt"))
+    inv, mqk, beta, vt = ws.heads("ws_inv"), ws.heads("ws_mqk"), ws.heads("ws_beta"), ws.heads("v")
+    HV, V, K = ws.HV, pp.v.shape[-1], pp.k.shape[-1]
+    S = pp.S0.transpose(0, 1).contiguous()                             # [HV, N, K, V]
+    S_in = S.new_empty(HV, ws.tiles, K, V)
+    U_all = S.new_empty(HV, ws.tiles, ws.C, V)
+    grid = ws.grid.seq_grid().cpu()
+    M = grid.shape[0]
+    for j in range(grid.shape[1]):
+        col = grid[:, j]
+        rows = torch.nonzero(col >= 0).flatten()
+        if rows.numel() == 0:
+            continue
+        if M == 1:                                 # one sequence: tile j itself, views only
+            t = int(col[0])
+            sl = slice(t, t + 1)
+            S_new, _, U = chunk_step(S, kd[:, sl], None, kr[:, sl], gt[:, sl], inv[:, sl], None, beta[:, sl],
+                                     vt[:, sl], compute_output=False)
+            S_in[:, sl] = S
+            U_all[:, sl] = U
+            S = S_new
+            continue
+        ix = col[rows].to(S.device)
+        full = rows.numel() == M
+        Sr = S if full else S[:, rows.to(S.device)]
+        S_new, _, U = chunk_step(Sr, kd[:, ix], None, kr[:, ix], gt[:, ix], inv[:, ix], None, beta[:, ix],
+                                 vt[:, ix], compute_output=False)
+        S_in[:, ix] = Sr
+        U_all[:, ix] = U
+        if full:
+            S = S_new
+        else:
+            S = S.clone()
+            S[:, rows.to(S.device)] = S_new
+    o_tiles = qd @ S_in
+    o_tiles += mqk @ U_all
+    return ws.grid.scatter(o_tiles), S.transpose(0, 1).contiguous()
+
+
 def chunked(pp: Prepared, C: int = 64, inverse: str = "exact"):
     """(o, final state, workspace) of the chunked form at chunk size C."""
     ws = workspace_prepared(pp, C, inverse)
@@ -96,20 +145,22 @@ def chunked(pp: Prepared, C: int = 64, inverse: str = "exact"):
 
 # ----------------------------------------------------------------------------- streamed
 # Bytes of float64 working set per (tile, value head) of one block: the workspace fields and the
-# temporaries of building it (about 20 C x K and 8 C x C arrays), plus the tile-layout values.
+# temporaries of building it (about 20 C x K and 8 C x C arrays), the tile-layout values and deltas,
+# and each chunk's incoming state (K x V, kept for the outputs of chunked_deferred).
 def block_bytes_per_tile_head(C: int, K: int, V: int) -> int:
     """Float64 bytes one (tile, value head) of a streamed block holds at its peak."""
-    return 8 * (20 * C * K + 8 * C * C + 4 * C * V)
+    return 8 * (20 * C * K + 8 * C * C + 4 * C * V + K * V)
 
 
-DEFAULT_CPU_BLOCK_BYTES = 256 * 2 ** 20
+DEFAULT_CPU_BLOCK_BYTES = 32 * 2 ** 20
 DEFAULT_CUDA_BLOCK_BYTES = 8 * 2 ** 30
 
 
 def default_block_bytes(device) -> int:
     """The working-set budget of one streamed block on ``device``: a quarter of the memory free
     there (CUDA: ``torch.cuda.mem_get_info``; CPU: MemAvailable), capped at 8 GiB on CUDA and
-    256 MiB on the CPU (where a smaller block stays in cache and is no slower)."""
+    32 MiB on the CPU (about a last-level cache: the workspace's elementwise passes then run
+    from cache)."""
     dev = torch.device(device)
     if dev.type == "cuda":
         free, _ = torch.cuda.mem_get_info(dev)
@@ -200,7 +251,7 @@ def streamed(p, C: int = 64, block_tokens: Optional[int] = None, block_bytes: Op
         pp = prepare_tokens(p, t0, t1, S[seqs])
         pp.bounds = [(b0, b1) for _, b0, b1 in parts]
         ws = workspace_prepared(pp, C)
-        o_blk, S_blk = chunked_from_workspace(pp, ws)
+        o_blk, S_blk = chunked_deferred(pp, ws)
         o[t0:t1] = o_blk
         S[seqs] = S_blk
         del pp, ws, o_blk, S_blk

@@ -45,17 +45,26 @@ class TileGrid:
         c = torch.arange(ncmax, device=nch.device)[None, :]
         return torch.where(c < nch[:, None], self.seq_tile_off[:-1, None] + c, torch.full_like(c, -1))
 
+    @property
+    def full(self) -> bool:
+        """Every tile full (tiles * C == Ttot): token_index is then arange(Ttot) as [tiles, C]."""
+        return self.tiles * self.C == self.Ttot
+
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """Packed [Ttot, HV, D] (or [Ttot, HV]) -> head-major tiles [HV, tiles, C, D] (or
         [HV, tiles, C]); tail rows are zero."""
+        perm = (2, 0, 1) + tuple(range(3, x.dim() + 1))
+        if self.full:
+            return x[: self.Ttot].reshape((self.tiles, self.C) + tuple(x.shape[1:])).permute(*perm).contiguous()
         pad = x.new_zeros((1,) + tuple(x.shape[1:]))
         xt = torch.cat([x, pad])[self.token_index]          # [tiles, C, HV, ...]
-        perm = (2, 0, 1) + tuple(range(3, xt.dim()))
         return xt.permute(*perm).contiguous()
 
     def scatter(self, xt: torch.Tensor) -> torch.Tensor:
         """Head-major tiles [HV, tiles, C, D] -> packed [Ttot, HV, D] (tail rows dropped)."""
         HV, D = xt.shape[0], xt.shape[-1]
+        if self.full:
+            return xt.permute(1, 2, 0, 3).reshape(self.Ttot, HV, D)
         out = xt.new_zeros(self.Ttot + 1, HV, D)
         out[self.token_index.reshape(-1)] = xt.permute(1, 2, 0, 3).reshape(-1, HV, D)
         return out[: self.Ttot]

@@ -209,15 +209,16 @@ def workspace_prepared(pp: Prepared, C: int, inverse: str = "exact") -> Workspac
     Ttot, HV, K = pp.k.shape
     grid = tile_grid(pp.bounds, C, Ttot, device=pp.k.device)
     valid = grid.row_mask                                                   # [tiles, C]
-    vmask = valid[None, :, :, None].to(F64)
     q, k, v = grid.gather(pp.q), grid.gather(pp.k), grid.gather(pp.v)      # [HV, tiles, C, .]
     a = grid.gather(pp.a)
     beta = grid.gather(pp.beta)                                             # [HV, tiles, C]
     G = chunk_log2_cumsum_tiles(a)
     G_last = G[:, :, -1:, :]                                                # tail a = 0 -> G_{Lc-1}
-    ws_kd = k * torch.exp2(G) * vmask
-    ws_qd = pp.scale * q * torch.exp2(G) * vmask
-    ws_kr = k * torch.exp2(torch.where(valid[None, :, :, None], G_last - G, torch.zeros_like(G))) * vmask
+    # tail rows: q = k = 0 and G = G_last, so every product below is 0 there without a mask
+    eG = torch.exp2(G)
+    ws_kd = k * eG
+    ws_qd = pp.scale * q * eG
+    ws_kr = k * torch.exp2(G_last - G)
     ws_gt = torch.exp2(G_last[:, :, 0, :])
     pivot = torch.clamp(grid.tile_len - 1, max=C // 2)
     KK, QK = _pivot_grams(q, k, G, pivot, valid, pp.scale)
