@@ -21,6 +21,8 @@ Schema (version 1)::
         params: {rho: ">=0.9", lb: [">=-0.3", "<0"]}   # optional: conditions on the case's parameters
         reason: one line: why it fails (a property of the algorithm, a library bug, ...)
         evidence: what was measured, where
+        seen_on: optional: the library version or commit it was seen on
+        shrink: optional: the kda-verify shrink command that reproduces it (the findings register)
 
 A cell matches an entry when its backend, route and case id match the globs and, where the entry
 has ``params``, every condition holds on the case's parameters (``Case.params``: the named
@@ -61,7 +63,7 @@ from verification.cli import UsageError
 
 TOP_KEYS = ("schema", "entries", "known_failures")
 KNOWN_FIELDS = ("backend", "route", "case", "reason", "evidence")
-KNOWN_OPTIONAL = ("params",)
+KNOWN_OPTIONAL = ("params", "seen_on", "shrink")
 PARAM_OPS = (">=", "<=", ">", "<", "==")     # two-character operators first (parsing order)
 KEY_FIELDS = ("backend", "route", "dtype", "tensor")
 NUM_FIELDS = ("m", "floor", "cap")
@@ -131,6 +133,8 @@ class KnownFailure:
     evidence: str
     line: int = 0
     params: tuple = ()       # ParamCondition, all of which must hold; () = no condition on parameters
+    seen_on: str = ""        # the library version or commit the failure was seen on
+    shrink: str = ""         # the kda-verify shrink command that reproduces it
 
     def matches(self, backend: str, route: str, case_id: str, params: Optional[Mapping] = None) -> bool:
         """Backend, route and case id match the globs and every ``params`` condition holds on
@@ -272,6 +276,12 @@ def parse_tolerances(text: str, path: str = "<string>") -> ToleranceDB:
             if "params" in fields:
                 entry = f"known failure {text['backend']}/{text['route']}/{text['case']}"
                 conditions = _param_conditions(*fields["params"], entry=entry, path=path)
+            for f in ("seen_on", "shrink"):          # optional text: the findings register's columns
+                if f in fields:
+                    val, ln = fields[f]
+                    if not isinstance(val, str) or not val.strip():
+                        raise _err(path, ln, f"{f}: expected a non-empty string, got {val!r}")
+                    text[f] = val.strip()
             known.append(KnownFailure(line=line, params=conditions, **text))
     return ToleranceDB(entries, path, known)
 

@@ -1,0 +1,93 @@
+"""The findings register: every explained failure, recorded once in tolerances.yaml's
+``known_failures`` (backend, route and case globs, parameter conditions, reason, evidence,
+``seen_on``: the library version or commit, ``shrink``: the command that reproduces it).
+
+    kda-verify findings [--json]                     # the register as a table (md) or JSON
+    python -m verification.findings --write          # replace README.md's findings table
+    python -m verification.findings --check          # exit 1 when README.md's table differs
+
+README.md's findings section is this module's table between BEGIN and END, never a hand-kept
+copy (tests/test_findings.py holds it to the table).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+BEGIN = "<!-- findings register: made by `python -m verification.findings --write` from tolerances.yaml; do not edit by hand -->"
+END = "<!-- end of the findings register -->"
+README = Path(__file__).resolve().parent.parent / "README.md"
+COLUMNS = ("backend", "route", "case", "params", "seen_on", "reason", "evidence", "shrink", "line")
+HEADER = ("| # | backend / route | case (parameters) | seen on | why it fails | evidence | reproduce |",
+          "|---|---|---|---|---|---|---|")
+
+
+def rows(db=None) -> list[dict]:
+    """One dict per known failure of ``db`` (default: the shipped tolerances.yaml), in file order."""
+    from verification.tolerances import load_tolerances
+    db = load_tolerances() if db is None else db
+    return [{"backend": kf.backend, "route": kf.route, "case": kf.case, "params": kf.describe_params(),
+             "seen_on": kf.seen_on, "reason": kf.reason, "evidence": kf.evidence, "shrink": kf.shrink,
+             "line": kf.line} for kf in db.known_failures]
+
+
+def _cell(text: str) -> str:
+    return (text or "").replace("|", "\\|").replace("\n", " ").strip()
+
+
+def markdown(items: list[dict]) -> str:
+    """The register as a markdown table (HEADER, one row per finding)."""
+    out = list(HEADER)
+    for i, r in enumerate(items, 1):
+        case = f"`{r['case']}`" + (f" ({r['params']})" if r["params"] else "")
+        repro = f"`{r['shrink']}`" if r["shrink"] else "(none recorded)"
+        out.append(f"| {i} | `{r['backend']}` / `{r['route']}` | {_cell(case)} | {_cell(r['seen_on']) or '(not recorded)'} "
+                   f"| {_cell(r['reason'])} | {_cell(r['evidence'])} | {_cell(repro)} |")
+    return "\n".join(out)
+
+
+def readme_table(text: str) -> Optional[str]:
+    """The table between BEGIN and END in README text (None when the markers are missing)."""
+    if BEGIN not in text or END not in text:
+        return None
+    return text.split(BEGIN, 1)[1].split(END, 1)[0].strip("\n")
+
+
+def replace_table(text: str, table: str) -> str:
+    head, rest = text.split(BEGIN, 1)
+    return head + BEGIN + "\n" + table + "\n" + END + rest.split(END, 1)[1]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m verification.findings", description=__doc__.splitlines()[0])
+    g = ap.add_mutually_exclusive_group()
+    g.add_argument("--write", action="store_true", help="replace the table in README.md")
+    g.add_argument("--check", action="store_true", help="exit 1 when README.md's table differs")
+    args = ap.parse_args(argv)
+    table = markdown(rows())
+    if not (args.write or args.check):
+        print(table)
+        return 0
+    text = README.read_text(encoding="utf-8")
+    if readme_table(text) is None:
+        print(f"README.md: expected the markers {BEGIN!r} and {END!r}, got none", file=sys.stderr)
+        return 2
+    if args.check:
+        same = readme_table(text) == table
+        print("README.md's findings register is current" if same else
+              "README.md's findings register differs: python -m verification.findings --write", file=sys.stderr)
+        return 0 if same else 1
+    README.write_text(replace_table(text, table), encoding="utf-8")
+    print(f"wrote {len(table.splitlines()) - 2} findings into {README}")
+    return 0
+
+
+def as_json(items: list[dict]) -> str:
+    return json.dumps({"findings": items}, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
