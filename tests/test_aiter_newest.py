@@ -16,6 +16,7 @@ Two kinds of test:
   (kda_kernels.triton._interpreter_compat).  Everything is put back afterwards.  Like every
   interpreter test these skip on a GPU machine.
 """
+import json
 import os
 import sys
 import types
@@ -338,3 +339,52 @@ def test_recorded_paged_caches_aiter_cannot_take_are_not_applicable():
     assert b.accepts(p, route("triton:seg:cps=1")) == (True, "")
     ok, why = b.accepts(p, route("triton:seg:prefetch=on"))
     assert not ok and "AITER_FDA_SCAN_PREFETCH" in why
+
+
+# ----- isa --backend aiter ---------------------------------------------------------------------
+def _python(code: str, pythonpath: str):
+    import subprocess
+    env = dict(os.environ, PYTHONPATH=pythonpath + os.pathsep + str(NEWEST.parents[1]))
+    env.pop("TRITON_INTERPRET", None)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=1200)
+
+
+def test_isa_records_the_launchers_constexprs_and_compiles_for_gfx950():
+    """The variants are the launches of aiter's own flash_kda_fwd at H=12, C=32, K=V=128 (K1's
+    inverse constexprs, the paged pass C reading the cache, the Gluon K1/K2 under their flags,
+    k2_segment_gluon); the scan compiles for gfx950 with its registers, occupancy and v_mfma."""
+    if not (NEWEST / "aiter").is_dir():
+        pytest.skip(f"no assembled aiter tree in {NEWEST} (build it with tools/assemble_aiter.py; never committed)")
+    code = """
+import json
+from verification import aiter_isa as ai
+vs, broken = ai.aiter_variants(ai.load_aiter())
+scan = [v for v in vs if v.jit.__name__ == "_flash_kda_seg_scan_kernel"][0]
+r = ai.compile_aiter_variant(scan, "gfx950")
+print(json.dumps(dict(labels=[v.label for v in vs], plans=[v.plans for v in vs], broken=broken, scan=r.as_dict())))
+"""
+    res = _python(code, str(NEWEST))
+    assert res.returncode == 0, res.stderr[-2000:]
+    d = json.loads(res.stdout.strip().splitlines()[-1])
+    labels = d["labels"]
+    assert d["broken"] == []
+    assert any(lb.startswith("_flash_kda_prepare_kernel[BC=16,C=32,CM_QKG=.cg,CM_WS=.wt,H=12,HAS_BIAS=1,IS_VARLEN=1,"
+                             "K=128,NUM_DOUBLING=3,NUM_MERGE=1](num_stages=1,num_warps=2)") for lb in labels), labels
+    assert any("_flash_kda_segment_kernel[" in lb and "PAGED_CACHE=1,PAGED_H_IN=1" in lb for lb in labels), labels
+    assert any(lb.startswith("k1_prepare_gluon[") for lb in labels) and any(lb.startswith("k2_ab_fused_gluon[BW=32") for lb in labels)
+    assert any(lb.startswith("k2_segment_gluon[BW=32") for lb in labels)
+    assert all(not p.endswith(":dense") for plans in d["plans"] for p in plans)
+    scan = d["scan"]
+    assert scan["ok"], scan["error"]
+    assert scan["matrix"]["v_mfma"] > 0 and scan["occupancy"] and scan["sgprs"] and scan["vgprs"] and scan["lds_bytes"]
+
+
+def test_isa_backend_aiter_bad_input_is_one_line():
+    res = _python("import sys; from verification.cli import main; sys.exit(main(['isa', '--backend', 'aiter', "
+                  "'--arch', 'sm90']))", str(NEWEST))
+    assert res.returncode == 2 and "--arch: expected values in gfx942,gfx950,gfx1250 for --backend aiter" in res.stderr
+    assert "Traceback" not in res.stderr
+    res = _python("import sys; from verification.cli import main; sys.exit(main(['isa', '--backend', 'aiter']))",
+                  "/nonexistent")
+    assert res.returncode == 2 and "expected aiter's aiter/ tree on PYTHONPATH" in res.stderr
+    assert "Traceback" not in res.stderr
