@@ -124,7 +124,10 @@ def main(argv=None) -> int:
             cases.append(get_case(cid))
         except Exception as e:  # noqa: BLE001 - the case lookup's own message
             fail(f"--case: {e}")
-    db = load_tolerances(None)
+    try:
+        db = load_tolerances(None)
+    except Exception as e:  # noqa: BLE001 - the tolerance file's own one-line message
+        fail(f"tolerances: {e}")
     b = AiterBackend(module=mod)
     print(f"aiter: {b.version()} from {a.tree}", flush=True)
     cells, bad = [], 0
