@@ -366,8 +366,44 @@ def compile_aiter_variant(v: AiterVariant, arch: str) -> AiterKernelReport:
     return rep
 
 
-def aiter_isa_report(archs: list, on_report=None) -> list:
-    """Every (arch, variant) compiled; ``on_report(report)`` is called as each one finishes."""
+KERNEL_TIMEOUT_S = 900
+
+
+def compile_bounded(v: AiterVariant, arch: str, timeout_s: float = KERNEL_TIMEOUT_S) -> AiterKernelReport:
+    """compile_aiter_variant in a forked child, given up after ``timeout_s`` (LLVM's SLP vectorizer
+    was seen to run for tens of CPU minutes on aiter's K1 for gfx1250): a row saying so."""
+    import multiprocessing as mp
+    import time
+    try:
+        ctx = mp.get_context("fork")
+    except ValueError:                     # no fork on this platform: compile here, unbounded
+        return compile_aiter_variant(v, arch)
+    recv, send = ctx.Pipe(duplex=False)
+
+    def child():
+        try:
+            send.send(compile_aiter_variant(v, arch).as_dict())
+        finally:
+            send.close()
+    t0 = time.perf_counter()
+    proc = ctx.Process(target=child, daemon=True)
+    proc.start()
+    send.close()
+    got = recv.recv() if recv.poll(timeout_s) else None
+    proc.join(5)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+    if got is None:
+        return AiterKernelReport(arch=arch, kernel=v.label, routes=list(v.plans), ok=False, note=v.note,
+                                 error=f"did not compile within {timeout_s:g} s (the compiler was stopped)",
+                                 compile_s=time.perf_counter() - t0)
+    return AiterKernelReport(**got)
+
+
+def aiter_isa_report(archs: list, on_report=None, timeout_s: float = KERNEL_TIMEOUT_S) -> list:
+    """Every (arch, variant) compiled (each bounded by ``timeout_s``); ``on_report(report)`` is
+    called as each one finishes."""
     bad = [a for a in archs if a not in ARCHS]
     if bad:
         raise AiterIsaError(f"--arch: expected values in {','.join(ARCHS)} for --backend aiter, got {bad[0]!r}")
@@ -376,7 +412,7 @@ def aiter_isa_report(archs: list, on_report=None) -> list:
     reports = []
     for arch in archs:
         for v in variants:
-            rows = [compile_aiter_variant(v, arch)]
+            rows = [compile_bounded(v, arch, timeout_s)]
             reports += rows
             if on_report is not None:
                 on_report(rows[0])

@@ -29,6 +29,9 @@ def add_arguments(p):
                    help="whose kernels: triton (ours, default) or aiter (the FlashKDA kernels of the aiter tree on "
                         "PYTHONPATH, Triton and gfx950 Gluon, with the constexprs its launcher passes for H=12, "
                         "C=32, K=V=128; --routes and --states do not apply)")
+    p.add_argument("--kernel-timeout", type=float, default=900.0, metavar="S",
+                   help="with --backend aiter: seconds one kernel may compile before its row says it did not "
+                        "(default 900)")
 
 
 def _split(text: str, arg: str) -> list:
@@ -89,7 +92,9 @@ def _run_aiter(args) -> int:
                 started.append(1)
             table_row(report)
     try:
-        reports = aiter_isa_report(archs, on_report=stream)
+        if not args.kernel_timeout > 0:
+            raise UsageError(f"--kernel-timeout: expected a positive number of seconds, got {args.kernel_timeout:g}")
+        reports = aiter_isa_report(archs, on_report=stream, timeout_s=args.kernel_timeout)
     except AiterIsaError as e:
         raise UsageError(str(e)) from None
     if args.json:
