@@ -340,19 +340,32 @@ def compile_aiter_variant(v: AiterVariant, arch: str) -> AiterKernelReport:
     from triton.compiler import ASTSource
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from kda_kernels.triton.isa import TARGETS, _last_line, _signature, _StderrCapture
+    from kda_kernels.triton.isa import TARGETS, _last_line, _no_kernarg_preload, _signature, _StderrCapture
     backend, a, warp = TARGETS[arch]
     rep = AiterKernelReport(arch=arch, kernel=v.label, routes=list(v.plans), ok=False, note=v.note)
     t0 = time.perf_counter()
     try:
         sig, cons, attrs, _ = _signature(v.jit, (), v.bound)
         src = (GluonASTSource if v.gluon else ASTSource)(v.jit, sig, cons, attrs)
-        with _StderrCapture() as cap:
-            try:
-                k = triton.compile(src, target=GPUTarget(backend, a, warp), options=dict(v.opts))
-            except Exception as e:  # noqa: BLE001
-                err = cap.text()
-                raise RuntimeError(_last_line(e) + (" ... " + err if err else "")) from e
+
+        def build():
+            with _StderrCapture() as cap:
+                try:
+                    return triton.compile(src, target=GPUTarget(backend, a, warp), options=dict(v.opts))
+                except Exception as e:  # noqa: BLE001
+                    err = cap.text()
+                    raise RuntimeError(_last_line(e) + (" ... " + err if err else "")) from e
+        try:
+            k = build()
+        except RuntimeError as e:
+            if "user_sgpr_count" not in str(e):
+                raise
+            # as for our own kernels (kda_kernels.triton.isa): the LLVM bundled with Triton rejects more
+            # than 16 preloaded kernel arguments on gfx1250; compiled again with preloading off
+            rep.note = (rep.note + "; " if rep.note else "") + (
+                "compiled with kernel-argument preloading off; with it on: " + str(e)[:200])
+            with _no_kernarg_preload():
+                k = build()
         st = _amd_fields(k.asm.get("amdgcn", ""))
         rep.ok = True
         rep.vgprs, rep.agprs, rep.sgprs, rep.occupancy = st["vgprs"], st["agprs"], st["sgprs"], st["occupancy"]
