@@ -145,3 +145,18 @@ def test_streamed_casts_inputs_block_by_block(monkeypatch):
     monkeypatch.setattr(ch, "prepare_tokens", spy)
     streamed(p, 32, block_tokens=64)
     assert max(seen) <= 64 and sum(seen) == 131 and len(seen) == 3
+
+
+def test_oracle_command_streams_the_chunked_form(tmp_path):
+    from verification.cli import main
+    from verification.problem_file import load_outputs, load_outputs_metadata, save_problem
+    p = build(BY_NAME["varlen-partial-empty"], 3)
+    pin, pout = str(tmp_path / "p.safetensors"), str(tmp_path / "t.safetensors")
+    save_problem(pin, p)
+    assert main(["oracle", "--inputs", pin, "--out", pout, "--device", "cpu"]) == 0
+    meta = load_outputs_metadata(pout)
+    assert meta["method"] == "chunked" and meta["streamed"] == "yes"
+    got, ref = load_outputs(pout), truth(p, method="chunked")
+    assert rel(got["o"], ref.o) <= TOL and rel(got["final_state"], ref.final_state) <= TOL
+    assert main(["oracle", "--inputs", pin, "--out", pout, "--device", "cpu", "--workspace"]) == 0
+    assert load_outputs_metadata(pout)["streamed"] == "no" and "ws_inv" in load_outputs(pout)
