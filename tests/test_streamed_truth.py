@@ -160,3 +160,15 @@ def test_oracle_command_streams_the_chunked_form(tmp_path):
     assert rel(got["o"], ref.o) <= TOL and rel(got["final_state"], ref.final_state) <= TOL
     assert main(["oracle", "--inputs", pin, "--out", pout, "--device", "cpu", "--workspace"]) == 0
     assert load_outputs_metadata(pout)["streamed"] == "no" and "ws_inv" in load_outputs(pout)
+
+
+def test_oracle_bench_reports_time_memory_and_rate_of_the_streamed_truth(capsys):
+    import json
+
+    from verification.cli import main
+    assert main(["oracle-bench", "--shapes", "1x130x2", "--K", "16", "--V", "16", "--device", "cpu",
+                 "--block-tokens", "64", "--repeat", "1", "--phases", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)["results"][0]
+    assert r["tiles"] == 3 and r["truth_s"] > 0 and r["peak_bytes"] > 0 and r["peak_kind"] == "resident set"
+    assert 0 < r["fraction_of_measured_matmul"] and r["matmul_time_s"] > 0
+    assert r["truth_vs_recurrence_rel"] < 1e-12 and r["phases"]["streamed_vs_chunked_rel"] <= TOL

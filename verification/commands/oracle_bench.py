@@ -1,11 +1,18 @@
-"""`kda-verify oracle-bench`: how fast the float64 oracle runs on a device.
+"""`kda-verify oracle-bench`: how fast the float64 oracle runs on a device, and in how much memory.
 
-Times, per shape (B, T, H) with K = V = 128: the token recurrence (all T tokens, or
-``--recurrence-tokens N`` tokens extrapolated linearly to T, and said so), and the whole
-chunked truth: preprocessing + workspace + segments (passes A, B, C) + the unsegmented chunked
-forward, phase by phase.  The chunked form's useful float64 FLOPs (matmuls only) are divided by
-its time and reported as a fraction of the float64 matmul ceiling (56.5 TFLOP/s on the H200)
-and of a torch float64 matmul measured in the same run.
+Per shape (B, T, H) with K = V = 128, the truth as ``kda_ref.truth.truth`` computes it by default
+(the chunked form streamed block by block): its time, its peak memory (CUDA: the allocator's
+peak; CPU: the process's resident set sampled every 2 ms during the call) and its rate, the
+matmul FLOPs of the chunked form per (chunk, value head)
+
+    4 C^2 K (KK, QK grams) + C^3 / 3 (triangular solve) + 6 C K V (kd S, kr^T U, qd S) + 4 C^2 V (inv u, mqk U)
+
+divided by the time, as a fraction of the float64 matmul ceiling (56.5 TFLOP/s on the H200) and of
+a torch float64 matmul measured in the same run (n = 8192 on CUDA, 1024 on the CPU).  With
+``--phases`` also the whole-problem forms (every chunk's workspace at once) phase by phase:
+preprocessing, workspace, segments (passes A, B, C), the unsegmented chunked forward.  The token
+recurrence (all T tokens, or ``--recurrence-tokens N`` extrapolated linearly to T, and said so)
+unless ``--no-recurrence``; when it ran on all tokens the truth is held to it.
 """
 from __future__ import annotations
 
@@ -17,6 +24,8 @@ HELP = "time the float64 oracle (recurrence and workspace + segments + chunked) 
 EXAMPLES = """\
 kda-verify oracle-bench --device cuda
 kda-verify oracle-bench --shapes 1x2048x4 --device cpu --recurrence-tokens 256 --json
+kda-verify oracle-bench --shapes 1x32768x2 --device cpu --no-recurrence --phases
+kda-verify oracle-bench --shapes 1x131072x12,1x262144x12,1x1048576x12,1x131072x96 --device cuda --no-recurrence
 """
 
 H200_FP64_TFLOPS = 56.5
@@ -40,6 +49,10 @@ def add_arguments(parser):
                         help="timed repetitions of the chunked truth, best kept (default 2)")
     parser.add_argument("--peak-tflops", type=float, default=H200_FP64_TFLOPS, metavar="TFLOPS",
                         help="the float64 matmul ceiling to report against (default 56.5, the H200)")
+    parser.add_argument("--phases", action="store_true",
+                        help="also time the whole-problem forms phase by phase (they hold every chunk at once)")
+    parser.add_argument("--block-tokens", type=int, default=None, metavar="N",
+                        help="tokens per block of the streamed truth (default: from the memory free on the device)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
 
 
@@ -108,6 +121,59 @@ def chunked_flops(tiles_heads: int, segs_heads: int, C: int, K: int, V: int) -> 
     return tiles_heads * (ws + step_a + 2 * step_out) + segs_heads * 2 * K * K * V
 
 
+def truth_flops(tiles_heads: int, C: int, K: int, V: int) -> float:
+    """Matmul FLOPs of the chunked truth: workspace grams and solve, then the chunk steps."""
+    return tiles_heads * (4 * C * C * K + C ** 3 / 3 + 6 * C * K * V + 4 * C * C * V)
+
+
+class PeakMemory:
+    """Peak memory during a block of code, in bytes: CUDA, the allocator's peak above what was
+    allocated at entry; CPU, the largest resident set of this process (sampled every 2 ms) and
+    its rise above the resident set at entry."""
+
+    def __init__(self, dev):
+        self.dev = dev
+        self.peak = self.base = 0
+
+    @staticmethod
+    def rss() -> int:
+        import os
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def __enter__(self):
+        import threading
+
+        import torch
+        if self.dev.type == "cuda":
+            torch.cuda.synchronize(self.dev)
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.dev)
+            self.base = torch.cuda.memory_allocated(self.dev)
+            return self
+        self.base = self.peak = self.rss()
+        self._stop = threading.Event()
+
+        def sample():
+            while not self._stop.wait(0.002):
+                self.peak = max(self.peak, self.rss())
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        import torch
+        if self.dev.type == "cuda":
+            torch.cuda.synchronize(self.dev)
+            self.peak = torch.cuda.max_memory_allocated(self.dev)
+            return False
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.rss())
+        return False
+
+
 def bench_shape(B, T, H, args, dev) -> dict:
     import torch
 
@@ -116,34 +182,50 @@ def bench_shape(B, T, H, args, dev) -> dict:
     from kda_ref.problem import validate
     from kda_ref.recurrence import recurrence_prepared
     from kda_ref.segments import segmented
+    from kda_ref.truth import truth
     from kda_ref.workspace import workspace_prepared
 
     K, V, C = args.K, args.V, args.chunk_size
     p = validate(make_problem(B, T, H, K, V, dev))
-    res = {"shape": [B, T, H], "K": K, "V": V, "C": C, "chunks_per_seg": args.chunks_per_seg, "device": str(dev)}
+    tiles = B * -(-T // C)
+    res = {"shape": [B, T, H], "K": K, "V": V, "C": C, "device": str(dev), "tiles": tiles,
+           "block_tokens": args.block_tokens}
     best = None
     for _ in range(max(1, args.repeat)):
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(dev)
-        pp, t_pre = _timed(lambda: prepare(p), dev)
-        ws, t_ws = _timed(lambda: workspace_prepared(pp, C), dev)
-        seg, t_seg = _timed(lambda: segmented(pp, ws, args.chunks_per_seg), dev)
-        out, t_ch = _timed(lambda: chunked_from_workspace(pp, ws), dev)
-        total = t_pre + t_ws + t_seg + t_ch
-        if best is None or total < best["total_s"]:
-            best = {"prepare_s": t_pre, "workspace_s": t_ws, "segments_s": t_seg, "chunked_s": t_ch, "total_s": total,
-                    "tiles": ws.tiles, "segs": seg.plan.segs}
-            if dev.type == "cuda":
-                best["peak_gib"] = torch.cuda.max_memory_allocated(dev) / 2 ** 30
-        agree = float((seg.o - out[0]).norm() / out[0].norm())
-        chunked_o, chunked_final = out
-        del pp, ws, seg, out
+        with PeakMemory(dev) as mem:
+            t, secs = _timed(lambda: truth(p, chunk_size=C, block_tokens=args.block_tokens), dev)
+        if best is None or secs < best["truth_s"]:
+            best = {"truth_s": secs, "peak_bytes": mem.peak, "peak_rise_bytes": mem.peak - mem.base}
+        truth_o, truth_final = t.o.reshape(-1, H, V), t.final_state
+        del t
     res.update(best)
-    res["segmented_vs_chunked_rel"] = agree
-    flops = chunked_flops(best["tiles"] * H, best["segs"] * H, C, K, V)
+    res["peak_gib"] = best["peak_bytes"] / 2 ** 30
+    res["peak_kind"] = "allocated" if dev.type == "cuda" else "resident set"
+    flops = truth_flops(tiles * H, C, K, V)
     res["gflop"] = flops / 1e9
-    res["tflops"] = flops / best["total_s"] / 1e12
+    res["tflops"] = flops / best["truth_s"] / 1e12
+    if args.phases:
+        res["chunks_per_seg"] = args.chunks_per_seg
+        ph = None
+        for _ in range(max(1, args.repeat)):
+            with PeakMemory(dev) as mem:
+                pp, t_pre = _timed(lambda: prepare(p), dev)
+                ws, t_ws = _timed(lambda: workspace_prepared(pp, C), dev)
+                seg, t_seg = _timed(lambda: segmented(pp, ws, args.chunks_per_seg), dev)
+                out, t_ch = _timed(lambda: chunked_from_workspace(pp, ws), dev)
+            total = t_pre + t_ws + t_seg + t_ch
+            if ph is None or total < ph["total_s"]:
+                ph = {"prepare_s": t_pre, "workspace_s": t_ws, "segments_s": t_seg, "chunked_s": t_ch,
+                      "total_s": total, "segs": seg.plan.segs, "peak_gib": mem.peak / 2 ** 30}
+            ph["segmented_vs_chunked_rel"] = float((seg.o - out[0]).norm() / out[0].norm())
+            ph["streamed_vs_chunked_rel"] = max(float((truth_o - out[0]).norm() / out[0].norm()),
+                                                float((truth_final - out[1].reshape(truth_final.shape)).norm()
+                                                      / out[1].norm()))
+            del pp, ws, seg, out
+        pflops = chunked_flops(tiles * H, ph["segs"] * H, C, K, V)
+        ph["gflop"] = pflops / 1e9
+        ph["tflops"] = pflops / ph["total_s"] / 1e12
+        res["phases"] = ph
     if not args.no_recurrence:
         n = T if args.recurrence_tokens is None else min(T, args.recurrence_tokens)
         pr = p if n == T else p.replace(q=p.q[:, :n], k=p.k[:, :n], v=p.v[:, :n], g=p.g[:, :n], beta=p.beta[:, :n])
@@ -152,10 +234,10 @@ def bench_shape(B, T, H, args, dev) -> dict:
         res["recurrence_tokens"] = n
         res["recurrence_s"] = t_rec * T / n
         res["recurrence_extrapolated"] = n != T
-        if n == T:   # the full recurrence ran: hold the chunked truth to it on this device
-            res["chunked_vs_recurrence_rel"] = max(
-                float((chunked_o - rec.o).norm() / rec.o.norm()),
-                float((chunked_final - rec.final_state).norm() / rec.final_state.norm()))
+        if n == T:   # the full recurrence ran: hold the truth to it on this device
+            res["truth_vs_recurrence_rel"] = max(
+                float((truth_o - rec.o).norm() / rec.o.norm()),
+                float((truth_final - rec.final_state.reshape(truth_final.shape)).norm() / rec.final_state.norm()))
     return res
 
 
@@ -168,6 +250,8 @@ def run(args) -> int:
         raise UsageError(f"--chunk-size: expected 16, 32 or 64, got {args.chunk_size}")
     if args.recurrence_tokens is not None and args.recurrence_tokens < 1:
         raise UsageError(f"--recurrence-tokens: expected a positive integer, got {args.recurrence_tokens}")
+    if args.block_tokens is not None and args.block_tokens < args.chunk_size:
+        raise UsageError(f"--block-tokens: expected at least one chunk ({args.chunk_size} tokens), got {args.block_tokens}")
     dev = check_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     shapes = parse_shapes(args.shapes)
     mm = matmul_tflops(dev)
@@ -178,6 +262,9 @@ def run(args) -> int:
         r = bench_shape(B, T, H, args, dev)
         r["fraction_of_peak"] = r["tflops"] / args.peak_tflops
         r["fraction_of_measured_matmul"] = r["tflops"] / mm
+        r["matmul_time_s"] = r["gflop"] / 1e3 / mm
+        if "phases" in r:
+            r["phases"]["fraction_of_measured_matmul"] = r["phases"]["tflops"] / mm
         report["results"].append(r)
         if not args.json:
             _print(r)
@@ -191,17 +278,23 @@ def run(args) -> int:
 
 def _print(r):
     B, T, H = r["shape"]
-    print(f"({B},{T},{H}) K={r['K']} V={r['V']} C={r['C']} cps={r['chunks_per_seg']} on {r['device']}: "
-          f"tiles={r['tiles']} segs={r['segs']}")
-    print(f"  truth (prepare + workspace + segments + chunked): {r['total_s']:.3f} s  "
-          f"[prepare {r['prepare_s']:.3f}, workspace {r['workspace_s']:.3f}, segments A/B/C {r['segments_s']:.3f}, "
-          f"chunked {r['chunked_s']:.3f}]" + (f", peak {r['peak_gib']:.1f} GiB" if "peak_gib" in r else ""))
-    print(f"  {r['gflop']:.1f} GFLOP of matmuls -> {r['tflops']:.3f} TFLOP/s = {100 * r['fraction_of_peak']:.2f}% of "
-          f"the fp64 ceiling, {100 * r['fraction_of_measured_matmul']:.1f}% of the measured fp64 matmul; "
-          f"segmented vs chunked o: {r['segmented_vs_chunked_rel']:.2e}")
+    blk = "default blocks" if r["block_tokens"] is None else f"blocks of {r['block_tokens']} tokens"
+    print(f"({B},{T},{H}) K={r['K']} V={r['V']} C={r['C']} on {r['device']}: tiles={r['tiles']}")
+    print(f"  truth (streamed, {blk}): {r['truth_s']:.3f} s, peak {r['peak_gib']:.2f} GiB {r['peak_kind']}; "
+          f"{r['gflop']:.1f} GFLOP of matmuls -> {r['tflops']:.3f} TFLOP/s = {100 * r['fraction_of_peak']:.2f}% of "
+          f"the fp64 ceiling, {100 * r['fraction_of_measured_matmul']:.1f}% of the measured fp64 matmul "
+          f"(that work as matmuls: {r['matmul_time_s']:.3f} s; truth / matmul {r['truth_s'] / r['matmul_time_s']:.2f}x)")
+    if "phases" in r:
+        ph = r["phases"]
+        print(f"  whole-problem forms (prepare + workspace + segments cps={r['chunks_per_seg']} + chunked): "
+              f"{ph['total_s']:.3f} s [prepare {ph['prepare_s']:.3f}, workspace {ph['workspace_s']:.3f}, segments "
+              f"A/B/C {ph['segments_s']:.3f}, chunked {ph['chunked_s']:.3f}], peak {ph['peak_gib']:.2f} GiB; "
+              f"{ph['gflop']:.1f} GFLOP, {100 * ph['fraction_of_measured_matmul']:.1f}% of the measured fp64 matmul; "
+              f"segmented vs chunked o {ph['segmented_vs_chunked_rel']:.2e}, streamed vs chunked "
+              f"{ph['streamed_vs_chunked_rel']:.2e}")
     if "recurrence_s" in r:
         how = (f"extrapolated from {r['recurrence_tokens']} tokens" if r["recurrence_extrapolated"]
                else "all tokens")
         print(f"  recurrence: {r['recurrence_s']:.2f} s ({how})"
-              + (f"; chunked truth vs recurrence (o, state): {r['chunked_vs_recurrence_rel']:.2e}"
-                 if "chunked_vs_recurrence_rel" in r else ""))
+              + (f"; truth vs recurrence (o, state): {r['truth_vs_recurrence_rel']:.2e}"
+                 if "truth_vs_recurrence_rel" in r else ""))
