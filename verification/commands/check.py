@@ -218,6 +218,13 @@ def run_dir(args) -> int:
     elif results.exists():
         results.unlink()
     records = list(done.values())
+    # the backend and route of the directory: what its outputs files record (a problem without
+    # outputs, skipped or crashed, belongs to the same capture)
+    dir_meta = {}
+    for f in files:
+        if (outputs / f.name).exists():
+            dir_meta = load_outputs_metadata(str(outputs / f.name))
+            break
     for f in files:
         stem = f.name[:-len(".safetensors")]
         try:
@@ -226,7 +233,7 @@ def run_dir(args) -> int:
             raise UsageError(f"--inputs: {f.name}: {e}") from None
         cid, suite, seed, params = _case_of(problem, stem)
         target = outputs / f.name
-        meta = {}
+        meta = dict(dir_meta)
         if target.exists():
             meta = load_outputs_metadata(str(target))
         recipe = args.recipe or meta.get("recipe") or "flashkda"
