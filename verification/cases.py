@@ -17,6 +17,9 @@ Parameters (``Case.params``; every one optional):
     g_scale, g_shift    raw gate = g_scale*N(0,1) + g_shift (g_shift = 12 saturates the sigmoid)
     beta_raw            a constant raw beta (4 -> beta ~ 0.982) instead of N(0,1)
     rho                 correlated keys: k <- rho*k[first token] + (1-rho)*k
+    key_cos             (lo, hi): keys of each sequence follow k_t = c k_{t-1} + sqrt(1-c^2) n_t per
+                        key head (n_t the drawn keys, c uniform in [lo, hi] per head), so the cosine
+                        between consecutive keys is about c, as trained models show (0.85-0.97)
     qk_scale            multiplies raw q and k (1e-4: row norms ~1e-3, where the l2norm's eps matters)
     exact_keys          n: keys are +-1 on n of the first 8 channels (bf16-exact after l2norm)
     state               none | kv | vk | paged;  state_scale (default 0.5) multiplies N(0,1)
@@ -41,7 +44,7 @@ import torch
 
 from kda_ref.problem import Problem, validate
 
-SUITES = ("smoke", "default", "k3-prefill", "stress", "fuzz")
+SUITES = ("smoke", "default", "k3-prefill", "stress", "fuzz", "long")
 # The numeric parameters of the module docstring: the ones a known failure in tolerances.yaml may
 # put conditions on (its ``params`` field; verification.tolerances).
 NUMERIC_PARAMS = ("B", "T", "H", "HV", "K", "V", "lb", "g_scale", "g_shift", "beta_raw", "rho", "qk_scale",
@@ -161,6 +164,10 @@ def build_problem(params: dict, seed: int, device="cpu", meta=None) -> Problem:
             if t1 > t0:
                 kf[b, t0:t1] = rho * kf[b, t0:t0 + 1] + (1.0 - rho) * kf[b, t0:t1]
         k = _bf16(kf)
+    if p.get("key_cos"):
+        lo, hi = (float(x) for x in p["key_cos"])
+        c = lo + (hi - lo) * torch.rand(H, generator=gen)
+        k = _bf16(_ar1_keys(k.float(), c, _bounds(lens, B, T, varlen), varlen))
     A_log = 0.5 * randn(HV).abs()
     dt_bias = 0.1 * randn(HV * K)
     lb = float(p.get("lb", -5.0))
@@ -209,6 +216,37 @@ def build_problem(params: dict, seed: int, device="cpu", meta=None) -> Problem:
     if str(device) != "cpu":
         prob = _to_device_keep_views(prob, device)
     return validate(prob)
+
+
+def _ar1_keys(noise: torch.Tensor, c: torch.Tensor, bounds, varlen: bool, L: int = 32) -> torch.Tensor:
+    """Keys [B, T, H, K] with x_t = c x_{t-1} + sqrt(1 - c^2) n_t within each sequence (x at a
+    sequence start = n there; c [H] per key head), from the noise n [B, T, H, K] float32.  Blocks of
+    L tokens: inside a block x = P n (P_ij = s c^(i-j), j <= i) for all blocks at once, then the
+    block ends carried sequentially: x_i += c^(i+1) x_end(previous block)."""
+    B, T, H, K = noise.shape
+    out = noise.clone()
+    s = torch.sqrt(1.0 - c * c)                                               # [H]
+    e = torch.arange(L)
+    lag = (e[:, None] - e[None, :]).clamp(min=0).to(torch.float32)
+    P = torch.where(e[:, None] >= e[None, :], c[:, None, None] ** lag, torch.zeros(()))   # [H, L, L]
+    P = P * s[:, None, None]
+    pw = c[:, None] ** (e[None, :] + 1).to(torch.float32)                     # [H, L] c^(i+1)
+    for n, (bos, eos) in enumerate(bounds):
+        b, t0, t1 = (0, bos, eos) if varlen else (n, 0, T)
+        if t1 - t0 < 2:
+            continue
+        rest = noise[b, t0 + 1:t1]                                            # [n, H, K]
+        m = rest.shape[0]
+        nb = -(-m // L)
+        pad = torch.zeros(nb * L - m, H, K)
+        blocks = torch.cat([rest, pad]).reshape(nb, L, H, K).permute(2, 0, 1, 3)     # [H, nb, L, K]
+        local = torch.einsum("hij,hbjk->hbik", P, blocks)                    # [H, nb, L, K]
+        prev = noise[b, t0]                                                   # [H, K]
+        for j in range(nb):
+            local[:, j] += pw[:, :, None] * prev[:, None, :]
+            prev = local[:, j, -1]
+        out[b, t0 + 1:t1] = local.permute(1, 2, 0, 3).reshape(nb * L, H, K)[:m]
+    return out
 
 
 def _to_device_keep_views(prob: Problem, device) -> Problem:
@@ -313,6 +351,33 @@ def stress_suite() -> list[Case]:
     return c
 
 
+LONG_T = (16384, 131072, 262144, 1048576)       # H = 12: error against T, 16K the anchor
+LONG_GATES = ((-5.0, "none"), (-0.05, "kv"))   # production gate; weak gate, where the state persists
+
+
+def long_suite() -> list[Case]:
+    """Long-context cases (K=V=128, every one ``long``: run where the device has room, never on a
+    CPU): T = 16K, 128K, 256K and 1M tokens at H = 12 and 128K at H = 96, each at lb -5 and at the
+    weak lb -0.05 with an initial state; a varlen pack of one 524288-token sequence and 64 short
+    ones (1-4096 tokens, log-uniform); and keys with consecutive cosines 0.85-0.97 (key_cos) at
+    128K (both gates) and 1M (weak gate)."""
+    s = "long"
+    c = []
+    for T, H in [(t, 12) for t in LONG_T] + [(131072, 96)]:
+        for lb, state in LONG_GATES:
+            c.append(_case(s, f"T{T}-H{H}-lb{lb:g}", B=1, T=T, H=H, lb=lb, state=state, long=True))
+    gen = torch.Generator().manual_seed(stable_seed("long/varlen"))
+    short = [max(1, int(2 ** (12 * float(torch.rand(1, generator=gen))))) for _ in range(64)]
+    lens = short[:32] + [524288] + short[32:]
+    for lb, state in LONG_GATES:
+        c.append(_case(s, f"varlen-524288+64-H12-lb{lb:g}", lens=lens, H=12, lb=lb, state=state, long=True))
+    for T, gates in ((131072, LONG_GATES), (1048576, LONG_GATES[1:])):
+        for lb, state in gates:
+            c.append(_case(s, f"key-cos-0.85-0.97-T{T}-H12-lb{lb:g}", B=1, T=T, H=12, lb=lb, state=state,
+                           key_cos=(0.85, 0.97), long=True))
+    return c
+
+
 FUZZ_DOMAIN = "K=V=128, HV=H, bf16 q/k/v/g, fp32 beta, lower-bound gate lb in [-5.5, -0.01], l2norm, sigmoid beta"
 FUZZ_N, FUZZ_SEED = 20, 0           # the default draw (CI's)
 
@@ -397,7 +462,7 @@ def get_suite(name: str, **opts) -> list[Case]:
         raise _usage_error(f"get_suite: unknown option(s) {', '.join(sorted(opts))} for suite {name!r} "
                            f"(expected long, and n, seed for fuzz)")
     cases = {"smoke": smoke_suite, "default": default_suite, "k3-prefill": k3_prefill_suite,
-             "stress": stress_suite}.get(name)
+             "stress": stress_suite, "long": long_suite}.get(name)
     cases = cases() if cases else fuzz_suite(n=n, seed=seed)
     return [c for c in cases if long or not c.long]
 
