@@ -405,3 +405,11 @@ def test_max_runs_stops_the_shrink(tmp_path):
     route = resolve_routes(lb, ["mqk_no_diag"])[0]
     res = Shrinker(lb, route, load_tolerances()).shrink(get_case("smoke/varlen-tail33-lb-5"), max_runs=2)
     assert res.runs == 2 and res.stopped == "max-runs"
+
+
+def test_the_report_states_the_judges_verdict_of_a_known_failure():
+    from verification.bundle import verdict_of
+    rec = {"status": "known-fail", "known_failure": {"status": "fail", "reason": "chunks (after) an empty sequence"},
+           "reason": "known failure (tolerances.yaml line 9: chunks (after) an empty sequence): o: rel_l2 76.7 > 0.004"}
+    assert verdict_of(rec) == ("fail", "o: rel_l2 76.7 > 0.004")
+    assert verdict_of({"status": "fail", "reason": "x"}) == ("fail", "x")

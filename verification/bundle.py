@@ -508,7 +508,8 @@ def write_bundle(out_dir, result, loaded, route, case, device: str, command: str
         "final": {"shape": shape_text(p), "size": size(p), "status": fin.record.get("status"),
                   "reason": fin.record.get("reason"), "failure": fin.signature.describe(),
                   "lens": [e - b for b, e in p.seq_bounds()], "N": p.N, "H": p.H, "HV": p.HV, "T": p.B * p.T,
-                  "tensors": fin.record.get("tensors")},
+                  "tensors": fin.record.get("tensors"), "verdict_status": verdict_of(fin.record)[0],
+                  "verdict_reason": verdict_of(fin.record)[1]},
         "checks": checks, "trace": result.trace, "runs": result.runs, "seconds": result.seconds,
         "stopped": result.stopped, "environment": env, "command": command, "check_command": check_cmd,
         "repro_command": f"python {shlex.quote(str(out / 'repro.py'))}",
@@ -519,15 +520,28 @@ def write_bundle(out_dir, result, loaded, route, case, device: str, command: str
     return data
 
 
+def verdict_of(rec: dict) -> tuple[str, str]:
+    """(status, reason) of the judge itself: a known-fail cell's underlying verdict, without the
+    known-failure note run adds."""
+    kf = rec.get("known_failure")
+    if rec.get("status") != "known-fail" or not kf:
+        return str(rec.get("status")), str(rec.get("reason", ""))
+    reason = str(rec.get("reason", ""))
+    marker = f"{kf.get('reason', '')}): "
+    return str(kf.get("status", "fail")), reason.split(marker, 1)[1] if marker in reason else reason
+
+
 def report_md(d: dict, p) -> str:
     """REPORT.md: ready to paste into an upstream issue."""
     fin, orig = d["final"], d["original"]
     lib = d["environment"]["library"]
     dev, sw = d["environment"]["device"], d["environment"]["software"]
     L = [f"# {d['backend']} / {d['route']}: {fin['failure']}", ""]
+    nonfinite = any(c["measure"] == "finite" for c in d["checks"])
+    what = ("returns NaN / Inf where the float64 reference is finite" if nonfinite else
+            "differs from a float64 reference beyond what its own precision recipe explains")
     L += [f"On a {fin['N']}-sequence problem (lengths {fin['lens']}, H={fin['H']}, HV={fin['HV']}, "
-          f"K={p.K}, V={p.V}, {fin['T']} tokens) the kernel's output differs from a float64 reference "
-          f"beyond what its own precision recipe explains.", ""]
+          f"K={p.K}, V={p.V}, {fin['T']} token{'s' if fin['T'] != 1 else ''}) the kernel {what}.", ""]
     L += ["## What fails", "", "| tensor | measure | observed | expected (threshold) | baseline (the recipe's own error) |",
           "|---|---|---|---|---|"]
     for c in d["checks"]:
@@ -538,7 +552,10 @@ def report_md(d: dict, p) -> str:
         L.append(f"| {c['tensor']} | {meas} | {obs} | {exp} | {_fmt(c.get('baseline', math.nan))} |")
     if not d["checks"]:
         L.append("| (workspace tap) | see the verdict below | | | |")
-    L += ["", f"Verdict (kda-verify): {fin['status'].upper()}: {fin['reason']}", ""]
+    L += ["", f"Verdict (kda-verify): {fin['verdict_status'].upper()}: {fin['verdict_reason']}"]
+    if fin["status"] == "known-fail":
+        L.append("(kda-verify lists this failure in its tolerances.yaml known_failures.)")
+    L.append("")
     L += ["Expected: rel_l2 = ||x - r|| / ||r|| against the float64 reference r (truth.safetensors); the "
           "threshold is m x (the error of the kernel's own precision recipe, emulated) + floor, capped "
           "(tolerances.yaml).", ""]
