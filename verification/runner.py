@@ -404,6 +404,48 @@ def _errored(rec: dict, e: BaseException, where: str) -> dict:
     return rec
 
 
+RESOURCE_ERROR = "resource-error"      # the harness ran out of memory (case build, oracle, baseline, judging)
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """Whether ``e`` is an out-of-memory: torch's OutOfMemoryError (CUDA), a RuntimeError saying
+    "out of memory" (CUDA, other allocators) or Python's MemoryError (the CPU)."""
+    oom = getattr(torch, "OutOfMemoryError", None)
+    if (oom is not None and isinstance(e, oom)) or isinstance(e, MemoryError):
+        return True
+    return isinstance(e, RuntimeError) and "out of memory" in str(e).lower()
+
+
+def _free_memory(device) -> None:
+    import gc
+    gc.collect()
+    if torch.device(device).type == "cuda" and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def harness_call(fn, device):
+    """``fn()``; if it runs out of memory, the CUDA cache is emptied and ``fn()`` runs once more
+    (a second out-of-memory propagates)."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - only an out-of-memory is retried
+        if not is_out_of_memory(e):
+            raise
+    _free_memory(device)
+    return fn()
+
+
+def _resource_errored(rec: dict, e: BaseException, where: str, device) -> dict:
+    """A harness out-of-memory (after its retry): its own status, never a kernel failure or a pass."""
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    rec["status"] = RESOURCE_ERROR
+    rec["reason"] = (f"harness out of memory in {where} on {device} (retried once with the CUDA cache emptied; "
+                     f"not a kernel result): {type(e).__name__}: {msg}")[:500]
+    rec["traceback"] = _error_reason(e, where)[1]
+    _free_memory(device)
+    return rec
+
+
 def _recipe_baselines(baseline_cache: BaselineCache, case, problem, truth, timings: dict) -> dict:
     """Every production recipe's baseline metrics on the case (for a cap lift; cached per
     case and recipe like the route's own baseline; the time is added to baseline_s)."""
@@ -450,8 +492,10 @@ def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: Base
         return rec
     # the problem (cheap) decides applicability before any truth is computed
     try:
-        problem = truth_cache.problem(case)
+        problem = harness_call(lambda: truth_cache.problem(case), device)
     except Exception as e:  # noqa: BLE001 - a case that cannot build is the harness's error, recorded
+        if is_out_of_memory(e):
+            return _resource_errored(rec, e, f"case {case.id} build", device)
         return _errored(rec, e, f"case {case.id} build")
     rec["shape"] = _shape(problem)
     rec["shape_key"] = list(getattr(case, "shape_key", (problem.B, problem.T, problem.H)))
@@ -469,13 +513,15 @@ def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: Base
         return rec
     # truth and baseline, shared
     try:
-        problem, truth, oracle_s, fresh = truth_cache.get(case)
+        problem, truth, oracle_s, fresh = harness_call(lambda: truth_cache.get(case), device)
         timings.update(oracle_s=oracle_s, oracle_cached=not fresh)
         recipe = getattr(route, "recipe", None) or "flashkda"
-        baseline, base_s, fresh_b = baseline_cache.get(case, recipe, problem, truth)
+        baseline, base_s, fresh_b = harness_call(lambda: baseline_cache.get(case, recipe, problem, truth), device)
         timings.update(baseline_s=base_s, baseline_cached=not fresh_b)
         rec["baseline"] = _summ(baseline)
     except Exception as e:  # noqa: BLE001
+        if is_out_of_memory(e):
+            return _resource_errored(rec, e, "oracle/baseline", device)
         return _errored(rec, e, "oracle/baseline")
     # the kernel (Triton compilation inside the call is measured apart: compile_s)
     from verification.compile_time import compile_clock
@@ -513,11 +559,17 @@ def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: Base
         from verification.metrics import compare
         from verification.verdict import judge
         t0 = time.perf_counter()
-        verdict = judge(backend.name, route, problem, outputs, truth, baseline, db,
-                        recipe_baselines=lambda: _recipe_baselines(baseline_cache, case, problem, truth, timings))
-        metrics = getattr(verdict, "metrics", None) or compare(outputs.tensors(), truth.tensors(), problem)
+
+        def judging():
+            v = judge(backend.name, route, problem, outputs, truth, baseline, db,
+                      recipe_baselines=lambda: _recipe_baselines(baseline_cache, case, problem, truth, timings))
+            return v, getattr(v, "metrics", None) or compare(outputs.tensors(), truth.tensors(), problem)
+
+        verdict, metrics = harness_call(judging, device)
         timings["metrics_s"] = time.perf_counter() - t0
     except Exception as e:  # noqa: BLE001
+        if is_out_of_memory(e):
+            return _resource_errored(rec, e, "judging", device)
         return _errored(rec, e, "judging")
     rec["status"] = str(verdict.status)
     rec["reason"] = str(getattr(verdict, "reason", "") or "")
@@ -652,12 +704,15 @@ class IsolatedRunner:
             return run_cell(lb, route, case, self.truth_cache, self.baseline_cache, None, device)
         try:
             truths_before = self.truth_cache.computed.get(case.id, 0)
-            case_file, oracle_s = self._case_file(case)
+            case_file, oracle_s = harness_call(lambda: self._case_file(case), device)
             oracle_fresh = self.truth_cache.computed.get(case.id, 0) > truths_before
             problem, truth, _, _ = self.truth_cache.get(case)
             recipe = getattr(route, "recipe", None) or "flashkda"
-            baseline, base_s, base_fresh = self.baseline_cache.get(case, recipe, problem, truth)
+            baseline, base_s, base_fresh = harness_call(
+                lambda: self.baseline_cache.get(case, recipe, problem, truth), device)
         except Exception as e:  # noqa: BLE001
+            if is_out_of_memory(e):
+                return _resource_errored(rec0, e, "oracle/baseline", device)
             return _errored(rec0, e, "oracle/baseline")
         # computed here, in the parent, or not (the child sees both as cached)
         fresh = {"oracle_s": oracle_s, "oracle_cached": not oracle_fresh,
