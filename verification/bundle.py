@@ -275,6 +275,8 @@ KERNEL_OWN = r'''
 def kernel(P):
     """The project's own backend {backend!r}, route {route!r}, through kda_kernels."""
     import json
+    if BACKEND == "triton" and not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")   # Triton's CPU interpreter, set before Triton is imported
     from kda_kernels.base import load_backend
     from kda_ref.problem import Problem, validate
     fields = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "cu_seqlens", "initial_state", "state_cache",
