@@ -413,3 +413,47 @@ def test_the_report_states_the_judges_verdict_of_a_known_failure():
            "reason": "known failure (tolerances.yaml line 9: chunks (after) an empty sequence): o: rel_l2 76.7 > 0.004"}
     assert verdict_of(rec) == ("fail", "o: rel_l2 76.7 > 0.004")
     assert verdict_of({"status": "fail", "reason": "x"}) == ("fail", "x")
+
+
+class _Zeros:
+    """The emulator's flashkda route with o all zeros (mistrusted) or one unwritten cache slot changed."""
+
+    def __init__(self, how):
+        from kda_kernels.emulator import EmulatorBackend
+        self.inner, self.how, self.name = EmulatorBackend(), how, "emulator"
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def run(self, problem, route):
+        out = self.inner.run(problem, route)
+        if self.how == "zeros":
+            out.o = torch.zeros_like(out.o)
+        else:
+            unused = sorted(set(range(out.state_cache.shape[0])) - set(problem.state_indices.tolist()))
+            out.state_cache = out.state_cache.clone()
+            out.state_cache[unused[0]] = 1.0
+        return out
+
+
+@pytest.mark.parametrize("how,case_id,word", [("zeros", "smoke/dense-T64-lb-5", "exact zeros"),
+                                               ("slot", "smoke/paged-lb-5", "unwritten slots unchanged")])
+def test_a_mistrusted_or_untouched_slot_failure_has_a_check_the_repro_holds(how, case_id, word, tmp_path):
+    lb = as_loaded(_Zeros(how))
+    route = resolve_routes(as_loaded(_Zeros(how)), ["flashkda"])[0]
+    case = get_case(case_id)
+    res = Shrinker(lb, route, load_tolerances()).shrink(case, max_runs=4)
+    assert res.original.signature.primary[1] == ("mistrusted" if how == "zeros" else "untouched")
+    data = write_bundle(tmp_path / "b", res, lb, route, case, "cpu", "cmd")
+    assert {c["measure"] for c in data["checks"]} & {"zeros", "untouched"}
+    src = repro_source("emulator", route, data["checks"]).replace(
+        "    out = backend.run(prob, route)", "    out = ZEROS.run(prob, route)")
+    (tmp_path / "b" / "repro.py").write_text(src)
+    ns = {"__name__": "repro", "__file__": str(tmp_path / "b" / "repro.py"), "ZEROS": _Zeros(how)}
+    exec(compile(src, "repro.py", "exec"), ns)
+    import contextlib
+    import io
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = ns["main"](["--device", "cpu"])
+    assert rc == 1 and word in buf.getvalue() and "FAILS" in buf.getvalue(), buf.getvalue()

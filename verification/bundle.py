@@ -21,7 +21,9 @@ triton) it imports ``kda_kernels`` and ``kda_ref``.  Its measures are the verdic
                  block), a sequence's first 4 tokens; a state: (sequence, head) or (slot, head))
 
 A check is (tensor, measure[, slice], threshold): the failure reproduces when the measure
-exceeds the threshold, or, for a non-finite failure, when the tensor holds NaN or Inf.
+exceeds the threshold; for a non-finite failure when the tensor holds NaN or Inf; for a
+mistrusted one when more than 30% of it is exactly zero where the truth is not negligible
+(|r| > 2^-24 max|r|); for the paged cache when a slot the problem does not write changed.
 """
 from __future__ import annotations
 
@@ -53,6 +55,12 @@ def checks_from_record(rec: dict) -> list[dict]:
         if met.get("missing"):
             out.append({"tensor": name, "measure": "present", "threshold": 0.0, "observed": "missing"})
             continue
+        if _f(met.get("untouched_changed", 0) or 0) > 0:
+            out.append({"tensor": name, "measure": "untouched", "threshold": 0.0,
+                        "observed": f"{int(_f(met['untouched_changed']))} values changed in unwritten slots"})
+        if met.get("mistrusted"):
+            out.append({"tensor": name, "measure": "zeros", "threshold": 0.3,
+                        "observed": f"{100 * _f(met.get('zero_frac', 0)):.3g}% exact zeros"})
         if t.get("dtype") and t.get("expected_dtype") and t["dtype"] != t["expected_dtype"]:
             out.append({"tensor": name, "measure": "dtype", "threshold": 0.0, "expected": t["expected_dtype"],
                         "observed": t["dtype"]})
@@ -243,7 +251,25 @@ def main(argv):
             print(f"check {name} dtype: {got}, expected {c['expected']} -> {'FAILS' if bad else 'holds'}")
             failed += bad
             continue
+        if c["measure"] == "untouched":                              # slots the problem does not write
+            keep = torch.ones(x.shape[0], dtype=torch.bool)
+            keep[P["state_indices"].long().cpu()] = False
+            xo, ro = x.double().cpu()[keep], truth[name].double()[keep]
+            n = int((~((xo == ro) | (torch.isnan(xo) & torch.isnan(ro)))).sum())
+            print(f"check {name} unwritten slots unchanged: {n} values changed -> {'FAILS' if n else 'holds'}")
+            failed += bool(n)
+            continue
         d, r = measures(P, name, x, truth[name])
+        if c["measure"] == "zeros":                                  # mostly exact zeros where the truth is not negligible
+            xx, rr = (d + r), r
+            negligible = rr.abs() <= 2.0 ** -24 * float(rr.abs().max() if rr.numel() else 0.0)
+            nn = max(rr.numel(), 1)
+            zero, spurious = float((xx == 0).sum()) / nn, float(((xx == 0) & ~negligible).sum()) / nn
+            bad = zero > c["threshold"] and spurious > c["threshold"]
+            print(f"check {name} exact zeros: {100 * zero:.3g}% ({100 * spurious:.3g}% where the truth is not "
+                  f"negligible) vs {100 * c['threshold']:.3g}% -> {'FAILS' if bad else 'holds'}")
+            failed += bad
+            continue
         if c["measure"] == "finite":
             nan, inf = int(torch.isnan(d).sum()), int(torch.isinf(d).sum())
             bad = nan + inf > 0
@@ -548,7 +574,8 @@ def report_md(d: dict, p) -> str:
           "|---|---|---|---|---|"]
     for c in d["checks"]:
         meas = c["measure"] + (f" {c.get('where')}" if c["measure"] == "slice" else "")
-        exp = {"finite": "finite values", "present": "present", "dtype": c.get("expected", "")}.get(
+        exp = {"finite": "finite values", "present": "present", "dtype": c.get("expected", ""),
+               "untouched": "unwritten slots unchanged", "zeros": "at most 30% exact zeros"}.get(
             c["measure"], _fmt(c["threshold"]))
         obs = c["observed"] if isinstance(c["observed"], str) else _fmt(c["observed"])
         L.append(f"| {c['tensor']} | {meas} | {obs} | {exp} | {_fmt(c.get('baseline', math.nan))} |")
