@@ -156,15 +156,27 @@ DEFAULT_CPU_BLOCK_BYTES = 32 * 2 ** 20
 DEFAULT_CUDA_BLOCK_BYTES = 8 * 2 ** 30
 
 
+def sharing_workers() -> int:
+    """How many processes share this device: pytest-xdist's worker count
+    (PYTEST_XDIST_WORKER_COUNT, set in every worker), else 1."""
+    import os
+    try:
+        return max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    except ValueError:
+        return 1
+
+
 def default_block_bytes(device) -> int:
     """The working-set budget of one streamed block on ``device``: a quarter of the memory free
-    there (CUDA: ``torch.cuda.mem_get_info``; CPU: MemAvailable), capped at 8 GiB on CUDA and
-    32 MiB on the CPU (about a last-level cache: the workspace's elementwise passes then run
-    from cache)."""
+    there (CUDA: ``torch.cuda.mem_get_info``; CPU: MemAvailable) and at most a quarter of the
+    device's total memory divided by the workers sharing it (``sharing_workers``), capped at
+    8 GiB on CUDA and 32 MiB on the CPU (about a last-level cache: the workspace's elementwise
+    passes then run from cache)."""
     dev = torch.device(device)
+    workers = sharing_workers()
     if dev.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(dev)
-        return max(1, min(DEFAULT_CUDA_BLOCK_BYTES, free // 4))
+        free, total = torch.cuda.mem_get_info(dev)
+        return max(1, min(DEFAULT_CUDA_BLOCK_BYTES, free // 4, total // (4 * workers)))
     avail = None
     try:
         with open("/proc/meminfo") as f:
@@ -174,7 +186,9 @@ def default_block_bytes(device) -> int:
                     break
     except OSError:
         pass
-    return DEFAULT_CPU_BLOCK_BYTES if avail is None else max(1, min(DEFAULT_CPU_BLOCK_BYTES, avail // 4))
+    if avail is None:
+        return DEFAULT_CPU_BLOCK_BYTES
+    return max(1, min(DEFAULT_CPU_BLOCK_BYTES, avail // (4 * workers)))
 
 
 def block_plan(bounds, C: int, tiles_per_block: int) -> list:

@@ -172,3 +172,18 @@ def test_oracle_bench_reports_time_memory_and_rate_of_the_streamed_truth(capsys)
     assert r["tiles"] == 3 and r["truth_s"] > 0 and r["peak_bytes"] > 0 and r["peak_kind"] == "resident set"
     assert 0 < r["fraction_of_measured_matmul"] and r["matmul_time_s"] > 0
     assert r["truth_vs_recurrence_rel"] < 1e-12 and r["phases"]["streamed_vs_chunked_rel"] <= TOL
+
+
+def test_block_budget_shrinks_with_the_workers_sharing_the_device(monkeypatch):
+    monkeypatch.delenv("PYTEST_XDIST_WORKER_COUNT", raising=False)
+    assert ch.sharing_workers() == 1
+    one = ch.default_block_bytes("cpu")
+    assert 0 < one <= ch.DEFAULT_CPU_BLOCK_BYTES
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "16")
+    assert ch.sharing_workers() == 16 and ch.default_block_bytes("cpu") <= one
+    monkeypatch.setattr(ch, "DEFAULT_CPU_BLOCK_BYTES", 2 ** 62)      # uncapped: MemAvailable / (4 x 16)
+    many = ch.default_block_bytes("cpu")
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "1")
+    assert many * 8 < ch.default_block_bytes("cpu")
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "x")
+    assert ch.sharing_workers() == 1
