@@ -8,6 +8,11 @@ One chunk step, per value head, from the incoming state S [K, W]:
 
 Sequences (or segments) are run side by side on a padded chunk grid: a padded slot leaves
 S unchanged and writes no output.  Only the loop over chunk positions is sequential.
+
+``streamed`` (truth()'s default) runs the same chunk steps block by block: the tiles of all
+sequences, in order, cut into blocks of consecutive tiles; each block's inputs are cast to float64
+and its workspace built on its own, and the float64 states [N, HV, K, V] are carried from block
+to block.  Memory: the inputs, o, the states and one block's working set.
 """
 from __future__ import annotations
 
