@@ -29,7 +29,7 @@ def add_arguments(p):
                    help="whose kernels: triton (ours, default) or aiter (the FlashKDA kernels of the aiter tree on "
                         "PYTHONPATH, Triton and gfx950 Gluon, with the constexprs its launcher passes for H=12, "
                         "C=32, K=V=128; --routes and --states do not apply)")
-    p.add_argument("--kernel-timeout", type=float, default=900.0, metavar="S",
+    p.add_argument("--kernel-timeout", type=float, default=900.0, metavar="SECONDS",
                    help="with --backend aiter: seconds one kernel may compile before its row says it did not "
                         "(default 900)")
 
