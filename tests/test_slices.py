@@ -44,7 +44,8 @@ def test_the_exact_outputs_pass_with_the_worst_slice_named(small, cid):
     p, tr, bl = small[cid]
     v = judge_plant(p, _exact(p, tr), tr, bl)
     assert v.status == "pass", v.reason
-    assert "sequence" in v.reason or "slot" in v.reason, v.reason      # the worst margin names a slice
+    for name, t in v.tensors.items():                                    # each tensor records its worst slice
+        assert t["slice"]["where"].startswith(("sequence", "slot")) and t["slice"]["margin"] <= 1, (name, t)
 
 
 @pytest.mark.parametrize("cid", SMALL)
@@ -202,3 +203,9 @@ def test_a_route_whose_error_matches_a_cheaper_recipe_is_flagged(small):
     assert "matches the moonshot recipe" in v.reason, v.reason
     v = judge_plant(p, emulate(p, "flashkda"), tr, bl)
     assert "matches the" not in v.reason, v.reason
+
+
+def test_a_short_last_block_joins_the_block_before_it():
+    from verification.metrics import sequence_blocks
+    assert sequence_blocks([33, 64, 5, 0, 16]) == [(0, 0, 16), (0, 16, 33), (1, 0, 16), (1, 16, 32), (1, 32, 48),
+                                                   (1, 48, 64), (2, 0, 5), (4, 0, 16)]

@@ -109,19 +109,32 @@ def _ratio(num_sq: float, den_sq: float) -> float:
     return math.sqrt(num_sq) / math.sqrt(den_sq)
 
 
-def _seq_ids(problem, rows: int, block: int):
-    """Per packed row: its sequence n (-1 outside every sequence) and its slice id in the
-    (sequence, block) enumeration; plus the (n, block) label of every slice id."""
+def sequence_blocks(lens, block: int = SLICE_ROWS) -> list:
+    """The (sequence n, first token, end token) ranges of o's block slices, tokens local to the
+    sequence: SLICE_ROWS tokens each, a last block shorter than that merged into the one before it
+    (a slice of 1 to 15 tokens would be judged on too few tokens to compare two roundings)."""
+    out = []
+    for n, L in enumerate(lens):
+        starts = list(range(0, L, block))
+        if len(starts) > 1 and L - starts[-1] < block:
+            starts.pop()
+        out.extend((n, t0, starts[i + 1] if i + 1 < len(starts) else L) for i, t0 in enumerate(starts))
+    return out
+
+
+def _block_ids(problem, rows: int, blocks: list):
+    """Per packed row: its sequence n (-1 outside every sequence) and its block's index in
+    ``blocks`` (-1 outside)."""
     import numpy as np
     seq = np.full(rows, -1, dtype=np.int64)
     blk = np.full(rows, -1, dtype=np.int64)
-    labels = []
-    for n, (bos, eos) in enumerate(problem.seq_bounds()):
+    bounds = problem.seq_bounds()
+    for n, (bos, eos) in enumerate(bounds):
         seq[bos:eos] = n
-        nb = -(-(eos - bos) // block)
-        blk[bos:eos] = len(labels) + np.arange(eos - bos) // block
-        labels.extend((n, b) for b in range(nb))
-    return seq, blk, labels
+    for i, (n, t0, t1) in enumerate(blocks):
+        bos = bounds[n][0]
+        blk[bos + t0:bos + t1] = i
+    return seq, blk
 
 
 def slice_sums(d: torch.Tensor, r: torch.Tensor, problem, tensor: str) -> Optional[dict]:
@@ -129,13 +142,14 @@ def slice_sums(d: torch.Tensor, r: torch.Tensor, problem, tensor: str) -> Option
 
     d = x - ref and r = ref, both float64 and shaped as the output:
     o [B,T,HV,V] -> "seq_head" [N, HV] (sequence n, head h; count = len_n * V elements),
-                    "seq_block" [S] (sequence n, tokens SLICE_ROWS*b .. of it, all heads) and
+                    "seq_block" (sequence n, its tokens t0..t1 in ``sequence_blocks``, all heads) and
                     "seq_start" (sequence n's first START_ROWS tokens, all heads; sequences
                     longer than that);
     final_state [N,HV,*,*] -> "seq_head" [N, HV];
     state_cache (written slots only, in state_indices order) [N,HV,*,*] -> "slot_head" [N, HV].
     Returns {kind: {"err_sq": [...], "ref_sq": [...], "count": [...], "labels": [...]}} as
-    plain lists (labels: (n, h) or (n, block) or (slot, h)); None when the tensor has no slices."""
+    plain lists (labels: (n, h), (n, first token, last token) or (slot, h)); None when the tensor
+    has no slices."""
     if problem is None or d.dim() != 4 or d.numel() == 0:
         return None
     out = {}
@@ -143,36 +157,33 @@ def slice_sums(d: torch.Tensor, r: torch.Tensor, problem, tensor: str) -> Option
         HV, V = d.shape[2], d.shape[3]
         e2 = d.reshape(-1, HV, V).square().sum(-1)                        # [rows, HV]
         r2 = r.reshape(-1, HV, V).square().sum(-1)
-        seq_np, blk_np, blabels = _seq_ids(problem, e2.shape[0], SLICE_ROWS)
+        lens = [e - b for b, e in problem.seq_bounds()]
+        blocks = sequence_blocks(lens)
+        seq_np, blk_np = _block_ids(problem, e2.shape[0], blocks)
         seq = torch.from_numpy(seq_np).to(d.device)
         blk = torch.from_numpy(blk_np).to(d.device)
-        inside = seq >= 0
-        N = problem.N
+        inside, in_block = seq >= 0, blk >= 0
+        N, nb = problem.N, len(blocks)
+        starts = [(n, b, min(e, b + START_ROWS)) for n, (b, e) in enumerate(problem.seq_bounds()) if e - b > START_ROWS]
+        rows_e, rows_r = e2.sum(1), r2.sum(1)
         es = torch.zeros(N, HV, dtype=F64, device=d.device).index_add_(0, seq[inside], e2[inside])
         rs = torch.zeros(N, HV, dtype=F64, device=d.device).index_add_(0, seq[inside], r2[inside])
-        eb = torch.zeros(len(blabels), dtype=F64, device=d.device).index_add_(0, blk[inside], e2[inside].sum(1))
-        rb = torch.zeros(len(blabels), dtype=F64, device=d.device).index_add_(0, blk[inside], r2[inside].sum(1))
-        lens = [e - b for b, e in problem.seq_bounds()]
-        vals = torch.cat([es.flatten(), rs.flatten(), eb, rb]).tolist()      # one synchronisation
-        nh, nb = N * HV, len(blabels)
-        es, rs, eb, rb = vals[:nh], vals[nh:2 * nh], vals[2 * nh:2 * nh + nb], vals[2 * nh + nb:]
+        eb = torch.zeros(nb, dtype=F64, device=d.device).index_add_(0, blk[in_block], rows_e[in_block])
+        rb = torch.zeros(nb, dtype=F64, device=d.device).index_add_(0, blk[in_block], rows_r[in_block])
+        se = [rows_e[b:e].sum() for _, b, e in starts]
+        sr = [rows_r[b:e].sum() for _, b, e in starts]
+        vals = torch.cat([es.flatten(), rs.flatten(), eb, rb, torch.stack(se + sr) if starts else eb[:0]]).tolist()
+        nh, ns = N * HV, len(starts)                                           # one synchronisation above
+        es, rs, eb, rb = vals[:nh], vals[nh:2 * nh], vals[2 * nh:2 * nh + nb], vals[2 * nh + nb:2 * nh + 2 * nb]
+        se, sr = vals[2 * nh + 2 * nb:2 * nh + 2 * nb + ns], vals[2 * nh + 2 * nb + ns:]
         out["seq_head"] = {"err_sq": es, "ref_sq": rs,
                            "count": [lens[n] * V for n in range(N) for _ in range(HV)],
                            "labels": [(n, h) for n in range(N) for h in range(HV)]}
-        bl = {}
-        for n, b in blabels:
-            bl[(n, b)] = min(SLICE_ROWS, lens[n] - SLICE_ROWS * b) * HV * V
-        out["seq_block"] = {"err_sq": eb, "ref_sq": rb,
-                            "count": [bl[lab] for lab in blabels], "labels": [list(x) for x in blabels]}
-        starts = [(n, b, min(e, b + START_ROWS)) for n, (b, e) in enumerate(problem.seq_bounds()) if e - b > START_ROWS]
+        out["seq_block"] = {"err_sq": eb, "ref_sq": rb, "count": [(t1 - t0) * HV * V for _, t0, t1 in blocks],
+                            "labels": [[n, t0, t1 - 1] for n, t0, t1 in blocks]}
         if starts:
-            rows_e, rows_r = e2.sum(1), r2.sum(1)
-            se = torch.stack([rows_e[b:e].sum() for _, b, e in starts])
-            sr = torch.stack([rows_r[b:e].sum() for _, b, e in starts])
-            vals = torch.cat([se, sr]).tolist()
-            out["seq_start"] = {"err_sq": vals[:len(starts)], "ref_sq": vals[len(starts):],
-                                "count": [(e - b) * HV * V for _, b, e in starts],
-                                "labels": [[n, e - b] for n, b, e in starts]}
+            out["seq_start"] = {"err_sq": se, "ref_sq": sr, "count": [(e - b) * HV * V for _, b, e in starts],
+                                "labels": [[n, 0, e - b - 1] for n, b, e in starts]}
         return out
     N, HV = d.shape[0], d.shape[1]
     e2 = d.reshape(N, HV, -1).square().sum(-1)
