@@ -457,3 +457,44 @@ def test_a_mistrusted_or_untouched_slot_failure_has_a_check_the_repro_holds(how,
     with contextlib.redirect_stdout(buf):
         rc = ns["main"](["--device", "cpu"])
     assert rc == 1 and word in buf.getvalue() and "FAILS" in buf.getvalue(), buf.getvalue()
+
+
+CRASHER = '''
+import os
+
+from kda_kernels.emulator import EmulatorBackend
+
+
+class Crasher(EmulatorBackend):
+    """The emulator, except that a problem with two heads or more kills the process."""
+
+    def __init__(self):
+        super().__init__()
+        self.name = "crasher"
+
+    def run(self, problem, route, **kw):
+        if problem.HV >= 2:
+            os._exit(134)
+        return super().run(problem, route, **kw)
+
+
+def crasher():
+    return Crasher()
+'''
+
+
+def test_isolate_shrinks_a_kernel_that_kills_its_process(tmp_path, monkeypatch, capsys):
+    (tmp_path / "crashkernel.py").write_text(CRASHER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "b"
+    assert main(["shrink", "--backend", "crashkernel:crasher", "--route", "flashkda", "--case", "smoke/dense-T64-lb-5",
+                 "--out", str(out), "--isolate", "--max-runs", "4"]) == 0
+    data = json.loads((out / "shrink.json").read_text())
+    assert data["original"]["status"] == "crashed" and data["final"]["status"] == "crashed"
+    assert data["final"]["HV"] == 2 and data["trace"] and data["final"]["size"] < data["original"]["size"]
+    assert not (out / "outputs.safetensors").exists() and (out / "problem.safetensors").exists()
+    assert [c["measure"] for c in data["checks"]] == ["crash"]
+    assert "kills the process" in (out / "REPORT.md").read_text()
+    assert main(["shrink", "--backend", "emulator", "--route", "flashkda", "--case", "smoke/dense-T64-lb-5",
+                 "--out", str(out), "--timeout", "5"]) == 2
+    assert "--timeout: expected together with --isolate" in capsys.readouterr().err

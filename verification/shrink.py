@@ -31,7 +31,9 @@ the first failure mark of the original cell among those of the reduced one.  A m
 (tensor, kind) with kind ``nan`` / ``inf`` (non-finite values), ``missing``, ``shape``,
 ``dtype``, ``untouched`` (a slot the problem does not write changed), ``mistrusted`` or
 ``over`` (err / threshold > 1, whole tensor or worst slice), or ("run", "raised <Type>") for a
-kernel that raised.  The first mark is the most severe kind, then the largest margin.
+kernel that raised, ("run", "crashed") for one that killed its process (``isolate``: every cell
+in a child process, as ``run --isolate``; the final problem is run once more in this process
+for the outputs of the bundle, unless it crashes).  The first mark is the most severe kind, then the largest margin.
 """
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ import torch
 
 CUT = 64                      # leading cuts fall on multiples of this many tokens
 KIND_ORDER = ("nan", "inf", "missing", "shape", "dtype", "untouched", "mistrusted", "over")
-FAILING_STATUS = {"fail": "fail", "mistrusted": "mistrusted", "error": "error"}
+FAILING_STATUS = {"fail": "fail", "mistrusted": "mistrusted", "error": "error", "crashed": "crashed"}
 DEFAULT_MAX_RUNS = 200
 
 
@@ -102,6 +104,8 @@ def signature(rec: dict) -> Signature:
     status = underlying_status(rec)
     if not status:
         return Signature("", ())
+    if status == "crashed":                  # the kernel killed its (isolated) process, or ran past --timeout
+        return Signature("crashed", (("run", "crashed", math.inf),))
     if status == "error":
         m = re.search(r"raised (\w+)", rec.get("reason", ""))
         return Signature("error", (("run", f"raised {m.group(1) if m else 'an exception'}", math.inf),))
@@ -301,7 +305,7 @@ def head_steps(p, ctx) -> list:
     for h in order:
         out.append((f"keep head {h} of {p.HV} (error {errs[h]:.3g})", [h]))
     for h in reversed(order):
-        if group == 1:
+        if group == 1 and p.HV > 2:                 # with two heads, dropping one is keeping the other
             out.append((f"drop head {h} of {p.HV}", [x for x in range(p.HV) if x != h]))
     spans = _all_spans(p)
     return [(d, (lambda k=k: subproblem(p, spans, heads=k))) for d, k in out]
@@ -320,7 +324,7 @@ def leading_steps(p, ctx) -> list:
     for n in _longest_first(p):
         L = p.T if n is None else spans[n][2]
         full = (L - 1) // CUT                   # cuts that leave at least one token
-        cuts = sorted({full, full // 2, 1} - {0}, reverse=True)
+        cuts = sorted({c for c in (full, full // 2, 1) if 1 <= c <= full}, reverse=True)
         for c in cuts:
             who = "every row" if n is None else f"sequence {n}"
             out.append((f"drop the first {c * CUT} tokens of {who} (start from the oracle's state at token "
@@ -431,7 +435,8 @@ class Shrinker:
     """Runs one (backend, route) on a case and its reductions through ``run_cell``."""
 
     def __init__(self, loaded, route, db, device: str = "cpu", guards: Optional[bool] = None,
-                 log: Optional[Callable[[str], None]] = None):
+                 log: Optional[Callable[[str], None]] = None, isolate: bool = False,
+                 timeout_s: Optional[float] = None, tolerances_path: Optional[str] = None):
         from verification.runner import LoadedBackend
         self.rec_backend = _Recording(loaded.backend)
         self.loaded = LoadedBackend(spec=loaded.spec, backend=self.rec_backend, available=loaded.available,
@@ -439,12 +444,24 @@ class Shrinker:
         self.route, self.db, self.device, self.guards = route, db, device, guards
         self.log = log or (lambda s: None)
         self.runs = 0
+        self.isolate, self.timeout_s, self.tolerances_path = isolate, timeout_s, tolerances_path
 
-    def attempt(self, case) -> Attempt:
-        from verification.runner import BaselineCache, TruthCache, run_cell
+    def attempt(self, case, isolate: Optional[bool] = None) -> Attempt:
+        """Run the cell on ``case`` as the matrix does: in this process (its outputs are kept), or with
+        ``isolate`` in a child process (run --isolate: a kernel that kills it is ``crashed``; no outputs)."""
+        from verification.runner import BaselineCache, IsolatedRunner, TruthCache, run_cell
         tc, bc = TruthCache(device=self.device), BaselineCache()
         self.runs += 1
-        rec = run_cell(self.loaded, self.route, case, tc, bc, self.db, device=self.device, guards=self.guards)
+        self.rec_backend.last = None
+        if self.isolate if isolate is None else isolate:
+            runner = IsolatedRunner(tc, bc, tolerances_path=self.tolerances_path, timeout_s=self.timeout_s,
+                                    guards=self.guards)
+            try:
+                rec = runner.run(self.loaded, self.route, case, self.device)
+            finally:
+                runner.close()
+        else:
+            rec = run_cell(self.loaded, self.route, case, tc, bc, self.db, device=self.device, guards=self.guards)
         truth = None
         if rec.get("status") not in ("skipped",) and case.id in tc._truths:
             truth = tc._truths[case.id][0]
@@ -476,7 +493,7 @@ class Shrinker:
                             cand = make()
                         except ValueError:
                             continue
-                        if size(cand) >= size(cur.problem):
+                        if cand.is_empty or size(cand) >= size(cur.problem):
                             continue
                         k += 1
                         pc = ProblemCase(name=f"{case.name}~shrink{k}", suite=case.suite, seed=case.seed,
@@ -503,6 +520,12 @@ class Shrinker:
                 break
             if not kept_any:
                 break
+        if self.isolate and cur.outputs is None and cur.signature.status != "crashed":
+            again = self.attempt(ProblemCase(name=f"{case.name}~final", suite=case.suite, seed=case.seed,
+                                             problem=cur.problem, params=dict(getattr(case, "params", {}) or {})),
+                                 isolate=False)            # the outputs for the bundle, in this process
+            if sig.keeps(again.signature):
+                cur = again
         return ShrinkResult(first, cur, trace, self.runs, time.perf_counter() - t0, stopped)
 
     def _context(self, cur: Attempt) -> dict:

@@ -1,6 +1,6 @@
 """`kda-verify shrink`: reduce a failing cell to the smallest problem that fails the same way.
 
-    kda-verify shrink --backend B --route R --case ID --out DIR [--max-runs N] [--device D]
+    kda-verify shrink --backend B --route R --case ID --out DIR [--max-runs N] [--device D] [--isolate]
     kda-verify shrink --from-results RUNDIR --cell KEY --out DIR
 
 The cell is run and judged as ``kda-verify run`` judges it; while it fails, the problem is
@@ -18,7 +18,7 @@ NAME = "shrink"
 HELP = "reduce a failing cell to its smallest failing problem and write an upstream-ready bundle"
 EXAMPLES = """\
 kda-verify shrink --backend emulator-bad --route carry_scaled --case stress/weak-gate-lb-0.01 --out shrunk/carry
-kda-verify shrink --backend aiter --route triton:seg --case stress/empty-seq-middle --out shrunk/aiter-empty
+kda-verify shrink --backend aiter --route triton:seg --case stress/empty-seq-middle --out shrunk/aiter-empty --isolate
 kda-verify shrink --from-results runs/aiter --cell 'aiter|triton:seg|stress/empty-seq-middle' --out shrunk/a
 """
 
@@ -36,6 +36,10 @@ def add_arguments(p):
     p.add_argument("--device", default=None, metavar="DEVICE",
                    help="device to run on (default: cuda if available, else cpu)")
     p.add_argument("--tolerances", default=None, metavar="FILE", help="tolerance file (default: tolerances.yaml)")
+    p.add_argument("--isolate", action="store_true",
+                   help="run each cell in a child process (as run --isolate): a kernel that kills it is a crash")
+    p.add_argument("--timeout", default=None, metavar="SECONDS",
+                   help="with --isolate: a cell running longer is killed and counts as crashed")
 
 
 def _from_results(args):
@@ -82,6 +86,16 @@ def run(args) -> int:
         max_runs = 0
     if max_runs < 1:
         raise UsageError(f"--max-runs: expected an integer >= 1, got {args.max_runs!r}")
+    timeout = None
+    if args.timeout is not None:
+        try:
+            timeout = float(args.timeout)
+        except ValueError:
+            timeout = -1.0
+        if not timeout > 0:
+            raise UsageError(f"--timeout: expected a number of seconds > 0, got {args.timeout!r}")
+        if not args.isolate:
+            raise UsageError("--timeout: expected together with --isolate, got it alone")
     from verification.cases import get_case
     case = get_case(case_id, n=fuzz_n, seed=fuzz_seed)
     from verification.commands.run import _check_device, setup_interpreter
@@ -103,7 +117,8 @@ def run(args) -> int:
     from verification.shrink import Shrinker, shape_text, size
 
     print(f"shrink {lb.name}/{route.name} on {case.id} ({device}), at most {max_runs} runs")
-    sh = Shrinker(lb, route, db, device=device, log=print)
+    sh = Shrinker(lb, route, db, device=device, log=print, isolate=args.isolate, timeout_s=timeout,
+                  tolerances_path=args.tolerances)
     res = sh.shrink(case, max_runs=max_runs)
     first = res.original
     st = first.record.get("status")
@@ -117,11 +132,14 @@ def run(args) -> int:
     argv = ["kda-verify", "shrink", "--backend", lb.spec, "--route", route.name, "--case", case.id]
     if case.suite == "fuzz" and getattr(case, "suite_opts", None):
         argv += ["--fuzz-n", str(case.suite_opts["n"]), "--fuzz-seed", str(case.suite_opts["seed"])]
+    if args.isolate:
+        argv += ["--isolate"] + (["--timeout", str(args.timeout)] if args.timeout else [])
     argv += ["--out", str(out)]
     command = " ".join(shlex.quote(a) for a in argv)
     write_bundle(out, res, lb, route, case, device, command)
     print(f"{shape_text(first.problem)} -> {shape_text(res.final.problem)} (size {size(first.problem)} -> "
           f"{size(res.final.problem)}), {len(res.trace)} steps, {res.runs} runs, {res.seconds:.1f} s ({res.stopped})")
     print(f"still fails: {res.final.signature.describe()}")
-    print(f"bundle: {out}/ (REPORT.md, repro.py, problem/truth/outputs.safetensors)")
+    have = "problem/truth/outputs" if (out / "outputs.safetensors").exists() else "problem/truth (no outputs: a crash)"
+    print(f"bundle: {out}/ (REPORT.md, repro.py, {have}.safetensors)")
     return 0
