@@ -578,7 +578,7 @@ def report_md(d: dict, p) -> str:
     nonfinite = any(c["measure"] == "finite" for c in d["checks"])
     what = ("kills the process" if any(c["measure"] == "crash" for c in d["checks"]) else
             "returns NaN / Inf where the float64 reference is finite" if nonfinite else
-            "differs from a float64 reference beyond what its own precision recipe explains")
+            "returns outputs that differ from a float64 reference beyond what its own precision recipe explains")
     L += [f"On a {fin['N']}-sequence problem (lengths {fin['lens']}, H={fin['H']}, HV={fin['HV']}, "
           f"K={p.K}, V={p.V}, {fin['T']} token{'s' if fin['T'] != 1 else ''}) the kernel {what}.", ""]
     L += ["## What fails", "", "| tensor | measure | observed | expected (threshold) | baseline (the recipe's own error) |",
