@@ -546,7 +546,8 @@ def write_bundle(out_dir, result, loaded, route, case, device: str, command: str
         "final": {"shape": shape_text(p), "size": size(p), "status": fin.record.get("status"),
                   "reason": fin.record.get("reason"), "failure": fin.signature.describe(),
                   "lens": [e - b for b, e in p.seq_bounds()], "N": p.N, "H": p.H, "HV": p.HV, "T": p.B * p.T,
-                  "tensors": fin.record.get("tensors"), "verdict_status": verdict_of(fin.record)[0],
+                  "tensors": fin.record.get("tensors"), "info": fin.record.get("info") or {},
+                  "verdict_status": verdict_of(fin.record)[0],
                   "verdict_reason": verdict_of(fin.record)[1]},
         "checks": checks, "trace": result.trace, "runs": result.runs, "seconds": result.seconds,
         "stopped": result.stopped, "environment": env, "command": command, "check_command": check_cmd,
@@ -619,7 +620,11 @@ def report_md(d: dict, p) -> str:
                                                    f"CUDA {dev.get('cuda_runtime')}, HIP {dev.get('hip_runtime')})"
                                                    if dev.get("type") == "cuda" else f" ({dev.get('device')})"),
           f"- torch {sw.get('torch')}, triton {sw.get('triton')}, python {sw.get('python')}",
-          f"- kda-verify commit {d['environment']['kda_verify_git'].get('commit')}", ""]
+          f"- kda-verify commit {d['environment']['kda_verify_git'].get('commit')}"]
+    ran = (fin.get("info") or {}).get("route_ran")
+    if ran:
+        L.append(f"- what ran (the adapter's record): {ran}")
+    L.append("")
     L += ["## Reproduce", "",
           "The bundle holds problem.safetensors, truth.safetensors (float64), outputs.safetensors (what the "
           "kernel returned) and repro.py:", "", "```bash", "python repro.py          # exit 1: reproduced", "```", "",
