@@ -123,7 +123,7 @@ def run(args) -> int:
     first = res.original
     st = first.record.get("status")
     if not first.signature.failing:
-        if st in ("skipped", "out-of-contract"):
+        if st in ("skipped", "out-of-contract", "resource-error"):
             raise UsageError(f"--case: {lb.name}/{route.name} on {case.id} is {st} here, so there is no failure to "
                              f"shrink: {first.record.get('reason', '')[:300]}")
         print(f"{lb.name}/{route.name} on {case.id}: {st}: {first.record.get('reason', '')[:300]}")
