@@ -26,15 +26,17 @@ Flags are set around each call and restored afterwards, so routes never leak int
 other; afterwards the adapter confirms which kernels actually launched (it counts
 launches of the module's kernel objects) instead of trusting the flags, and refuses a
 result whose launches contradict the route; a Triton route that counts no K1 or no K2 launch
-is refused too (an aiter version launching through objects the adapter does not wrap).  Each Triton kernel that would autotune among
-several configs is pinned to one for the call (kda_kernels._autotune_pin with PIN_RULE: the
-first config with BW=32 in aiter's order, else aiter's first), and any other autotuner launched
-with several configs raises instead of benchmarking inside a verdict.
+is refused too (an aiter version launching through objects the adapter does not wrap).  Each
+Triton kernel that would autotune among several configs is pinned to one for the call
+(kda_kernels._autotune_pin with PIN_RULE: the first config with BW=32 in aiter's order, else
+aiter's first), and any other autotuner launched with several configs raises instead of
+benchmarking inside a verdict.
 No AMD GPU exists where this project is developed: the Gluon routes are untested here.
 
 ``debug_plan`` / ``run_pass`` (verification.debug) launch the module's Triton kernels one
-pass at a time (parameters with defaults, e.g. the newest layout's paged ones, at their defaults) (K1, pass A, the scan, pass C) on oracle-fed inputs, with flash_kda_fwd's grids,
-constexprs and segment descriptors (its own ``_build_segments``); dense states only.
+pass at a time (K1, pass A, the scan, pass C) on oracle-fed inputs, with flash_kda_fwd's grids,
+constexprs and segment descriptors (its own ``_build_segments``), kernel parameters with defaults
+(the newest layout's paged ones, cache modifiers) at their defaults; dense states only.
 """
 from __future__ import annotations
 
