@@ -8,6 +8,7 @@ import torch
 
 from kda_kernels.base import BUILTIN_BACKENDS
 from kda_ref import ProblemError, validate
+from verification.cases import SUITES
 from verification.cli import main
 from verification.problem_file import save_problem
 from verification.selfcheck import RECIPES, build
@@ -211,7 +212,7 @@ def test_cli_missing_file_and_bad_device_without_traceback(tmp_path):
 
 # ------------------------------------------------------------- run, pytest options, tolerances, files
 RUN_CASES = [
-    (["--suite", "nope"], "--suite: expected one of smoke, default, k3-prefill, stress, fuzz, got 'nope'"),
+    (["--suite", "nope"], f"--suite: expected one of {', '.join(SUITES)}, got 'nope'"),
     (["--route", "nope"], "--route: backend 'emulator' has no route 'nope'; expected one of: flashkda, fla, moonshot"),
     (["--backend", "nope"], f"--backend: expected a built-in name ({', '.join(BUILTIN_BACKENDS)}) "
                             "or package.module:factory, got 'nope'"),
@@ -270,7 +271,7 @@ def test_problem_file_with_a_missing_tensor(tmp_path, capsys):
 pytest_plugins = ["pytester"]
 
 PYTEST_OPTION_CASES = [
-    (["--kda-suite", "nope"], "--suite: expected one of smoke, default, k3-prefill, stress, fuzz, got 'nope'"),
+    (["--kda-suite", "nope"], f"--suite: expected one of {', '.join(SUITES)}, got 'nope'"),
     (["--kda-backend", "nope"], "--backend: expected a built-in name"),
     (["--kda-route", "nope"], "--route: backend 'emulator' has no route 'nope'"),
     (["--kda-case", "smoke/nope"], "--case: expected a case id (or glob) of suite(s) smoke, got 'smoke/nope'"),
