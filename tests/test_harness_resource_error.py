@@ -102,3 +102,14 @@ def test_another_harness_exception_stays_an_error(monkeypatch):
     route = runner.resolve_routes(lb, ["flashkda"])[0]
     rec = run_cell(lb, route, get_case(CASE), TruthCache("cpu"), BaselineCache(), load_tolerances(), "cpu")
     assert rec["status"] == "error" and "oracle/baseline raised ValueError" in rec["reason"]
+
+
+def test_a_run_with_a_resource_error_and_no_failure_exits_2():
+    from verification.runner import RunSummary
+    s = RunSummary(out_dir=None)
+    s.records = [{"status": "pass"}, {"status": "resource-error"}]
+    assert s.exit_code == 2
+    s.records = [{"status": "fail"}, {"status": "resource-error"}]
+    assert s.exit_code == 1
+    s.records = [{"status": "pass"}]
+    assert s.exit_code == 0

@@ -873,9 +873,12 @@ class RunSummary:
 
     @property
     def exit_code(self) -> int:
-        """1 if any cell failed, was mistrusted, crashed or errored; else 0 (a run that judged no
-        cell at all is the caller's to refuse: ``nothing_verified_reason``)."""
-        return 1 if self.failed else 0
+        """1 if any cell failed, was mistrusted, crashed or errored; else 2 if the harness ran out
+        of memory on a cell (a bad environment: that cell was not verified); else 0 (a run that
+        judged no cell at all is the caller's to refuse: ``nothing_verified_reason``)."""
+        if self.failed:
+            return 1
+        return 2 if any(r.get("status") == RESOURCE_ERROR for r in self.records) else 0
 
     @property
     def verified(self) -> int:
