@@ -35,8 +35,9 @@ from .runner import (FAILING, JUDGED, RESULTS_FILE, RUN_FILE, STATUSES, as_float
 
 PLOTS = ("error_vs_T", "worst_chunks", "margin_heatmap")
 STATUS_COLOURS = {"pass": "#2e7d32", "fail": "#c62828", "mistrusted": "#ef6c00", "crashed": "#6a1b9a",
-                  "error": "#4e342e", "skipped": "#757575", "known-fail": "#f9a825", "out-of-contract": "#0277bd"}
-UNJUDGED = ("skipped", "crashed", "error", "out-of-contract")     # no margin of these belongs on a plot
+                  "error": "#4e342e", "skipped": "#757575", "known-fail": "#f9a825", "out-of-contract": "#0277bd",
+                  "resource-error": "#455a64"}
+UNJUDGED = ("skipped", "crashed", "error", "out-of-contract", "resource-error")   # no margin of these belongs on a plot
 
 
 # ----------------------------------------------------------------------------------------
@@ -393,6 +394,7 @@ HEAT_KINDS = {   # status (or a non-finite margin) -> (fill, text, legend); colo
     "skipped": (STATUS_COLOURS["skipped"], "", "skipped: not verified"),
     "crashed": (STATUS_COLOURS["crashed"], "✕", "crashed (✕)"),
     "error": (STATUS_COLOURS["error"], "E", "error (E)"),
+    "resource-error": (STATUS_COLOURS["resource-error"], "OOM", "harness out of memory (OOM): not verified"),
     "nan": (STATUS_COLOURS["fail"], "NaN", "fail with a NaN error"),
     "inf": (STATUS_COLOURS["fail"], "∞", "fail with an infinite margin"),
 }
