@@ -44,8 +44,6 @@ def test_help_has_examples_that_parse(name):
 def test_metavars_and_capitalisation_have_one_style(name):
     sub = SUB.choices[name]
     assert sub.description and sub.description[0].islower() and not sub.description.endswith("."), sub.description
-    if name == "check":
-        pytest.xfail("check's metavars are single letters (P, O, R, D; its parser is not this test's to change)")
     for a in _options(name):
         assert a.help and not CAPITALISED.match(a.help), (name, a.option_strings, a.help)
         takes_value = a.nargs != 0 and not isinstance(a, (argparse._StoreTrueAction, argparse._StoreFalseAction))
@@ -56,8 +54,6 @@ def test_metavars_and_capitalisation_have_one_style(name):
 @pytest.mark.parametrize("name", [n for n in COMMANDS if any("--device" in a.option_strings for a in _options(n))])
 def test_device_defaults_to_cuda_if_available(name):
     dev = next(a for a in _options(name) if "--device" in a.option_strings)
-    if name == "check":
-        pytest.xfail("check --device defaults to cpu (its parser is not this test's to change)")
     assert dev.default is None and DEVICE_DEFAULT in dev.help, (name, dev.default, dev.help)
 
 

@@ -38,19 +38,20 @@ kda-verify check --inputs problems/ --outputs outputs/ --out results/ --resume
 
 
 def add_arguments(p):
-    p.add_argument("--inputs", required=True, metavar="P",
+    p.add_argument("--inputs", required=True, metavar="PATH",
                    help="problem file (safetensors, kda-verify-problem/1), or a directory of them")
-    p.add_argument("--outputs", required=True, metavar="O",
+    p.add_argument("--outputs", required=True, metavar="PATH",
                    help="output file (safetensors, kda-verify-outputs/1), or a directory of them (kda-verify capture)")
-    p.add_argument("--recipe", metavar="R", help="emulator recipe of the baseline: flashkda, fla, moonshot "
+    p.add_argument("--recipe", metavar="RECIPE", help="emulator recipe of the baseline: flashkda, fla, moonshot "
                    "(required for files; for directories the default is the one each outputs file records)")
     p.add_argument("--out", metavar="DIR", help="with directories: results directory (default: the --outputs directory)")
     p.add_argument("--resume", action="store_true", help="with directories: keep the cells already in results.jsonl")
     p.add_argument("--backend-name", default="external", metavar="NAME",
                    help="backend name for the tolerance lookup (default: external)")
-    p.add_argument("--route", default=None, metavar="NAME", help="route name for the tolerance lookup (default: R)")
+    p.add_argument("--route", default=None, metavar="NAME", help="route name for the tolerance lookup (default: the recipe)")
     p.add_argument("--tolerances", default=None, metavar="FILE", help="tolerance file (default: tolerances.yaml)")
-    p.add_argument("--device", default="cpu", metavar="D", help="device for the oracle and the baseline (default cpu)")
+    p.add_argument("--device", default=None, metavar="DEVICE",
+                   help="device for the oracle and the baseline (default: cuda if available, else cpu)")
     p.add_argument("--json", action="store_true", help="print the verdict as JSON")
 
 
@@ -85,6 +86,10 @@ def run(args) -> int:
     from verification.verdict import baseline_metrics, judge
 
     from pathlib import Path
+
+    from verification.commands.oracle import check_device
+    from verification.runner import default_device
+    args.device = str(check_device(args.device or default_device()))
     if Path(args.inputs).is_dir():
         return run_dir(args)
     for name, val in (("--out", args.out), ("--resume", args.resume)):
