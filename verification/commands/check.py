@@ -76,18 +76,14 @@ def table(verdict) -> str:
 
 
 def run(args) -> int:
-    from kda_kernels.base import Route
-    from kda_kernels.emulator import RECIPES
-    from kda_ref.problem import validate
-    from kda_ref.truth import truth
-    from verification.cli import UsageError
-    from verification.problem_file import load_outputs, load_problem
-    from verification.tolerances import load_tolerances
-    from verification.verdict import baseline_metrics, judge
-
     from pathlib import Path
 
+    from kda_kernels.emulator import RECIPES
+    from kda_ref.problem import validate
+    from verification.cli import UsageError
     from verification.commands.oracle import check_device
+    from verification.problem_file import load_outputs, load_problem
+    from verification.tolerances import load_tolerances
     from verification.runner import default_device
     args.device = str(check_device(args.device or default_device()))
     if Path(args.inputs).is_dir():
@@ -105,35 +101,14 @@ def run(args) -> int:
         raise UsageError(f"--inputs: {problem.empty_reason()}")
     outs = load_outputs(args.outputs, problem)
     outs = {k: v.to(args.device) for k, v in outs.items()}
-    route = Route(name=args.route or args.recipe, recipe=args.recipe)
-    if "ws_inv" in outs and int(outs["ws_inv"].shape[-1]) != RECIPES[args.recipe].chunk:
-        raise UsageError(f"--outputs: ws_inv: expected chunk {RECIPES[args.recipe].chunk} (the {args.recipe} recipe's), "
-                         f"got {int(outs['ws_inv'].shape[-1])} (shape {list(outs['ws_inv'].shape)})")
-    tr = truth(problem)
-    want_taps = "ws_inv" in outs
-    base = baseline_metrics(problem, args.recipe, tr, taps=want_taps)
-    recipes = {args.recipe: base}
-
-    def recipe_baselines() -> dict:          # the same cap lift and fallback as run: every recipe, once
-        for r in RECIPES:
-            if r not in recipes:
-                recipes[r] = baseline_metrics(problem, r, tr)
-        return recipes
-
-    class _Loaded:
-        taps = {k: v for k, v in outs.items() if k == "ws_inv"}
-
-        @staticmethod
-        def tensors():
-            return {k: v for k, v in outs.items() if k in ("o", "final_state", "state_cache")}
-
-    verdict = judge(args.backend_name, route, problem, _Loaded(), tr, base, db, recipe_baselines=recipe_baselines)
+    route_name = args.route or args.recipe
+    verdict, _ = judge_files(problem, outs, args.recipe, args.backend_name, route_name, db, args.device)
     if args.json:
         d = verdict.to_dict()
         d.update(inputs=args.inputs, outputs=args.outputs)
         print(json.dumps(d, indent=1))
     else:
-        print(f"{args.backend_name}/{route.name} (baseline: recipe {args.recipe}) on {problem.describe()}")
+        print(f"{args.backend_name}/{route_name} (baseline: recipe {args.recipe}) on {problem.describe()}")
         print(table(verdict))
         print(f"{verdict.status.upper()}: {verdict.reason}")
     sys.stdout.flush()
@@ -175,7 +150,7 @@ def judge_files(problem, outs: dict, recipe: str, backend_name: str, route_name:
     base = baseline_metrics(problem, recipe, tr, taps="ws_inv" in outs)
     recipes = {recipe: base}
 
-    def recipe_baselines() -> dict:
+    def recipe_baselines() -> dict:          # the same cap lift and fallback as run: every recipe, once
         for r in RECIPES:
             if r not in recipes:
                 recipes[r] = baseline_metrics(problem, r, tr)
