@@ -40,24 +40,13 @@ def add_arguments(p):
                    help="with a directory --inputs: skip problems whose outputs are already in --out")
 
 
-def run(args) -> int:
-    import inspect
-
+def backend_route_device(args):
+    """(backend, route, device) of a capture: --backend loaded and available, --route among its
+    routes (default its first), --device or cuda if available, else cpu; one line otherwise."""
     import torch
 
     from kda_kernels.base import BackendError, load_backend
-    from kda_ref.problem import validate
     from verification.cli import UsageError
-    from verification.problem_file import load_problem, save_outputs
-
-    from verification.errors import writable_file
-
-    from pathlib import Path
-    if Path(args.inputs).is_dir():
-        return run_dir(args)
-    if args.resume:
-        raise UsageError(f"--resume: expected with a directory --inputs, got the file {args.inputs!r}")
-    writable_file(args.out, "--out")
     backend = load_backend(args.backend)
     ok, why = backend.available()
     if not ok:
@@ -72,7 +61,26 @@ def run(args) -> int:
         if not match:
             raise UsageError(f"--route: expected one of {', '.join(r.name for r in routes)}, got {args.route!r}")
         route = match[0]
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return backend, route, args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def run(args) -> int:
+    import inspect
+
+    from kda_kernels.base import BackendError
+    from kda_ref.problem import validate
+    from verification.cli import UsageError
+    from verification.problem_file import load_problem, save_outputs
+
+    from verification.errors import writable_file
+
+    from pathlib import Path
+    if Path(args.inputs).is_dir():
+        return run_dir(args)
+    if args.resume:
+        raise UsageError(f"--resume: expected with a directory --inputs, got the file {args.inputs!r}")
+    writable_file(args.out, "--out")
+    backend, route, device = backend_route_device(args)
     problem = validate(load_problem(args.inputs).to(device))
     ok, why = backend.accepts(problem, route)
     if not ok:
@@ -113,9 +121,6 @@ def run_dir(args) -> int:
     """capture over a directory (module docstring)."""
     import inspect
 
-    import torch
-
-    from kda_kernels.base import BackendError, load_backend
     from kda_ref.problem import ProblemError, validate
     from verification.cli import UsageError
     from verification.errors import writable_dir
@@ -123,21 +128,7 @@ def run_dir(args) -> int:
 
     files = problem_files(args.inputs)
     out_dir = writable_dir(args.out, "--out")
-    backend = load_backend(args.backend)
-    ok, why = backend.available()
-    if not ok:
-        raise BackendError(f"--backend: {backend.name} cannot run here: {why}")
-    routes = backend.routes()
-    if not routes:
-        raise BackendError(f"--backend: {backend.name} has no routes here")
-    if args.route is None:
-        route = routes[0]
-    else:
-        match = [r for r in routes if r.name == args.route]
-        if not match:
-            raise UsageError(f"--route: expected one of {', '.join(r.name for r in routes)}, got {args.route!r}")
-        route = match[0]
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    backend, route, device = backend_route_device(args)
     # every problem file is read before any kernel runs: a bad one is bad input, named, exit 2
     problems = []
     for f in files:
