@@ -1,4 +1,4 @@
-"""Metrics of one output tensor against the float64 oracle (DESIGN §4).
+"""Metrics of one output tensor against the float64 oracle (docs/design.md, Metrics).
 
 For an output x and its float64 reference r (both upcast to float64; d = x - r):
 
