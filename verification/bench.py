@@ -30,7 +30,7 @@ from typing import Callable, Optional
 
 import torch
 
-# DESIGN §5 default suite (also verification.cases.DEFAULT_SHAPES)
+# the default suite: the 13 production benchmark shapes (also verification.cases.DEFAULT_SHAPES)
 DEFAULT_SHAPES = ((1, 256, 12), (1, 512, 12), (1, 1664, 12), (1, 2048, 12), (1, 8192, 12), (1, 16384, 12),
                   (1, 16384, 64), (1, 16384, 96), (1, 8192, 32), (1, 8192, 64), (2, 2664, 12), (4, 4096, 16),
                   (8, 2048, 16))
