@@ -1,4 +1,4 @@
-"""Tolerances as data: ``tolerances.yaml`` at the repository root (DESIGN §4).
+"""Tolerances as data: ``tolerances.yaml`` at the repository root (docs/tolerances.md).
 
 Schema (version 1)::
 
