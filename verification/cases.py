@@ -1,4 +1,4 @@
-"""Cases and suites (DESIGN §5): a Case is a name, a seed and a recipe of parameters that
+"""Cases and suites (docs/design.md, Vocabulary): a Case is a name, a seed and a recipe of parameters that
 builds one Problem deterministically.
 
 Inputs follow aiter's FlashKDA test generator (realistic Kimi ranges):
@@ -294,7 +294,7 @@ def smoke_suite() -> list[Case]:
 
 
 def default_suite() -> list[Case]:
-    """The 13 production benchmark shapes of DESIGN §5 (K=V=128, lb -5)."""
+    """The 13 production benchmark shapes (K=V=128, lb -5)."""
     return [_case("default", f"B{B}-T{T}-H{H}", B=B, T=T, H=H, long=B * T * H > 2 ** 20)
             for B, T, H in DEFAULT_SHAPES]
 
@@ -319,7 +319,7 @@ def k3_prefill_suite() -> list[Case]:
 
 
 def stress_suite() -> list[Case]:
-    """The numerically hard corners (research/flashkda.md §13)."""
+    """The numerically hard corners: weak and saturated gates, correlated keys, tails, empty sequences, large states."""
     s = "stress"
     c = []
     for lb in (-0.01, -0.1, -1.0):
