@@ -1,6 +1,6 @@
 """The oracle in plain NumPy, one sequence and one head at a time (for reading, not speed).
 
-It restates kda_ref's torch path line by line: preprocessing (DESIGN §2), the token
+It restates kda_ref's torch path line by line: preprocessing (docs/design.md, The math), the token
 recurrence, one chunk's workspace with both inverses, and the chunked forward.  Tests hold
 the torch path to it.
 """
