@@ -1,4 +1,4 @@
-"""The Backend protocol: what every kernel under test implements (DESIGN §3).
+"""The Backend protocol: what every kernel under test implements (docs/backends.md).
 
 A Backend knows its name, whether it can run here (and why not, in words), its
 routes, which Problems it accepts, and how to run one Route on a Problem.  A Route
