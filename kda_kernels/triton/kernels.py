@@ -1,5 +1,5 @@
 """The Triton kernels of our FlashKDA forward: K1 (prepare), the chunk walks (pass A's maps,
-pass C's outputs), and the segment scan (pass B).  Math: DESIGN §2 and research/flashkda.md §3.
+pass C's outputs), and the segment scan (pass B).  Math: docs/design.md; design: docs/triton-flashkda.md.
 
 K1, one program per (tile, head), C = 32 rows x D = 128 channels, all in fp32:
     q^, k^ = x / sqrt(sum x^2 + 1e-6)
