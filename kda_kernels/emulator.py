@@ -15,7 +15,7 @@ Per chunk of C rows (G_i = log2(e) * chunk-local cumsum of the decay a, fp32):
     (A: the pivot row G_p, p = min(C/2, Lc-1), for flashkda; 0 for moonshot; the middle /
     first row of each 16-row block for fla), each factor rounded to the tile dtype.
 
-Recipes (research/flashkda.md §3, §11; research/fla_kda.md §7):
+Recipes (docs/tolerances.md, Baselines):
 
     flashkda  C=32, pivot; kd/qd/kr bf16; INV built in fp32 (16-wide Neumann doubling, one
               block merge) and stored fp16; Mqk fp16; fp32 state; per chunk
