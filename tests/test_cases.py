@@ -1,4 +1,4 @@
-"""Cases and suites: deterministic, realistic, and covering what DESIGN §5 asks for."""
+"""Cases and suites: deterministic, realistic, and covering the default shapes and the stress corners."""
 import math
 
 import pytest
