@@ -46,7 +46,7 @@ D = 128
 LB_RANGE = (-5.0, 0.0)          # the lower_bound range flash_kda documents (and does not check)
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 BUILD_HINT = ("build it from source for SM90 (CUDA >= 12.9): tools/vendor_flash_kda.sh then "
-              "tools/build_flash_kda.sh SRC (README, Backends)")
+              "tools/build_flash_kda.sh SRC (docs/backends.md)")
 
 
 def _dname(dt: torch.dtype) -> str:
