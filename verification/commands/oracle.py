@@ -33,7 +33,7 @@ def check_device(device: str):
 
 
 def add_arguments(parser):
-    parser.add_argument("--inputs", required=True, metavar="PATH", help="problem file (safetensors, see README 'Problem files')")
+    parser.add_argument("--inputs", required=True, metavar="PATH", help="problem file (safetensors, see docs/problem-files.md)")
     parser.add_argument("--out", required=True, metavar="PATH", help="truth file to write (safetensors)")
     parser.add_argument("--device", default=None, metavar="DEVICE",
                         help="cpu or cuda[:N] (default: cuda if available, else cpu)")
