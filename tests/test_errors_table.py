@@ -1,35 +1,35 @@
-"""README.md's bad-input table is the one the entry points print: every row is run again through
-its entry point (verification/errors_table.py) and compared with the README's line, so the table
-cannot drift from the messages; the README holds no row the module does not make."""
+"""docs/errors.md's bad-input table is the one the entry points print: every row is run again through
+its entry point (verification/errors_table.py) and compared with the document's line, so the table
+cannot drift from the messages; the document holds no row the module does not make."""
 import pytest
 
-from verification.errors_table import (BEGIN, END, HEADER, README, Row, TableError, cli, make_line,
-                                       readme_table, replace_table, row_head, rows)
+from verification.errors_table import (BEGIN, DOC, END, HEADER, Row, TableError, cli, make_line,
+                                       doc_table, replace_table, row_head, rows)
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
 
 ROWS = rows()
 
 
-def _readme_lines() -> list[str]:
-    return readme_table(README.read_text()).splitlines()
+def _doc_lines() -> list[str]:
+    return doc_table(DOC.read_text()).splitlines()
 
 
-def test_the_readme_holds_exactly_the_rows_of_the_table():
-    lines = _readme_lines()
+def test_the_doc_holds_exactly_the_rows_of_the_table():
+    lines = _doc_lines()
     assert tuple(lines[:2]) == HEADER
     heads = [ln[:len(row_head(r))] for ln, r in zip(lines[2:], ROWS)]
-    assert heads == [row_head(r) for r in ROWS], "README.md's rows differ: python -m verification.errors_table --write"
-    assert len(lines) == 2 + len(ROWS), "README.md has rows the table does not make"
+    assert heads == [row_head(r) for r in ROWS], "docs/errors.md's rows differ: python -m verification.errors_table --write"
+    assert len(lines) == 2 + len(ROWS), "docs/errors.md has rows the table does not make"
     assert len({row_head(r) for r in ROWS}) == len(ROWS), "two rows with the same situation and entry point"
 
 
 @pytest.mark.parametrize("i", range(len(ROWS)), ids=[f"{i:02d}-{r.situation[:40]}" for i, r in enumerate(ROWS)])
-def test_each_readme_row_is_the_message_printed(i):
-    lines = _readme_lines()
+def test_each_doc_row_is_the_message_printed(i):
+    lines = _doc_lines()
     want = make_line(ROWS[i])
     assert 2 + i < len(lines) and lines[2 + i] == want, (
-        f"README.md's row differs from what {ROWS[i].where!r} printed:\n  README: "
+        f"docs/errors.md's row differs from what {ROWS[i].where!r} printed:\n  doc: "
         f"{lines[2 + i] if 2 + i < len(lines) else None}\n  printed: {want}\n"
         f"(python -m verification.errors_table --write rewrites the table)")
 
@@ -54,6 +54,6 @@ def test_the_table_is_replaced_between_its_markers_only():
     text = f"# t\n\nbefore\n\n{BEGIN}\n| old |\n{END}\n\nafter\n"
     new = replace_table(text, "| new |\n")
     assert new == f"# t\n\nbefore\n\n{BEGIN}\n| new |\n{END}\n\nafter\n"
-    assert readme_table(new) == "| new |\n"
+    assert doc_table(new) == "| new |\n"
     with pytest.raises(TableError, match="expected the markers"):
-        readme_table("no markers")
+        doc_table("no markers")

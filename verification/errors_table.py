@@ -1,4 +1,4 @@
-"""The README's bad-input table, made from the messages the real entry points print.
+"""The bad-input table of docs/errors.md, made from the messages the real entry points print.
 
 Each row runs one bad input through the entry point a user meets (``kda-verify``'s ``main``
 in-process for the CLI, ``pytest -m verify`` in a child process for the plugin, the function
@@ -8,10 +8,10 @@ which must come with exit 2 and be the only line on stderr.  A row whose entry p
 otherwise (another exit code, a traceback, two lines) is an error of the table, not a row.
 
     python -m verification.errors_table            # print the table
-    python -m verification.errors_table --write    # replace the table in README.md's "## Bad input"
-    python -m verification.errors_table --check    # exit 1 when README.md's table differs
+    python -m verification.errors_table --write    # replace the table in docs/errors.md
+    python -m verification.errors_table --check    # exit 1 when docs/errors.md's table differs
 
-tests/test_errors_table.py fails when README.md's table is not the one this module makes.
+tests/test_errors_table.py fails when docs/errors.md's table is not the one this module makes.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ import torch
 
 BEGIN = "<!-- bad-input table: made by `python -m verification.errors_table --write`; do not edit by hand -->"
 END = "<!-- end of the bad-input table -->"
-README = Path(__file__).resolve().parent.parent / "README.md"
+DOC = Path(__file__).resolve().parent.parent / "docs" / "errors.md"
 
 
 class TableError(RuntimeError):
@@ -279,7 +279,7 @@ P = "oracle --inputs P.safetensors"
 
 
 def rows() -> list[Row]:
-    """Every row of the table, in the README's order."""
+    """Every row of the table, in the order of docs/errors.md."""
     return [
         # ----- problem tensors (kda_ref.validate), through the CLI
         Row("k with another K than q, g, dt_bias", P, oracle_of(lambda p: p.replace(k=p.k[..., :-1]))),
@@ -466,10 +466,10 @@ def make_table(selected: Optional[list[Row]] = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def readme_table(text: str) -> str:
-    """The table between the markers of README.md's text."""
+def doc_table(text: str) -> str:
+    """The table between the markers of docs/errors.md's text."""
     if BEGIN not in text or END not in text:
-        raise TableError(f"README.md: expected the markers {BEGIN!r} and {END!r}, got none")
+        raise TableError(f"docs/errors.md: expected the markers {BEGIN!r} and {END!r}, got none")
     return text.split(BEGIN, 1)[1].split(END, 1)[0].strip("\n") + "\n"
 
 
@@ -480,8 +480,8 @@ def replace_table(text: str, table: str) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m verification.errors_table", description=__doc__.splitlines()[0])
-    ap.add_argument("--write", action="store_true", help="replace the table in README.md")
-    ap.add_argument("--check", action="store_true", help="exit 1 when README.md's table differs")
+    ap.add_argument("--write", action="store_true", help="replace the table in docs/errors.md")
+    ap.add_argument("--check", action="store_true", help="exit 1 when docs/errors.md's table differs")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     try:
@@ -490,12 +490,12 @@ def main(argv=None) -> int:
         print(f"errors_table: error: {e}", file=sys.stderr)
         return 1
     if args.write:
-        README.write_text(replace_table(README.read_text(), table))
-        print(f"wrote the bad-input table ({len(table.splitlines()) - 2} rows) to {README}")
+        DOC.write_text(replace_table(DOC.read_text(), table))
+        print(f"wrote the bad-input table ({len(table.splitlines()) - 2} rows) to {DOC}")
     elif args.check:
-        same = readme_table(README.read_text()) == table
-        print("README.md's bad-input table is current" if same else
-              "README.md's bad-input table differs: run python -m verification.errors_table --write")
+        same = doc_table(DOC.read_text()) == table
+        print("docs/errors.md's bad-input table is current" if same else
+              "docs/errors.md's bad-input table differs: run python -m verification.errors_table --write")
         return 0 if same else 1
     else:
         print(table, end="")
