@@ -3,10 +3,10 @@
 ``seen_on``: the library version or commit, ``shrink``: the command that reproduces it).
 
     kda-verify findings [--json]                     # the register as a table (md) or JSON
-    python -m verification.findings --write          # replace README.md's findings table
-    python -m verification.findings --check          # exit 1 when README.md's table differs
+    python -m verification.findings --write          # replace docs/findings.md's findings table
+    python -m verification.findings --check          # exit 1 when docs/findings.md's table differs
 
-README.md's findings section is this module's table between BEGIN and END, never a hand-kept
+docs/findings.md's register is this module's table between BEGIN and END, never a hand-kept
 copy (tests/test_findings.py holds it to the table).
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Optional
 
 BEGIN = "<!-- findings register: made by `python -m verification.findings --write` from tolerances.yaml; do not edit by hand -->"
 END = "<!-- end of the findings register -->"
-README = Path(__file__).resolve().parent.parent / "README.md"
+DOC = Path(__file__).resolve().parent.parent / "docs" / "findings.md"
 COLUMNS = ("backend", "route", "case", "params", "seen_on", "reason", "evidence", "shrink", "line")
 HEADER = ("| # | backend / route | case (parameters) | seen on | why it fails | evidence | reproduce |",
           "|---|---|---|---|---|---|---|")
@@ -49,8 +49,8 @@ def markdown(items: list[dict]) -> str:
     return "\n".join(out)
 
 
-def readme_table(text: str) -> Optional[str]:
-    """The table between BEGIN and END in README text (None when the markers are missing)."""
+def doc_table(text: str) -> Optional[str]:
+    """The table between BEGIN and END in docs/findings.md's text (None when the markers are missing)."""
     if BEGIN not in text or END not in text:
         return None
     return text.split(BEGIN, 1)[1].split(END, 1)[0].strip("\n")
@@ -64,24 +64,24 @@ def replace_table(text: str, table: str) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m verification.findings", description=__doc__.splitlines()[0])
     g = ap.add_mutually_exclusive_group()
-    g.add_argument("--write", action="store_true", help="replace the table in README.md")
-    g.add_argument("--check", action="store_true", help="exit 1 when README.md's table differs")
+    g.add_argument("--write", action="store_true", help="replace the table in docs/findings.md")
+    g.add_argument("--check", action="store_true", help="exit 1 when docs/findings.md's table differs")
     args = ap.parse_args(argv)
     table = markdown(rows())
     if not (args.write or args.check):
         print(table)
         return 0
-    text = README.read_text(encoding="utf-8")
-    if readme_table(text) is None:
-        print(f"README.md: expected the markers {BEGIN!r} and {END!r}, got none", file=sys.stderr)
+    text = DOC.read_text(encoding="utf-8")
+    if doc_table(text) is None:
+        print(f"docs/findings.md: expected the markers {BEGIN!r} and {END!r}, got none", file=sys.stderr)
         return 2
     if args.check:
-        same = readme_table(text) == table
-        print("README.md's findings register is current" if same else
-              "README.md's findings register differs: python -m verification.findings --write", file=sys.stderr)
+        same = doc_table(text) == table
+        print("docs/findings.md's findings register is current" if same else
+              "docs/findings.md's findings register differs: python -m verification.findings --write", file=sys.stderr)
         return 0 if same else 1
-    README.write_text(replace_table(text, table), encoding="utf-8")
-    print(f"wrote {len(table.splitlines()) - 2} findings into {README}")
+    DOC.write_text(replace_table(text, table), encoding="utf-8")
+    print(f"wrote {len(table.splitlines()) - 2} findings into {DOC}")
     return 0
 
 
