@@ -1,7 +1,7 @@
 """The runner: every (backend, route, case) cell of a matrix, judged and recorded.
 
-One cell = one route of one backend on one case.  Its record (``run_cell``) is a
-JSON-able dict: who ran (backend, route, recipe), on what (case id, suite, seed,
+One cell = one route of one backend on one case.  Its record (``run_cell``) is the dict
+form of a ``verification.record.Record``: who ran (backend, route, recipe), on what (case id, suite, seed,
 shape), the verdict (status in STATUSES, a one-line reason, per-tensor err /
 threshold / margin from ``verification.verdict.judge``), the full metrics, the
 baseline's metrics, timings and a repro command.
@@ -39,112 +39,14 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-STATUSES = ("pass", "fail", "mistrusted", "crashed", "skipped", "error", "known-fail", "out-of-contract")
-FAILING = ("fail", "mistrusted", "crashed", "error")
-JUDGED = ("pass", "known-fail", "fail", "mistrusted")     # a verdict was reached: the cell was verified
-HEADLINE_ORDER = ("pass", "known-fail", "fail", "mistrusted", "error", "crashed", "out-of-contract", "skipped")
+from verification.record import (FAILING, HEADLINE_ORDER, JUDGED, RESOURCE_ERROR, STATUSES,  # noqa: F401
+                                 append_record, cell_key, read_records, repair_partial_line)
+from verification.record import decode_number as as_float  # noqa: F401 - the old names
+from verification.record import encode as jsonable  # noqa: F401
+
 RESULTS_FILE = "results.jsonl"
 RUN_FILE = "run.json"
 STDERR_TAIL_CHARS = 4000
-
-
-# ----------------------------------------------------------------------------------------
-# JSON helpers: non-finite floats travel as the strings "NaN", "Infinity", "-Infinity"
-# ----------------------------------------------------------------------------------------
-def jsonable(x):
-    """A copy of x that json.dumps(allow_nan=False) accepts: tensors -> lists / numbers,
-    non-finite floats -> "NaN" / "Infinity" / "-Infinity", tuples -> lists."""
-    if isinstance(x, dict):
-        return {str(k): jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [jsonable(v) for v in x]
-    if isinstance(x, torch.Tensor):
-        return jsonable(x.detach().cpu().tolist()) if x.numel() != 1 else jsonable(x.item())
-    if isinstance(x, bool) or x is None or isinstance(x, str):
-        return x
-    if isinstance(x, int):
-        return int(x)
-    if isinstance(x, float) or hasattr(x, "__float__"):
-        try:
-            f = float(x)
-        except (TypeError, ValueError):
-            return str(x)
-        if math.isnan(f):
-            return "NaN"
-        if math.isinf(f):
-            return "Infinity" if f > 0 else "-Infinity"
-        return f
-    if hasattr(x, "to_dict"):
-        return jsonable(x.to_dict())
-    return str(x)
-
-
-def as_float(x) -> float:
-    """A number from a record field (accepts the strings jsonable writes); NaN if absent."""
-    if x is None:
-        return float("nan")
-    if isinstance(x, str):
-        return {"nan": float("nan"), "infinity": float("inf"), "-infinity": float("-inf"),
-                "inf": float("inf"), "-inf": float("-inf")}.get(x.lower(), float("nan"))
-    try:
-        return float(x)
-    except (TypeError, ValueError):
-        return float("nan")
-
-
-def cell_key(backend: str, route: str, case_id: str) -> str:
-    """The identity of a cell in results.jsonl (what --resume skips on)."""
-    return f"{backend}|{route}|{case_id}"
-
-
-# ----------------------------------------------------------------------------------------
-# Results file: append + fsync; tolerant reading (an interrupted write leaves at most one
-# partial last line, which is dropped)
-# ----------------------------------------------------------------------------------------
-def append_record(path: Path, record: dict) -> None:
-    """Append one record as one JSON line, and make it durable before returning."""
-    line = json.dumps(jsonable(record), allow_nan=False, sort_keys=True) + "\n"
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(line)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def repair_partial_line(path: Path) -> bool:
-    """Cut a partial last line (a write interrupted mid-line) off the file; True if one was."""
-    if not path.exists() or path.stat().st_size == 0:
-        return False
-    with open(path, "rb+") as f:
-        data = f.read()
-        if data.endswith(b"\n"):
-            return False
-        cut = data.rfind(b"\n") + 1
-        f.truncate(cut)
-        f.flush()
-        os.fsync(f.fileno())
-    return True
-
-
-def read_records(path: Path, *, strict: bool = False) -> list[dict]:
-    """Every record of a results .jsonl file; a line that does not parse is skipped
-    (or, with strict, raises ValueError naming the file and line)."""
-    out = []
-    if not Path(path).exists():
-        return out
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                if strict:
-                    raise ValueError(f"{path}:{n}: expected one JSON record per line, got: {e}") from e
-                continue
-            if isinstance(rec, dict) and "key" in rec:
-                out.append(rec)
-    return out
 
 
 # ----------------------------------------------------------------------------------------
@@ -377,18 +279,17 @@ def _summ(metrics: Optional[dict]) -> dict:
 
 
 def _base_record(lb: LoadedBackend, route, case, device) -> dict:
-    return {
-        "key": cell_key(lb.name, route.name, case.id),
-        "backend": lb.name, "backend_spec": lb.spec, "backend_version": lb.version,
-        "route": route.name, "recipe": getattr(route, "recipe", None),
-        "case": case.id, "suite": case.suite, "seed": case.seed,
-        "params": jsonable(dict(getattr(case, "params", {}) or {})),
-        "device": str(device), "status": None, "reason": "",
-        "shape": None, "shape_key": None, "dtype": None,
-        "tensors": {}, "metrics": {}, "baseline": {}, "margin": None,
-        "timings": {}, "repro": repro_command(lb.spec, route.name, case, device=None),
-        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
+    """The dict form of a fresh Record (verification/record.py) of this cell, not yet judged."""
+    from verification.record import Record
+    return Record(
+        key=cell_key(lb.name, route.name, case.id),
+        backend=lb.name, backend_spec=lb.spec, backend_version=lb.version,
+        route=route.name, recipe=getattr(route, "recipe", None),
+        case=case.id, suite=case.suite, seed=case.seed,
+        params=jsonable(dict(getattr(case, "params", {}) or {})),
+        device=str(device), repro=repro_command(lb.spec, route.name, case, device=None),
+        time_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    ).to_dict()
 
 
 def _error_reason(e: BaseException, where: str) -> tuple[str, str]:
@@ -402,9 +303,6 @@ def _errored(rec: dict, e: BaseException, where: str) -> dict:
     rec["status"] = "error"
     rec["reason"], rec["traceback"] = _error_reason(e, where)
     return rec
-
-
-RESOURCE_ERROR = "resource-error"      # the harness ran out of memory (case build, oracle, baseline, judging)
 
 
 def is_out_of_memory(e: BaseException) -> bool:

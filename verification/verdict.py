@@ -59,9 +59,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from verification.metrics import compare, dtype_name, tensor_metrics
+from verification.record import NOT_APPLICABLE, STATUSES, encode  # noqa: F401 - STATUSES: the one list
 
 JUDGED_METRICS = ("rel_l2", "tail_rel_l2")
-STATUSES = ("pass", "fail", "mistrusted", "not-applicable")
 NEGLIGIBLE_SLICE = 1e-2     # a slice whose rms is below this fraction of the tensor's is judged on the tensor's scale
 SLICE_FLOOR_SHARE = 1.0     # a slice is held to at least the whole tensor's baseline error
 SLICE_KINDS = {"seq_head": ("sequence", "head"), "seq_block": ("sequence", "tokens"),
@@ -85,17 +85,7 @@ class Verdict:
 
     def to_dict(self) -> dict:
         return {"status": self.status, "reason": self.reason, "backend": self.backend, "route": self.route,
-                "recipe": self.recipe, "tensors": _jsonable(self.tensors), "metrics": _jsonable(self.metrics)}
-
-
-def _jsonable(x):
-    if isinstance(x, dict):
-        return {k: _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)          # JSON has no NaN / Infinity
-    return x
+                "recipe": self.recipe, "tensors": encode(self.tensors), "metrics": encode(self.metrics)}
 
 
 def _tensors(x) -> dict:
