@@ -20,6 +20,7 @@ from typing import Optional
 
 import torch
 
+from .budget import block_budget, sharing_workers  # noqa: F401 - sharing_workers: kept importable here
 from .preprocess import F64, Prepared
 from .workspace import Workspace, workspace_prepared
 
@@ -157,43 +158,10 @@ def block_bytes_per_tile_head(C: int, K: int, V: int) -> int:
     return 8 * (20 * C * K + 8 * C * C + 4 * C * V + K * V)
 
 
-DEFAULT_CPU_BLOCK_BYTES = 32 * 2 ** 20
-DEFAULT_CUDA_BLOCK_BYTES = 8 * 2 ** 30
-
-
-def sharing_workers() -> int:
-    """How many processes share this device: pytest-xdist's worker count
-    (PYTEST_XDIST_WORKER_COUNT, set in every worker), else 1."""
-    import os
-    try:
-        return max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
-    except ValueError:
-        return 1
-
-
 def default_block_bytes(device) -> int:
-    """The working-set budget of one streamed block on ``device``: a quarter of the memory free
-    there (CUDA: ``torch.cuda.mem_get_info``; CPU: MemAvailable) and at most a quarter of the
-    device's total memory divided by the workers sharing it (``sharing_workers``), capped at
-    8 GiB on CUDA and 32 MiB on the CPU (about a last-level cache: the workspace's elementwise
-    passes then run from cache)."""
-    dev = torch.device(device)
-    workers = sharing_workers()
-    if dev.type == "cuda":
-        free, total = torch.cuda.mem_get_info(dev)
-        return max(1, min(DEFAULT_CUDA_BLOCK_BYTES, free // 4, total // (4 * workers)))
-    avail = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    avail = int(line.split()[1]) * 1024
-                    break
-    except OSError:
-        pass
-    if avail is None:
-        return DEFAULT_CPU_BLOCK_BYTES
-    return max(1, min(DEFAULT_CPU_BLOCK_BYTES, avail // (4 * workers)))
+    """The working-set budget of one streamed block on ``device``: ``kda_ref.budget.block_budget``
+    (the device's total memory x BLOCK_SHARE / the workers sharing it, capped)."""
+    return block_budget(device)
 
 
 def block_plan(bounds, C: int, tiles_per_block: int) -> list:

@@ -65,7 +65,8 @@ def truth(p: Problem, method: str = "streamed", chunk_size: int = 64, chunks_per
     """The float64 truth of a Problem (validated first).
 
     method: "streamed" (default; the chunked form block by block, see ``kda_ref.chunked.streamed``;
-    ``block_tokens`` or ``block_bytes`` size the blocks, default from the memory free on the device),
+    ``block_tokens`` or ``block_bytes`` size the blocks, default ``kda_ref.budget.block_budget``:
+    a share of the device's total memory divided by the workers sharing it),
     "chunked" (the workspace of the whole problem and the chunk steps, one segment per sequence),
     "segmented" (passes A, B, C with ``chunks_per_seg``), "recurrence" (the token recurrence,
     the definition) or "fla" (fla's chunked form, chunk_size 32 or 64).
