@@ -1,7 +1,7 @@
 """Negative controls: deliberately wrong variants of the flashkda emulator that the verdict
 must flag on the stress suite (a CPU-sized subset), while the correct emulator passes.
 
-EXPECTED is the evidence table of README "Tolerances and verdicts": which tensor and metric
+EXPECTED is the evidence table of docs/tolerances.md "Negative controls": which tensor and metric
 catch each control, measured here on every run."""
 import pytest
 
