@@ -168,6 +168,15 @@ def probe(backend, spec: str, from_spec: bool) -> LoadedBackend:
                          from_spec=from_spec)
 
 
+def module_exists(mod_name: str) -> bool:
+    """Whether ``mod_name`` can be imported here (found, not imported)."""
+    import importlib.util
+    try:
+        return importlib.util.find_spec(mod_name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def load(spec: str) -> LoadedBackend:
     """Load a backend by built-in name or package.module:factory and ask where it stands."""
     from kda_kernels.base import load_backend
@@ -189,7 +198,7 @@ def resolve_routes(lb: LoadedBackend, wanted: Optional[list[str]] = None, strict
     specs; otherwise it is a UsageError naming --route and the choices (with strict=False
     it is left out: another backend of the run may have it)."""
     from kda_kernels.base import Route
-    from verification.cli import UsageError
+    from verification.errors import UsageError
     try:
         have = list(lb.backend.routes())
     except Exception as e:  # noqa: BLE001 - an unavailable backend may not list routes
@@ -269,13 +278,16 @@ def clone_keep_strides(t: torch.Tensor) -> torch.Tensor:
     return copy.as_strided(t.shape, t.stride(), t.storage_offset() - base.storage_offset())
 
 
-def _summ(metrics: Optional[dict]) -> dict:
+def scalar_metrics(metrics: Optional[dict]) -> dict:
     """The scalar part of per-tensor metrics (baselines: no curves)."""
     out = {}
     for tname, m in (metrics or {}).items():
         if isinstance(m, dict):
             out[tname] = {k: v for k, v in m.items() if not isinstance(v, (list, tuple, dict, torch.Tensor))}
     return out
+
+
+_summ = scalar_metrics      # the old name
 
 
 def _base_record(lb: LoadedBackend, route, case, device) -> dict:
@@ -374,8 +386,10 @@ def guards_default(device) -> bool:
 
 def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: BaselineCache, db,
              device: Optional[str] = None, guards: Optional[bool] = None) -> dict:
-    """Run one route of one backend on one case and judge it; never raises for a kernel's
-    sake (a kernel exception is status "error" with the traceback's tail).
+    """Run one route of one backend on one case and record it; never raises for a kernel's
+    sake (a kernel exception is status "error" with the traceback's tail).  The final status
+    is verification.verdict.decide's (the verdict, the guards, the contract, the register of
+    known failures); this function only runs and records.
 
     guards: run under verification.guards (None: on for CUDA devices); a violated guard makes
     the cell "fail" with reason "guard: ..." and the record holds ``guards`` (what was checked).
@@ -416,7 +430,7 @@ def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: Base
         recipe = getattr(route, "recipe", None) or "flashkda"
         baseline, base_s, fresh_b = harness_call(lambda: baseline_cache.get(case, recipe, problem, truth), device)
         timings.update(baseline_s=base_s, baseline_cached=not fresh_b)
-        rec["baseline"] = _summ(baseline)
+        rec["baseline"] = scalar_metrics(baseline)
     except Exception as e:  # noqa: BLE001
         if is_out_of_memory(e):
             return _resource_errored(rec, e, "oracle/baseline", device)
@@ -455,7 +469,7 @@ def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: Base
     # metrics and verdict
     try:
         from verification.metrics import compare
-        from verification.verdict import judge
+        from verification.verdict import decide, judge, known_failure_entry
         t0 = time.perf_counter()
 
         def judging():
@@ -469,79 +483,40 @@ def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: Base
         if is_out_of_memory(e):
             return _resource_errored(rec, e, "judging", device)
         return _errored(rec, e, "judging")
-    rec["status"] = str(verdict.status)
-    rec["reason"] = str(getattr(verdict, "reason", "") or "")
-    if rec["status"] == "not-applicable":      # no sound baseline: nothing was verified, never a pass
-        rec["status"], rec["reason"] = "skipped", f"not applicable: {rec['reason']}"
     rec["tensors"] = jsonable(getattr(verdict, "tensors", {}) or {})
     rec["metrics"] = jsonable(metrics)
     rec["margin"] = jsonable(worst_margin(rec["tensors"]))
     if guard is not None:
         rec["guards"] = jsonable(guard.as_record())
-        if not guard.ok:
-            rec["status"] = "fail"
-            rec["reason"] = guard.reason + (f"; {rec['reason']}" if rec["reason"] else "")
-    if contract:
-        return mark_out_of_contract(rec, contract)
-    apply_known_failure(rec, db)
-    return rec
+    # the final status: verification.verdict.decide, the one place that decides it
+    kf = None if contract else known_failure_entry(db, rec["backend"], rec["route"], rec["case"], rec.get("params"))
+    return decide(verdict, guard=guard, contract=contract, known_failure=kf, metrics=rec["metrics"]).apply_to(rec)
+
+
+@dataclass
+class _Said:
+    """A status and reason reached without a verdict (a kernel that raised), for ``decide``."""
+    status: str
+    reason: str
 
 
 def mark_out_of_contract(rec: dict, contract: str) -> dict:
-    """Record a cell outside the kernel's documented-but-unchecked range (kda_kernels.base.
-    out_of_contract) as "out-of-contract": never a pass or a failure.  The reason says what the
-    kernel did: raised, or returned values (o rel_l2 and tail, NaN/Inf and exact-zero fractions of
-    o and the state against the oracle's zero fraction); the verdict it would have had is kept in
+    """Record a judged (or raised) cell as outside the kernel's documented-but-unchecked range:
+    verification.verdict.decide with ``contract``; the verdict it would have had is kept in
     ``contract_verdict``."""
-    rec["contract_verdict"] = {"status": rec["status"], "reason": rec["reason"]}
-    if rec["status"] == "error":
-        did = rec["reason"]
-    else:
-        parts = []
-        for tname, m in (rec.get("metrics") or {}).items():
-            if not isinstance(m, dict) or "rel_l2" not in m:
-                continue
-            bad = as_float(m.get("nan_frac", 0.0)) + as_float(m.get("inf_frac", 0.0))
-            part = f"{tname} rel_l2 {as_float(m['rel_l2']):.3g}"
-            if tname == "o" and "tail_rel_l2" in m:
-                part += f" (tail {as_float(m['tail_rel_l2']):.3g})"
-            if bad:
-                part += f", {100 * bad:.3g}% NaN/Inf"
-            part += (f", {100 * as_float(m.get('zero_frac', 0.0)):.3g}% exact zeros"
-                     f" (oracle {100 * as_float(m.get('ref_zero_frac', 0.0)):.3g}%)")
-            parts.append(part)
-        finite = all(as_float(m.get("nan_frac", 0.0)) == 0 and as_float(m.get("inf_frac", 0.0)) == 0
-                     for m in (rec.get("metrics") or {}).values() if isinstance(m, dict) and "rel_l2" in m)
-        did = f"the kernel returned {'finite values' if finite else 'non-finite values'}: " + "; ".join(parts)
-    rec["status"] = "out-of-contract"
-    rec["reason"] = f"out of contract ({contract}); {did}"
-    return rec
+    from verification.verdict import decide
+    return decide(_Said(rec["status"], rec["reason"]), contract=contract, metrics=rec.get("metrics")).apply_to(rec)
 
 
 def apply_known_failure(rec: dict, db) -> dict:
     """Mark a failing cell that tolerances.yaml lists as a known failure ``known-fail`` (with the
-    entry's reason); note on a passing one that the entry may be stale."""
-    finder = getattr(db, "known_failure", None)
-    kf = finder(rec["backend"], rec["route"], rec["case"], rec.get("params")) if finder else None
+    entry's reason); note on a passing one that the entry may be stale (verification.verdict.decide
+    with the register's entry)."""
+    from verification.verdict import decide, known_failure_entry
+    kf = known_failure_entry(db, rec["backend"], rec["route"], rec["case"], rec.get("params"))
     if kf is None:
         return rec
-    where = f"tolerances.yaml line {kf.line}" if kf.line else "tolerances.yaml"
-    conditions = kf.describe_params() if hasattr(kf, "describe_params") else ""
-    if rec["status"] in ("fail", "mistrusted"):
-        rec["known_failure"] = {"reason": kf.reason, "evidence": kf.evidence, "line": kf.line,
-                                "status": rec["status"]}
-        if conditions:
-            rec["known_failure"]["params"] = conditions
-        rec["status"] = "known-fail"
-        matched = f", parameters {conditions}" if conditions else ""
-        rec["reason"] = f"known failure ({where}{matched}: {kf.reason}): {rec['reason']}"
-    elif rec["status"] == "pass":
-        if conditions:   # a parameter region, not one case: one pass inside it does not make it stale
-            rec["reason"] = (f"{rec['reason']} [passes although its parameters ({conditions}) match the "
-                             f"known failure at {where}: once no case of that region fails, remove the entry]")
-        else:
-            rec["reason"] = f"{rec['reason']} [passes although listed as a known failure at {where}: remove the entry?]"
-    return rec
+    return decide(_Said(rec["status"], rec["reason"]), known_failure=kf).apply_to(rec)
 
 
 # ----------------------------------------------------------------------------------------
@@ -653,7 +628,7 @@ class IsolatedRunner:
         rec0.update(status="crashed", reason=f"child process {how}" + (f": {last.strip()[:200]}" if last else ""),
                     stderr_tail=tail, shape=_shape(problem),
                     shape_key=list(getattr(case, "shape_key", (problem.B, problem.T, problem.H))),
-                    dtype=_tol_dtype(problem), baseline=_summ(baseline))
+                    dtype=_tol_dtype(problem), baseline=scalar_metrics(baseline))
         rec0["timings"] = dict(fresh, child_wall_s=wall)
         return rec0
 
@@ -850,7 +825,7 @@ def note_self_judged(rec: dict) -> dict:
 
 def plan(backends: list[LoadedBackend], routes: Optional[list[str]], cases: list) -> list[tuple]:
     """The cells, case-major: [(LoadedBackend, Route, Case), ...]."""
-    from verification.cli import UsageError
+    from verification.errors import UsageError
     strict = len(backends) == 1
     per_backend = [(lb, resolve_routes(lb, routes, strict=strict)) for lb in backends]
     if routes and not strict:
@@ -888,7 +863,7 @@ def run_matrix(backends: Iterable, cases: list, out_dir=None, *, routes: Optiona
     resume: skip cells already in out_dir/results.jsonl (without it, a non-empty file is an error).
     max_cells: stop after running this many cells (resumed cells do not count).
     guards: memory guards per cell (verification/guards.py); None: on for CUDA devices."""
-    from verification.cli import UsageError
+    from verification.errors import UsageError
 
     device = device or default_device()
     use_device(device)

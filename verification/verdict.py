@@ -486,3 +486,100 @@ def judge(backend: str, route, problem, outputs, truth, baseline: dict, db,
         reason += " (" + "; ".join(notes) + ")"
     return Verdict(status=status, reason=reason, tensors=records, metrics=metrics, backend=backend,
                    route=route_name, recipe=recipe)
+
+
+# ----------------------------------------------------------------------------------------
+# The final status of a cell: the one place that decides it
+# ----------------------------------------------------------------------------------------
+@dataclass
+class Decision:
+    """A cell's final status and reason, and the record fields the decision adds
+    (``known_failure``: the register entry that made it known-fail; ``contract_verdict``: the
+    status it would have had inside the kernel's documented range)."""
+    status: str
+    reason: str
+    fields: dict = field(default_factory=dict)
+
+    def apply_to(self, rec: dict) -> dict:
+        """Write the decision into a record (its dict form): the fields it adds, status, reason."""
+        rec.update(self.fields)
+        rec["status"], rec["reason"] = self.status, self.reason
+        return rec
+
+
+def known_failure_entry(db, backend: str, route: str, case: str, params: Optional[dict] = None):
+    """The entry of the known-failure register (tolerances.yaml) matching the cell, or None."""
+    finder = getattr(db, "known_failure", None)
+    return finder(backend, route, case, params) if finder else None
+
+
+def decide(verdict, *, guard=None, contract: Optional[str] = None, known_failure=None,
+           metrics: Optional[dict] = None) -> Decision:
+    """The final status of a cell, decided once, in this order:
+
+    1. ``verdict``: what ``judge`` made of the metrics against the baseline and the tolerance
+       entry (or any object with status and reason: a kernel that raised is "error");
+       ``not-applicable`` (no sound baseline) is recorded "skipped", never a pass;
+    2. ``guard`` (verification.guards): a violated memory guard fails the cell, its reason first;
+    3. ``contract``: a problem outside the kernel's documented-but-unchecked range
+       (kda_kernels.base.out_of_contract) makes the cell "out-of-contract", never a pass or a
+       failure; the reason says what the kernel did (``metrics``: the record's);
+    4. ``known_failure``: the register entry matching the cell makes a fail or mistrusted
+       "known-fail"; on a pass the reason notes that the entry may be stale."""
+    status, reason = str(verdict.status), str(getattr(verdict, "reason", "") or "")
+    if status == NOT_APPLICABLE:
+        status, reason = "skipped", f"not applicable: {reason}"
+    if guard is not None and not guard.ok:
+        status = "fail"
+        reason = guard.reason + (f"; {reason}" if reason else "")
+    if contract:
+        return Decision("out-of-contract", out_of_contract_reason(contract, status, reason, metrics),
+                        {"contract_verdict": {"status": status, "reason": reason}})
+    if known_failure is not None:
+        return _known(status, reason, known_failure)
+    return Decision(status, reason)
+
+
+def out_of_contract_reason(contract: str, status: str, reason: str, metrics: Optional[dict]) -> str:
+    """What the kernel did outside its contract: raised (``reason``), or returned values (o rel_l2
+    and tail, NaN/Inf and exact-zero fractions of o and the state against the oracle's)."""
+    from verification.record import decode_number as num
+    if status == "error":
+        did = reason
+    else:
+        parts = []
+        for tname, m in (metrics or {}).items():
+            if not isinstance(m, dict) or "rel_l2" not in m:
+                continue
+            bad = num(m.get("nan_frac", 0.0)) + num(m.get("inf_frac", 0.0))
+            part = f"{tname} rel_l2 {num(m['rel_l2']):.3g}"
+            if tname == "o" and "tail_rel_l2" in m:
+                part += f" (tail {num(m['tail_rel_l2']):.3g})"
+            if bad:
+                part += f", {100 * bad:.3g}% NaN/Inf"
+            part += (f", {100 * num(m.get('zero_frac', 0.0)):.3g}% exact zeros"
+                     f" (oracle {100 * num(m.get('ref_zero_frac', 0.0)):.3g}%)")
+            parts.append(part)
+        finite = all(num(m.get("nan_frac", 0.0)) == 0 and num(m.get("inf_frac", 0.0)) == 0
+                     for m in (metrics or {}).values() if isinstance(m, dict) and "rel_l2" in m)
+        did = f"the kernel returned {'finite values' if finite else 'non-finite values'}: " + "; ".join(parts)
+    return f"out of contract ({contract}); {did}"
+
+
+def _known(status: str, reason: str, kf) -> Decision:
+    where = f"tolerances.yaml line {kf.line}" if kf.line else "tolerances.yaml"
+    conditions = kf.describe_params() if hasattr(kf, "describe_params") else ""
+    if status in ("fail", "mistrusted"):
+        entry = {"reason": kf.reason, "evidence": kf.evidence, "line": kf.line, "status": status}
+        if conditions:
+            entry["params"] = conditions
+        matched = f", parameters {conditions}" if conditions else ""
+        return Decision("known-fail", f"known failure ({where}{matched}: {kf.reason}): {reason}",
+                        {"known_failure": entry})
+    if status == "pass":
+        if conditions:   # a parameter region, not one case: one pass inside it does not make it stale
+            reason = (f"{reason} [passes although its parameters ({conditions}) match the "
+                      f"known failure at {where}: once no case of that region fails, remove the entry]")
+        else:
+            reason = f"{reason} [passes although listed as a known failure at {where}: remove the entry?]"
+    return Decision(status, reason)
