@@ -32,7 +32,16 @@ matched although its id says nothing.  ``params`` maps a numeric case parameter 
 of verification.cases) to a condition: a number (equal to it), a comparison ``"<op><number>"``
 with op one of >=, >, <=, <, ==, or a list of these (all must hold: a range).  A parameter the
 case does not set never satisfies a condition (no defaults are filled in), nor does a value
-that is not a number.
+that is not a number.  Conditions may also name a derived parameter (DERIVED_PARAMS), computed
+from the case's parameters by ``match_params`` (the one place they are computed), because what
+they describe is held in a list or a string that no condition can name:
+
+    empty_seqs_before_last  zero-length sequences with a non-empty sequence after them
+                            (``lens``; a case without ``lens`` has none)
+    empty_seqs              zero-length sequences, wherever they are
+    initial_states          non-empty sequences whose recurrence starts from a given state:
+                            every one for state kv / vk (or a converged state), those not in
+                            ``paged_new`` for state paged, none for state none
 
 A failing or mistrusted cell that matches a known failure is reported as ``known-fail``
 (it does not fail the run, and the report lists it with its reason); a matching cell that
@@ -65,6 +74,7 @@ TOP_KEYS = ("schema", "entries", "known_failures")
 KNOWN_FIELDS = ("backend", "route", "case", "reason", "evidence")
 KNOWN_OPTIONAL = ("params", "seen_on", "shrink")
 PARAM_OPS = (">=", "<=", ">", "<", "==")     # two-character operators first (parsing order)
+DERIVED_PARAMS = ("empty_seqs_before_last", "empty_seqs", "initial_states")   # match_params computes them
 KEY_FIELDS = ("backend", "route", "dtype", "tensor")
 NUM_FIELDS = ("m", "floor", "cap")
 TEXT_FIELDS = ("reason", "calibrated_on")
@@ -104,6 +114,40 @@ _CONDITION = re.compile(r"^\s*(" + "|".join(map(re.escape, PARAM_OPS)) +
                         r")\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*$")
 
 
+def match_params(params: Optional[Mapping]) -> Optional[Mapping]:
+    """The parameters a known failure's conditions see: the case's own (``Case.params``, a
+    record's ``params``) plus the derived ones of DERIVED_PARAMS (module docstring), which
+    replace any value of the same name.  Not a mapping: returned as is.  Sequence lengths come
+    from ``lens``, else B sequences of T tokens (defaults 1 and 64, as verification.cases builds
+    the problem); lengths that are not integers >= 0 leave the derived parameters out."""
+    if not isinstance(params, Mapping):
+        return params
+    out = dict(params)
+    for name in DERIVED_PARAMS:
+        out.pop(name, None)
+    if "lens" in params:
+        lens = params["lens"]
+    else:
+        lens = [params.get("T", 64)] * params.get("B", 1) if isinstance(params.get("B", 1), int) else None
+    if (not isinstance(lens, (list, tuple))
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in lens)):
+        return out
+    last = max((i for i, n in enumerate(lens) if n > 0), default=-1)
+    out["empty_seqs_before_last"] = sum(1 for i, n in enumerate(lens) if n == 0 and i < last)
+    out["empty_seqs"] = sum(1 for n in lens if n == 0)
+    state = "kv" if params.get("converged") and params.get("state", "none") == "none" else params.get("state", "none")
+    if state in ("kv", "vk"):
+        starts = [i for i, n in enumerate(lens) if n > 0]
+    elif state == "paged":
+        fresh = params.get("paged_new", [])
+        fresh = set(fresh) if isinstance(fresh, (list, tuple, set)) else set()
+        starts = [i for i, n in enumerate(lens) if n > 0 and i not in fresh]
+    else:
+        starts = []
+    out["initial_states"] = len(starts)
+    return out
+
+
 @dataclass(frozen=True)
 class ParamCondition:
     """One condition of a known failure's ``params``: case parameter ``name`` ``op`` ``value``."""
@@ -138,9 +182,15 @@ class KnownFailure:
 
     def matches(self, backend: str, route: str, case_id: str, params: Optional[Mapping] = None) -> bool:
         """Backend, route and case id match the globs and every ``params`` condition holds on
-        the case's parameters (``params``: the record's ``params``, i.e. ``Case.params``)."""
-        return (fnmatch.fnmatchcase(backend, self.backend) and fnmatch.fnmatchcase(route, self.route)
-                and fnmatch.fnmatchcase(case_id, self.case) and all(c.holds(params) for c in self.params))
+        the case's parameters (``params``: the record's ``params``, i.e. ``Case.params``) and
+        the parameters derived from them (``match_params``)."""
+        if not (fnmatch.fnmatchcase(backend, self.backend) and fnmatch.fnmatchcase(route, self.route)
+                and fnmatch.fnmatchcase(case_id, self.case)):
+            return False
+        if not self.params:
+            return True
+        seen = match_params(params)
+        return all(c.holds(seen) for c in self.params)
 
     def describe_params(self) -> str:
         """'rho>=0.9, beta_raw>=4, lb>=-0.3' ('' without conditions)."""
@@ -297,9 +347,10 @@ def _param_conditions(value, line: int, entry: str, path: str) -> tuple:
                                f"(e.g. {{rho: \">=0.9\"}}), got {value!r}")
     out = []
     for name, cond in value.items():
-        if name not in NUMERIC_PARAMS:
+        if name not in NUMERIC_PARAMS + DERIVED_PARAMS:
             raise _err(path, line, f"{entry}: params: expected numeric case parameters "
-                                   f"({', '.join(NUMERIC_PARAMS)}), got {name!r}")
+                                   f"({', '.join(NUMERIC_PARAMS)}) or derived ones "
+                                   f"({', '.join(DERIVED_PARAMS)}), got {name!r}")
         field = f"params.{name}"
         items = cond if isinstance(cond, list) else [cond]
         if not items:
