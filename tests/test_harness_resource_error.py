@@ -65,8 +65,8 @@ def _cell(monkeypatch, fail_times: int, where: str):
     if where == "oracle":
         monkeypatch.setattr(truth_mod, "truth", planted(truth_mod.truth))
     elif where == "baseline":
-        import verification.verdict as verdict
-        monkeypatch.setattr(verdict, "baseline_metrics", planted(verdict.baseline_metrics))
+        import verification.baselines as baselines
+        monkeypatch.setattr(baselines, "baseline_metrics", planted(baselines.baseline_metrics))
     elif where == "judging":
         import verification.verdict as verdict
         monkeypatch.setattr(verdict, "judge", planted(verdict.judge))

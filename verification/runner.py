@@ -39,13 +39,14 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-from verification.record import (FAILING, HEADLINE_ORDER, JUDGED, RESOURCE_ERROR, STATUSES,  # noqa: F401
-                                 append_record, cell_key, read_records, repair_partial_line)
+from verification.record import (FAILING, HEADLINE_ORDER, JUDGED, RESOURCE_ERROR, RESULTS_FILE,  # noqa: F401
+                                 RUN_FILE, STATUSES, append_record, cell_key, read_records,
+                                 repair_partial_line)
+from verification.baselines import BaselineCache, recipe_baselines  # noqa: F401 - BaselineCache: the old path
+from verification.devices import default_device  # noqa: F401 - the old path
 from verification.record import decode_number as as_float  # noqa: F401 - the old names
 from verification.record import encode as jsonable  # noqa: F401
 
-RESULTS_FILE = "results.jsonl"
-RUN_FILE = "run.json"
 STDERR_TAIL_CHARS = 4000
 
 
@@ -106,34 +107,6 @@ class TruthCache:
         self.computed[case.id] = self.computed.get(case.id, 0) + 1
         self._remember(self._truths, case.id, (t, s))
         return p, t, s, True
-
-
-class BaselineCache:
-    """The baseline metrics of each (case, recipe): the emulated recipe against the truth."""
-
-    def __init__(self):
-        self._store: dict = {}
-        self.computed: dict = {}
-
-    def prime(self, case_id: str, recipe: str, metrics: dict, seconds: float = 0.0) -> None:
-        self._store[(case_id, recipe)] = (metrics, float(seconds))
-
-    def get(self, case, recipe: str, problem, truth) -> tuple[dict, float, bool]:
-        key = (case.id, recipe)
-        if key in self._store:
-            m, s = self._store[key]
-            return m, s, False
-        from verification.verdict import baseline_metrics
-        t0 = time.perf_counter()
-        m = baseline_metrics(problem, recipe, truth)
-        s = time.perf_counter() - t0
-        self.computed[key] = self.computed.get(key, 0) + 1
-        self._store[key] = (m, s)
-        return m, s, True
-
-    def forget_case(self, case_id: str) -> None:
-        for key in [k for k in self._store if k[0] == case_id]:
-            del self._store[key]
 
 
 # ----------------------------------------------------------------------------------------
@@ -356,19 +329,6 @@ def _resource_errored(rec: dict, e: BaseException, where: str, device) -> dict:
     return rec
 
 
-def _recipe_baselines(baseline_cache: BaselineCache, case, problem, truth, timings: dict) -> dict:
-    """Every production recipe's baseline metrics on the case (for a cap lift; cached per
-    case and recipe like the route's own baseline; the time is added to baseline_s)."""
-    from kda_kernels.emulator import RECIPES
-    out = {}
-    for recipe in RECIPES:
-        m, s, fresh = baseline_cache.get(case, recipe, problem, truth)
-        if fresh:
-            timings["baseline_s"] = timings.get("baseline_s", 0.0) + s
-        out[recipe] = m
-    return out
-
-
 def worst_margin(tensors: dict) -> Optional[float]:
     """The largest margin over a verdict's tensors (margin = err / threshold: > 1 fails)."""
     vals = [as_float(t.get("margin")) for t in (tensors or {}).values() if isinstance(t, dict)]
@@ -474,7 +434,7 @@ def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: Base
 
         def judging():
             v = judge(backend.name, route, problem, outputs, truth, baseline, db,
-                      recipe_baselines=lambda: _recipe_baselines(baseline_cache, case, problem, truth, timings))
+                      recipe_baselines=lambda: recipe_baselines(baseline_cache, case, problem, truth, timings))
             return v, getattr(v, "metrics", None) or compare(outputs.tensors(), truth.tensors(), problem)
 
         verdict, metrics = harness_call(judging, device)
@@ -836,10 +796,6 @@ def plan(backends: list[LoadedBackend], routes: Optional[list[str]], cases: list
             raise UsageError(f"--route: expected routes of the chosen backends, got {', '.join(map(repr, missing))} "
                              f"which none has ({have})")
     return [(lb, r, c) for c in cases for lb, rs in per_backend for r in rs]
-
-
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def use_device(device: str) -> None:

@@ -59,6 +59,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from verification.metrics import compare, dtype_name, tensor_metrics
+from verification.baselines import (TAP_TENSORS, UNIT_SCALE_RANGE, _tensors, at_unit_scale,  # noqa: F401
+                                    baseline_metrics, emulate_taps, recipe_chunk, tap_metrics, unit_scale)
 from verification.record import NOT_APPLICABLE, STATUSES, encode  # noqa: F401 - STATUSES: the one list
 
 JUDGED_METRICS = ("rel_l2", "tail_rel_l2")
@@ -86,84 +88,6 @@ class Verdict:
     def to_dict(self) -> dict:
         return {"status": self.status, "reason": self.reason, "backend": self.backend, "route": self.route,
                 "recipe": self.recipe, "tensors": encode(self.tensors), "metrics": encode(self.metrics)}
-
-
-def _tensors(x) -> dict:
-    return x.tensors() if hasattr(x, "tensors") else dict(x)
-
-
-UNIT_SCALE_RANGE = (2.0 ** -8, 2.0 ** 8)   # rms(v) outside this: the baseline is measured at unit scale
-
-
-def unit_scale(problem) -> float:
-    """The power of two 2^round(log2 rms(v)) when rms(v) lies outside UNIT_SCALE_RANGE, else 1.
-
-    o and every state are linear in (v, initial state) for fixed q, k, g, beta, so the exact
-    forward of (v / s, S0 / s) is the exact forward of (v, S0) divided by s; a power of two
-    divides every format exactly.  A recipe's error at unit scale is what it reaches without
-    the under- or overflow of its fixed-range operands (fp16 u = beta (v - kd S) flushes at
-    |v| ~ 1e-6 and overflows at 3e4), so a bug caught at normal scale stays caught."""
-    v = problem.v.detach().double()
-    if v.numel() == 0:
-        return 1.0
-    rms = float(v.square().mean().sqrt())
-    lo, hi = UNIT_SCALE_RANGE
-    if not math.isfinite(rms) or rms == 0.0 or lo <= rms <= hi:
-        return 1.0
-    return 2.0 ** round(math.log2(rms))
-
-
-def at_unit_scale(problem, truth, s: float):
-    """(problem, truth) with v, the initial state, the state cache and every truth tensor
-    divided by s (``unit_scale``)."""
-    ch = {"v": (problem.v.double() / s).to(problem.v.dtype)}
-    if problem.initial_state is not None:
-        ch["initial_state"] = (problem.initial_state.double() / s).to(problem.initial_state.dtype)
-    if problem.state_cache is not None:
-        ch["state_cache"] = (problem.state_cache.double() / s).to(problem.state_cache.dtype)
-    return problem.replace(**ch), {k: v / s for k, v in _tensors(truth).items()}
-
-
-def baseline_metrics(problem, recipe: str, truth, taps: bool = False) -> dict:
-    """Metrics of the emulator's ``recipe`` against ``truth`` (name -> metrics dict); a pure
-    function of its arguments, so the caller may cache it per (case, recipe).  With ``taps``
-    it also holds the stored inverse's metrics (``ws_inv``) against the oracle workspace.
-    On a problem off unit scale (``unit_scale``) the recipe runs at unit scale and every
-    tensor's metrics carry ``unit_scale``: s."""
-    from kda_kernels.emulator import emulate
-    s = unit_scale(problem)
-    refs = _tensors(truth)
-    if s != 1.0:
-        problem, refs = at_unit_scale(problem, truth, s)
-    out = emulate(problem, recipe, taps=taps)
-    result = compare(out.tensors(), refs, problem)
-    if taps:
-        result.update(tap_metrics(problem, out.taps))
-    if s != 1.0:
-        for m in result.values():
-            m["unit_scale"] = s
-    return result
-
-
-TAP_TENSORS = ("ws_inv",)
-
-
-def tap_metrics(problem, taps: dict) -> dict:
-    """Metrics of the workspace taps a backend returned (only ws_inv is judged) against the
-    oracle's workspace at the tap's chunk size."""
-    from kda_ref.workspace import workspace
-    from verification.metrics import inverse_metrics
-    result = {}
-    x = (taps or {}).get("ws_inv")
-    if x is not None:
-        ws = workspace(problem, C=int(x.shape[-1]), inverse="exact")
-        result["ws_inv"] = inverse_metrics(x, ws.ws_inv, ws.grid.tile_len)
-    return result
-
-
-def emulate_taps(problem, recipe: str) -> dict:
-    from kda_kernels.emulator import emulate
-    return emulate(problem, recipe, taps=True).taps
 
 
 def _fmt(x: float) -> str:
@@ -448,8 +372,7 @@ def judge(backend: str, route, problem, outputs, truth, baseline: dict, db,
             reasons.append(reason)
     taps = {k: v for k, v in (getattr(outputs, "taps", None) or {}).items() if k in TAP_TENSORS}
     if taps:
-        from kda_kernels.emulator import RECIPES
-        chunk = RECIPES[recipe].chunk if recipe in RECIPES else None
+        chunk = recipe_chunk(recipe)
         if chunk is not None and int(taps["ws_inv"].shape[-1]) == chunk:
             base_taps = {k: baseline[k] for k in TAP_TENSORS if k in baseline} or tap_metrics(
                 problem, emulate_taps(problem, recipe))
