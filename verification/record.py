@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import Optional
 
 RECORD_VERSION = 1
+RESULTS_FILE = "results.jsonl"     # one run's records (pytest -m verify under xdist: results-gwN.jsonl)
+RUN_FILE = "run.json"              # its provenance, one entry per invocation
 
 # ---- statuses ----------------------------------------------------------------------------
 STATUSES = ("pass", "fail", "mistrusted", "crashed", "skipped", "error", "known-fail", "out-of-contract")

@@ -30,8 +30,10 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from .runner import (FAILING, JUDGED, RESULTS_FILE, RUN_FILE, STATUSES, as_float, jsonable, read_records,
-                     verified_headline)
+from .record import FAILING, JUDGED, RESULTS_FILE, RUN_FILE, STATUSES, read_records
+from .record import decode_number as as_float
+from .record import encode as jsonable
+from .runner import verified_headline
 
 PLOTS = ("error_vs_T", "worst_chunks", "margin_heatmap")
 STATUS_COLOURS = {"pass": "#2e7d32", "fail": "#c62828", "mistrusted": "#ef6c00", "crashed": "#6a1b9a",

@@ -64,6 +64,12 @@ def cell_sums(timings: Iterable[dict]) -> dict:
     return s
 
 
+def record_sums(records: Iterable) -> dict:
+    """``cell_sums`` of records (verification.record.Record or their dict form)."""
+    from verification.record import as_record
+    return cell_sums(as_record(r).timings for r in records)
+
+
 def merge_sums(many: Iterable[dict]) -> dict:
     """One sums dict from several (the xdist workers')."""
     out = cell_sums([])
