@@ -12,8 +12,9 @@ Per chunk of C rows (G_i = log2(e) * chunk-local cumsum of the decay a, fp32):
     gt   = 2^{G_last}       L_ij = -beta_i sum_d k_id k_jd 2^{G_id - G_jd}   (i > j)
     Mqk_ij = scale sum_d q_id k_jd 2^{G_id - G_jd}   (i >= j)        INV = (I - L)^{-1}
     pair products go through anchored factors  k_i 2^{G_i - A} . k_j 2^{A - G_j}
-    (A: the pivot row G_p, p = min(C/2, Lc-1), for flashkda; 0 for moonshot; the middle /
-    first row of each 16-row block for fla), each factor rounded to the tile dtype.
+    (A: the pivot row G_p, p = min(C/2, Lc-1), for flashkda; the middle / first row of each
+    16-row block for fla), each factor rounded to the tile dtype; moonshot's products are dots
+    of its stored tiles instead (below).
 
 Recipes (docs/tolerances.md, Baselines):
 
@@ -27,8 +28,11 @@ Recipes (docs/tolerances.md, Baselines):
               block merges with tf32 operands; q, k (after l2norm), Akk, Aqk, w, u, kg, v_new
               stored in the input dtype; fp32 state; per chunk
                   v_new = in(u - w.in(S)); o = scale qg.in(S) + Aqk.v_new; S <- S*gt + kg^T.v_new
-    moonshot  C=16, no pivot; q, k bf16; INV by fp16 doubling (fp16 accumulation), stored
-              bf16; Mqk bf16; the state is bf16 between chunks; per chunk
+    moonshot  C=16, no pivot; beta logits bf16 (flash_kda takes bf16 logits, sigmoid inside);
+              q, k bf16; tiles kd, qd, ki = k bf16(2^-G), kr stored bf16, and L = fp16(fp16(kd.ki)
+              fp16(beta)), Mqk = bf16(qd.ki) dots of those stored tiles (fp32 accumulation);
+              INV by fp16 doubling (fp16 accumulation), stored bf16; the state is bf16 between
+              chunks; per chunk
                   tmp = bf16(kd.S); v' = bf16(bf16(v - tmp) bf16(beta)); U = bf16(INV.v')
                   o = qd.S + Mqk.U;  S <- bf16(S*gt + kr^T.U)
 
@@ -43,7 +47,7 @@ from typing import Optional
 
 import torch
 
-from kda_ref.preprocess import F64, LOG2E, prepare
+from kda_ref.preprocess import F64, LOG2E, beta_activation, prepare
 from kda_ref.problem import Problem, validate
 
 from .base import Outputs, Route
@@ -75,12 +79,14 @@ class Recipe:
     U_kr_dtype: object        # U as the operand of kr^T
     acc_dtype: object = FP32  # accumulators, gates, decays
     description: str = ""
+    beta_raw_dtype: object = F64  # the raw beta (logits) as the kernel reads it, before its activation
 
 
 def exact_recipe(recipe: "Recipe") -> "Recipe":
     """The same algorithm with no rounding at all: it must reproduce the float64 oracle."""
     dt = {f: F64 for f in ("qk_dtype", "factor_dtype", "tile_dtype", "inv_build_dtype", "inv_dtype", "mqk_dtype",
-                          "state_dtype", "operand_dtype", "u_dtype", "U_mqk_dtype", "U_kr_dtype", "acc_dtype")}
+                          "state_dtype", "operand_dtype", "u_dtype", "U_mqk_dtype", "U_kr_dtype", "acc_dtype",
+                          "beta_raw_dtype")}
     return replace(recipe, name=recipe.name + "-exact", **dt)
 
 
@@ -95,7 +101,7 @@ RECIPES: dict[str, Recipe] = {
     "moonshot": Recipe("moonshot", 16, "moonshot", "start", BF16, BF16, BF16, "doubling", FP16, BF16, BF16, BF16,
                        BF16, BF16, BF16, BF16, FP32,
                        "Moonshot CUTLASS FlashKDA: C=16, no pivot, fp16-accumulated inverse stored bf16, "
-                       "bf16 state"),
+                       "bf16 state, bf16 beta logits", beta_raw_dtype=BF16),
 }
 
 NEGATIVE_CONTROLS: dict[str, str] = {
@@ -291,13 +297,32 @@ def _chunk_work(q, k, v, a, beta, valid, lens, scale, recipe: Recipe, problem: P
     er = rnd(torch.exp2(G_last - G), acc)
     vm = valid[..., None]
     zero = torch.zeros((), dtype=F64, device=q.device)
-    Pk = _pair_products(k, k, G, lens, recipe)
-    Pq = _pair_products(scale * q, k, G, lens, recipe)
+    if recipe.form == "moonshot":
+        # every factor rounded as flash_kda's K1 stores it: kd = bf16(k bf16(2^G)),
+        # qd = bf16(bf16(q bf16(2^G)) bf16(scale)), ki = bf16(k bf16(2^-G)), kr = bf16(ki bf16(2^G_last));
+        # L and Mqk are dots of those stored tiles (fp32 accumulation), not of separately rounded factors
+        fd = recipe.factor_dtype
+        ebf = rnd(torch.exp2(G), fd)
+        kd = torch.where(vm, rnd(k * ebf, tile), zero)
+        qd = torch.where(vm, rnd(rnd(q * ebf, tile) * rnd(torch.tensor(scale, dtype=F64, device=q.device), fd), tile),
+                         zero)
+        ki = torch.where(vm, rnd(k * rnd(torch.exp2(-G), fd), tile), zero)
+        kr = torch.where(vm, rnd(ki * rnd(gt, fd), tile), zero)
+        Pk = mm(kd, ki.transpose(-1, -2), acc)
+        Pq = mm(qd, ki.transpose(-1, -2), acc)
+    else:
+        Pk = _pair_products(k, k, G, lens, recipe)
+        Pq = _pair_products(scale * q, k, G, lens, recipe)
     i = torch.arange(C, device=q.device)
     strict, incl = i[:, None] > i[None, :], i[:, None] >= i[None, :]
     if variant == "mqk_no_diag":
         incl = strict
-    L = torch.where(strict, -beta[..., :, None] * Pk, zero)
+    if recipe.form == "moonshot":
+        # flash_kda stores kd.ki^T in fp16 and scales it there by fp16(beta): L = -fp16(fp16(Pk) fp16(beta))
+        ib = recipe.inv_build_dtype
+        L = torch.where(strict, -rnd(rnd(Pk, ib) * rnd(beta[..., :, None], ib), ib), zero)
+    else:
+        L = torch.where(strict, -beta[..., :, None] * Pk, zero)
     L = rnd(L, acc)
     op = _op_dtype(recipe, problem)
     inv = build_inverse(-L if variant == "wrong_L_sign" else L, recipe, op)
@@ -307,14 +332,7 @@ def _chunk_work(q, k, v, a, beta, valid, lens, scale, recipe: Recipe, problem: P
     out = {"gt": gt[..., 0, :], "inv": inv, "mqk": mqk, "beta": beta, "v": v, "valid": valid}
     if recipe.form in ("flashkda", "moonshot"):
         if recipe.form == "moonshot":
-            # every factor rounded: kd = bf16(k bf16(2^G)), qd = bf16(bf16(q bf16(2^G)) bf16(scale)),
-            # kr = bf16(bf16(k bf16(2^-G)) bf16(2^G_last))
-            fd = recipe.factor_dtype
-            ebf = rnd(torch.exp2(G), fd)
-            out["kd"] = torch.where(vm, rnd(k * ebf, tile), zero)
-            out["qd"] = torch.where(vm, rnd(rnd(q * ebf, tile) * rnd(torch.tensor(scale, dtype=F64, device=q.device), fd), tile), zero)
-            ki = rnd(k * rnd(torch.exp2(-G), fd), tile)
-            out["kr"] = torch.where(vm, rnd(ki * rnd(gt, fd), tile), zero)
+            out["kd"], out["qd"], out["kr"] = kd, qd, kr
         else:
             out["kd"] = torch.where(vm, rnd(k * e, tile), zero)
             out["qd"] = torch.where(vm, rnd(scale * q * e, tile), zero)
@@ -361,7 +379,11 @@ def emulate(problem: Problem, recipe="flashkda", variant: Optional[str] = None, 
     NC = max([-(-n // C) for n in lens_list] + [0])
     dev = pp.q.device
     stale = variant == "tail_not_zeroed"
-    beta_p = rnd(pp.beta, recipe.acc_dtype)
+    beta_act = pp.beta
+    if recipe.beta_raw_dtype not in (None, F64):   # the kernel takes the raw beta in this dtype only
+        braw = rnd(problem.beta.reshape(pp.beta.shape).to(F64), recipe.beta_raw_dtype)
+        beta_act = beta_activation(braw, problem.beta_kind)
+    beta_p = rnd(beta_act, recipe.acc_dtype)
     a_p = rnd(pp.a, recipe.acc_dtype)
     qt = _tiles(pp.q, bounds, NC, C, stale)
     kt = _tiles(pp.k, bounds, NC, C, stale)

@@ -156,3 +156,40 @@ def test_moonshot_inverse_loses_the_correlated_keys_case(problems):
     m = compare(emulate(p, "moonshot").tensors(), tr.tensors(), p)
     assert m["final_state"]["rel_l2"] > 0.5
     assert math.isfinite(m["o"]["rel_l2"])
+
+
+def test_moonshot_recipe_reads_beta_logits_in_bf16_as_flash_kda_does():
+    # flash_kda takes bf16 beta logits and applies the sigmoid itself, so the adapter rounds the
+    # fp32 logits first; the moonshot recipe rounds them at the same point, the others read them raw
+    import dataclasses
+    p = get_case("fuzz/fuzz0-191", n=2000, seed=0).build()
+    assert p.beta.dtype == torch.float32 and not torch.equal(p.beta, p.beta.to(torch.bfloat16).float())
+    p16 = dataclasses.replace(p, beta=p.beta.to(torch.bfloat16).float())
+    for recipe, same in (("moonshot", True), ("flashkda", False)):
+        a, b = emulate(p, recipe), emulate(p16, recipe)
+        assert torch.equal(a.o, b.o) == same and torch.equal(a.final_state, b.final_state) == same, recipe
+    assert RECIPES["moonshot"].beta_raw_dtype == torch.bfloat16
+    assert exact_recipe(RECIPES["moonshot"]).beta_raw_dtype not in (torch.bfloat16, torch.float16)
+
+
+def test_moonshot_mqk_is_the_dot_of_its_stored_tiles():
+    # one token, no state: o = bf16(Mqk_00 v') with v' = bf16(v bf16(beta)), INV = 1, and flash_kda
+    # forms Mqk_00 = bf16(qd . ki) from its stored tiles qd = bf16(bf16(q bf16(2^G)) bf16(scale)),
+    # ki = bf16(k bf16(2^-G)) (fp32 accumulation)
+    from kda_ref.preprocess import prepare
+    p = get_case("fuzz/fuzz0-231", n=2000, seed=0).build()
+    assert p.seq_bounds() == [(0, 1)] and p.HV == 1
+    pp = prepare(p)
+    f64, bf, f32 = torch.float64, torch.bfloat16, torch.float32
+    r = lambda x, d: x.to(d).to(f64)
+    G = r(1.4426950408889634 * r(pp.a[0, 0], f32), f32)
+    qd = r(r(r(pp.q[0, 0], bf) * r(torch.exp2(G), bf), bf) * r(torch.tensor(pp.scale, dtype=f64), bf), bf)
+    ki = r(r(pp.k[0, 0], bf) * r(torch.exp2(-G), bf), bf)
+    mqk = r(r((qd * ki).sum(), f32), bf)
+    beta = r(torch.sigmoid(r(p.beta.reshape(-1)[0].double(), bf)), f32)
+    u = r(r(pp.v[0, 0], bf) * r(beta, bf), bf)
+    o = emulate(p, "moonshot").o
+    assert torch.equal(o.reshape(-1), r(mqk * u, f32).to(p.v.dtype))
+    # the H200 run of flash_kda 0.0.1+1ce47ea on this case: o rel_l2 0.01932 (the recipe as it
+    # was, rounding scale q 2^G and k 2^-G once each, gave 0.00424, and the kernel failed against it)
+    assert abs(rel_l2(o, truth(p).o) - 0.01932) < 5e-5
