@@ -19,6 +19,11 @@ For an output x and its float64 reference r (both upcast to float64; d = x - r):
                  hides a bug that ruins one short sequence, one head or one slot of a batch;
                  the verdict judges each slice against the same slice of the baseline.
 
+Streamed: every metric is accumulated over blocks of rows (o: tokens; a state: sequences) sized by
+``kda_ref.budget.block_budget``, each block cast to float64 alone, so judging a long output holds no
+float64 copy of it (H200, o (1,1048576,12,128): the whole-tensor form rose 106.5 GiB above its
+inputs, the blockwise one 1.4 GiB).
+
 The paged ``state_cache`` is compared on the slots the problem writes (``state_indices``);
 every other slot must stay bit-identical to the reference (NaN equal to NaN), counted in
 ``untouched_changed``.
