@@ -21,7 +21,11 @@ def interpreted_kernels():
     os.environ["TRITON_INTERPRET"] = "1"        # the kernels are built as interpreted functions at import
     import kda_kernels.triton.kernels as kernels
     if not type(kernels.segment_kernel).__name__.startswith("Interpreted"):
-        importlib.reload(kernels)                # imported earlier without the interpreter: rebuild them
+        # imported earlier without the interpreter: rebuild them, each module after the ones it
+        # takes JIT helpers from, then the re-exports
+        for name in kernels.KERNEL_MODULES:
+            importlib.reload(importlib.import_module(name))
+        importlib.reload(kernels)
     if saved is None:                            # leave the environment of later test modules as it was
         del os.environ["TRITON_INTERPRET"]
     else:

@@ -91,7 +91,7 @@ def test_run_cell_on_cuda_records_guards(backend):
 def _planted(name, edits, what, tmp_path):
     from verification.mutate import load_mutant_backend
     from verification.mutants import Mutant
-    return load_mutant_backend(Mutant(name=name, pass_name="C", file="kernels.py", edits=edits, what=what), tmp_path)
+    return load_mutant_backend(Mutant(name=name, pass_name="C", edits=edits, what=what), tmp_path)
 
 
 def test_planted_out_of_bounds_write_in_the_compiled_kernel_is_caught(tmp_path):
@@ -99,7 +99,10 @@ def test_planted_out_of_bounds_write_in_the_compiled_kernel_is_caught(tmp_path):
     40..63) is written past o's end, into the guard band after it."""
     from verification.guards import guarded_run
     bad = _planted("planted_o_store_unmasked",
-                   (("o.to(o_ptr.dtype.element_ty), mask=vmask)", "o.to(o_ptr.dtype.element_ty))"),),
+                   (("walk-store-o", "tl.store(o_ptr + b * sob + tok[:, None].to(tl.int64) * sot + h * soh"
+                     " + cols[None, :] * sod, o.to(o_ptr.dtype.element_ty), mask=vmask)",
+                     "tl.store(o_ptr + b * sob + tok[:, None].to(tl.int64) * sot + h * soh"
+                     " + cols[None, :] * sod, o.to(o_ptr.dtype.element_ty))"),),
                    "o stored without the row mask", tmp_path)
     p = _build(dict(B=1, T=40, H=2, state="kv"), 11)
     _, rep = guarded_run(bad, p, bad.route("unseg"))

@@ -6,6 +6,7 @@ catalogue marks it equivalent.
 Each mutant runs in a child process through Triton's interpreter (~4 s per mutant here on
 one smoke case).  The whole catalogue over smoke + stress:  kda-verify mutate --json-out OUT.
 """
+import ast
 import hashlib
 import json
 
@@ -13,8 +14,8 @@ import pytest
 
 from verification.cli import main as cli_main
 from verification.mutants import CATALOGUE, UNSEG, Mutant, by_name
-from verification.mutate import (AnchorError, check_anchors, kernel_dir, materialize, needs_attention,
-                                 patched_source, run_in_child)
+from verification.mutate import (ANCHOR_RE, AnchorError, anchor_sites, check_anchors, kernel_dir, materialize,
+                                 mutant_files, needs_attention, patched_source, patched_sources, run_in_child)
 
 def _digest(d):
     h = hashlib.sha256()
@@ -24,28 +25,66 @@ def _digest(d):
     return h.hexdigest()
 
 
-def test_every_catalogue_anchor_applies_and_changes_its_file():
+def test_every_catalogue_anchor_is_found_once_and_changes_its_statement():
+    texts = {p.name: p.read_text() for p in kernel_dir().glob("*.py")}
     assert len(CATALOGUE) >= 20
     assert len({m.name for m in CATALOGUE}) == len(CATALOGUE)
     check_anchors(CATALOGUE)
     for m in CATALOGUE:
-        assert patched_source(m) != (kernel_dir() / m.file).read_text(), m.name
+        for anchor, _find, _replace in m.edits:
+            assert len(anchor_sites(anchor, texts)) == 1, (m.name, anchor)
+        for f, text in patched_sources(m).items():
+            assert ast.dump(ast.parse(text)) != ast.dump(ast.parse(texts[f])), m.name
         assert m.pass_name in ("K1", "A", "B", "C") and m.routes, m.name
         if m.pass_name in ("A", "B"):
             assert all(r.startswith("seg") for r in m.routes), m.name   # the pass must run on its routes
 
 
+def test_every_anchor_in_the_package_is_used():
+    texts = {p.name: p.read_text() for p in kernel_dir().glob("*.py")}
+    marked = {m.group(1) for t in texts.values() for ln in t.splitlines() if (m := ANCHOR_RE.search(ln))}
+    used = {e[0] for m in CATALOGUE for e in m.edits} | {"walk-store-o"}   # walk-store-o: tests/test_invariance_gpu.py
+    assert marked == used
+
+
+def test_anchors_survive_reformatting(tmp_path):
+    """A mutant follows the syntax tree, not the text: the package with its anchored statements
+    re-spaced, re-wrapped and moved to another file still takes every mutant, to the same trees."""
+    import shutil
+    moved = tmp_path / "triton"
+    shutil.copytree(kernel_dir(), moved, ignore=shutil.ignore_patterns("__pycache__"))
+    walk = (moved / "walk.py").read_text()
+    a = walk.index("    u = beta[:, None]")
+    line = walk[a:walk.index("\n", a)]
+    walk = walk.replace(line, "    u = beta[:,None]*(  # mutant-anchor: walk-u\n            v-tl.dot(kd,Sb)  )")
+    (moved / "walk.py").write_text(walk)
+    m = by_name(["beta_missing_in_u"])[0]
+    assert ast.dump(ast.parse(patched_source(m, moved))) == ast.dump(ast.parse(patched_source(m)))
+    k1 = (moved / "k1.py").read_text()
+    line = next(ln for ln in k1.splitlines() if "mutant-anchor: k1-L" in ln)
+    (moved / "k1.py").write_text(k1.replace(line + "\n", ""))
+    (moved / "extra.py").write_text("def f(ri, cj, beta, kk):\n    # mutant-anchor: k1-L\n"
+                                    "    L = tl.where((ri > cj), (-beta[:, None]) * kk, 0.0)\n    return L\n")
+    m = by_name(["wrong_sign_of_L"])[0]
+    assert mutant_files(m, moved) == ["extra.py"]
+    assert "L = tl.where(ri > cj, beta[:, None] * kk, 0.0)" in patched_source(m, moved)
+    check_anchors([x for x in CATALOGUE if all(e[0] != "k1-L" for e in x.edits)] + [m])
+
+
 def test_missing_anchor_fails_loudly():
-    rotten = Mutant(name="rotten", pass_name="K1", file="kernels.py", edits=(("no such text in the kernel", "x"),),
+    rotten = Mutant(name="rotten", pass_name="K1", edits=(("no-such-anchor", "x", "y"),),
                     what="an anchor that is not there")
-    with pytest.raises(AnchorError, match=r"mutant rotten: anchor: expected 'no such text in the kernel' exactly "
-                                          r"once in kda_kernels/triton/kernels.py, got 0"):
+    with pytest.raises(AnchorError, match=r"mutant rotten: anchor: expected '# mutant-anchor: no-such-anchor' exactly "
+                                          r"once in kda_kernels/triton/, got 0"):
         patched_source(rotten)
     with pytest.raises(AnchorError, match="got 0"):
         run_in_child(rotten, ["smoke"], False, "cpu")
-    twice = Mutant(name="twice", pass_name="C", file="kernels.py", edits=(("tl.load(", "tl.load("),), what="ambiguous")
-    with pytest.raises(AnchorError, match=r"got \d+ occurrence"):
+    twice = Mutant(name="twice", pass_name="K1", edits=(("halves-X10", "INV_PREC", "INV_PREC"),), what="ambiguous")
+    with pytest.raises(AnchorError, match=r"expected 'INV_PREC' exactly once in the statement .* got 2 occurrence"):
         patched_source(twice)
+    noop = Mutant(name="noop", pass_name="K1", edits=(("k1-L", "(ri > cj)", "ri > cj"),), what="no change")
+    with pytest.raises(AnchorError, match="changes nothing"):
+        patched_source(noop)
 
 
 def test_cli_unknown_mutant_is_a_one_line_usage_error(capsys):
@@ -75,11 +114,13 @@ def test_copy_is_patched_and_shipped_package_untouched(tmp_path):
     before = _digest(kernel_dir())
     m = by_name(["wrong_sign_of_L"])[0]
     name = materialize(m, tmp_path)
-    text = (tmp_path / name / "triton" / "kernels.py").read_text()
-    assert "L = tl.where(ri > cj, beta[:, None] * kk, 0.0)" in text
-    assert "L = tl.where(ri > cj, -beta[:, None] * kk, 0.0)" not in text
+    copy = tmp_path / name / "triton"
+    assert m.file == "k1.py"
+    assert ast.dump(ast.parse((copy / m.file).read_text())) == ast.dump(ast.parse(patched_source(m)))
+    for p in kernel_dir().glob("*.py"):                      # every other file copied as it is
+        if p.name != m.file:
+            assert (copy / p.name).read_text() == p.read_text(), p.name
     assert _digest(kernel_dir()) == before
-    assert "-beta[:, None] * kk" in (kernel_dir() / "kernels.py").read_text()
 
 
 def test_a_real_slip_is_killed_and_localized():
@@ -108,9 +149,9 @@ def test_a_pass_B_slip_is_localized_to_B():
 def test_survivors_decide_the_exit_status(tmp_path, capsys):
     """A patch that changes nothing numerically survives: exit 1 when unmarked, 0 when the
     catalogue marks it equivalent (here the pivot moved by one row, one case)."""
-    noop = Mutant(name="comment_only", pass_name="K1", file="kernels.py",
-                  edits=(("G = tl.cumsum(a, 0) * 1.4426950408889634", "G = tl.cumsum(a, 0) * 1.4426950408889634  # x"),),
-                  what="a comment")
+    noop = Mutant(name="commuted", pass_name="K1",
+                  edits=(("k1-cumsum", "tl.cumsum(a, 0) * 1.4426950408889634", "1.4426950408889634 * tl.cumsum(a, 0)"),),
+                  what="a product commuted (bitwise the same)")
     rec = run_in_child(noop, ["smoke"], False, "cpu", case_globs=["smoke/dense-T64-lb-5"])
     assert rec["outcome"] == "survived" and rec["cells"] == 1 and needs_attention(rec), rec
     out = tmp_path / "m.json"
@@ -123,8 +164,8 @@ def test_survivors_decide_the_exit_status(tmp_path, capsys):
 
 
 def test_a_mutant_that_breaks_the_kernel_counts_as_crashed():
-    broken = Mutant(name="undefined_name", pass_name="K1", file="kernels.py",
-                    edits=(("G = tl.cumsum(a, 0) * 1.4426950408889634", "G = tl.cumsum(a, 0) * no_such_name"),),
+    broken = Mutant(name="undefined_name", pass_name="K1",
+                    edits=(("k1-cumsum", "1.4426950408889634", "no_such_name"),),
                     what="a kernel that does not compile")
     rec = run_in_child(broken, ["smoke"], False, "cpu", case_globs=["smoke/dense-T64-lb-5"])
     assert rec["outcome"] == "crashed" and rec["killed"] and rec["metric"] == "crash", rec

@@ -1,7 +1,8 @@
 """Mutation testing of our Triton FlashKDA: does the harness catch real bugs?
 
-Each mutant of the catalogue (verification/mutants.py) is a small source patch of a file of
-kda_kernels/triton/.  A mutant runs in a child process of its own (``python -m
+Each mutant of the catalogue (verification/mutants.py) is a small source patch of
+kda_kernels/triton/, anchored on a ``# mutant-anchor: NAME`` marker and applied to the marked
+statement's syntax tree.  A mutant runs in a child process of its own (``python -m
 verification.mutate --child SPEC OUT``), on a patched copy of the package imported under
 another name (``kda_mutant_<name>.triton``), so the shipped package is never touched, two
 mutants never meet, and a mutant that kills its process is recorded as crashed.
@@ -20,6 +21,8 @@ the first pass over its row thresholds is the pass the mutant patched.
 from __future__ import annotations
 
 import argparse
+import ast
+import copy
 import json
 import os
 import re
@@ -27,19 +30,24 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 import traceback
 from pathlib import Path
 from typing import Optional
 
-from verification.mutants import Mutant
+from verification.mutants import AFTER, WHOLE, Mutant
 
 STDERR_TAIL = 3000
 CHILD_TIMEOUT_S = 900
 
 
 class AnchorError(ValueError):
-    """A mutant's text to find is missing from (or not unique in) its file: the catalogue has rotted."""
+    """A mutant's anchor is missing from (or not unique in) the package, or its ``find`` is not
+    exactly once in the anchored statement: the catalogue has rotted."""
+
+
+ANCHOR_RE = re.compile(r"#.*?\bmutant-anchor:\s*([A-Za-z0-9_.-]+)")
 
 
 def kernel_dir() -> Path:
@@ -52,38 +60,140 @@ def package_name(mutant: Mutant) -> str:
     return "kda_mutant_" + re.sub(r"[^0-9a-zA-Z_]", "_", mutant.name)
 
 
-def patched_source(mutant: Mutant, src_dir: Optional[Path] = None) -> str:
-    """The text of the mutant's file with every edit applied; AnchorError unless each
-    ``find`` occurs exactly once (in the text as edited so far)."""
+def _sources(src_dir: Path) -> dict:
+    return {p.name: p.read_text() for p in sorted(Path(src_dir).glob("*.py"))}
+
+
+def anchor_sites(name: str, texts: dict) -> list:
+    """(file, line) of every ``# mutant-anchor: name`` marker in ``texts`` (file -> source)."""
+    return [(f, i) for f, text in texts.items() for i, ln in enumerate(text.splitlines(), 1)
+            if (m := ANCHOR_RE.search(ln)) and m.group(1) == name]
+
+
+def _site(mutant: Mutant, anchor: str, texts: dict) -> tuple:
+    sites = anchor_sites(anchor, texts)
+    if len(sites) != 1:
+        raise AnchorError(f"mutant {mutant.name}: anchor: expected '# mutant-anchor: {anchor}' exactly once in "
+                          f"kda_kernels/triton/, got {len(sites)} occurrence(s)")
+    return sites[0]
+
+
+def _statements(body):
+    """Every statement of a block, nested blocks included (without walking the expressions)."""
+    for n in body:
+        yield n
+        for field_ in ("body", "orelse", "finalbody", "handlers"):
+            sub = getattr(n, field_, None)
+            if isinstance(sub, list):
+                yield from _statements(sub)
+
+
+def _statement(mutant: Mutant, anchor: str, file: str, text: str, line: int):
+    """The statement the marker on ``line`` names: the one starting on that line (the outermost),
+    or, for a marker on a comment line of its own, the statement on the next line of code."""
+    lines = text.splitlines()
+    tree = ast.parse(text)
+    stmts = list(_statements(tree.body))
+    target = line
+    if lines[line - 1].lstrip().startswith("#"):
+        target = next((i for i in range(line + 1, len(lines) + 1)
+                       if lines[i - 1].strip() and not lines[i - 1].lstrip().startswith("#")), None)
+    here = [n for n in stmts if n.lineno == target]
+    if not here:
+        raise AnchorError(f"mutant {mutant.name}: anchor: expected '# mutant-anchor: {anchor}' on the first line of "
+                          f"a statement or on a comment line above it, got kda_kernels/triton/{file}:{line}")
+    return max(here, key=lambda n: n.end_lineno), lines
+
+
+def _expr(mutant: Mutant, src: str) -> ast.expr:
+    try:
+        return ast.parse(src.strip(), mode="eval").body
+    except SyntaxError as e:
+        raise AnchorError(f"mutant {mutant.name}: edit: expected an expression, got {src!r} ({e.msg})") from None
+
+
+def _apply_edit(mutant: Mutant, edit: tuple, texts: dict) -> None:
+    anchor, find, replace = edit
+    file, line = _site(mutant, anchor, texts)
+    stmt, lines = _statement(mutant, anchor, file, texts[file], line)
+    indent = lines[stmt.lineno - 1][:len(lines[stmt.lineno - 1]) - len(lines[stmt.lineno - 1].lstrip())]
+    start, end = stmt.lineno - 1, stmt.end_lineno           # the statement's lines, [start, end)
+    keep_marker = [f"{indent}# mutant-anchor: {anchor}"] if start < line <= end else []
+    if find == AFTER:
+        new = lines[start:end] + [indent + ln for ln in textwrap.dedent(replace).splitlines()]
+        keep_marker = []
+    elif find is WHOLE:
+        new = [indent + ln for ln in textwrap.dedent(replace).splitlines()] or [indent + "pass"]
+    else:
+        want, repl = ast.dump(_expr(mutant, find)), _expr(mutant, replace)
+        hits = [0]
+
+        class Swap(ast.NodeTransformer):
+            def visit(self, node):
+                if isinstance(node, ast.expr) and ast.dump(node) == want:
+                    hits[0] += 1
+                    return copy.deepcopy(repl)
+                return self.generic_visit(node)
+
+        swapped = Swap().visit(copy.deepcopy(stmt))
+        if hits[0] != 1:
+            raise AnchorError(f"mutant {mutant.name}: anchor {anchor}: expected {find!r} exactly once in the statement "
+                              f"at kda_kernels/triton/{file}:{stmt.lineno}, got {hits[0]} occurrence(s)")
+        if ast.dump(swapped) == ast.dump(stmt):
+            raise AnchorError(f"mutant {mutant.name}: anchor {anchor}: replacing {find!r} by {replace!r} changes nothing")
+        new = [indent + ln for ln in ast.unparse(ast.fix_missing_locations(swapped)).splitlines()]
+    texts[file] = "\n".join(lines[:start] + keep_marker + new + lines[end:]) + "\n"
+
+
+def mutant_files(mutant: Mutant, src_dir: Optional[Path] = None) -> list:
+    """The files of kda_kernels/triton/ the mutant's anchors are in (first anchor's first)."""
+    texts = _sources(Path(src_dir) if src_dir is not None else kernel_dir())
+    return list(dict.fromkeys(_site(mutant, e[0], texts)[0] for e in mutant.edits))
+
+
+def patched_sources(mutant: Mutant, src_dir: Optional[Path] = None) -> dict:
+    """{file: patched text} for the files the mutant edits, every edit applied in order;
+    AnchorError unless each anchor is found exactly once, each ``find`` occurs exactly once in
+    its statement (and changes its syntax tree), and each patched file parses."""
     src_dir = Path(src_dir) if src_dir is not None else kernel_dir()
-    path = src_dir / mutant.file
-    if not path.is_file():
-        raise AnchorError(f"mutant {mutant.name}: file: expected {mutant.file} in {src_dir}, got no such file")
-    text = path.read_text()
-    for find, replace in mutant.edits:
-        n = text.count(find)
-        if n != 1:
-            shown = find if len(find) <= 80 else find[:77] + "..."
-            raise AnchorError(f"mutant {mutant.name}: anchor: expected {shown!r} exactly once in "
-                              f"kda_kernels/triton/{mutant.file}, got {n} occurrence(s)")
-        text = text.replace(find, replace)
-    return text
+    original = _sources(src_dir)
+    if not original:
+        raise AnchorError(f"mutant {mutant.name}: expected the sources of kda_kernels/triton/ in {src_dir}, got none")
+    texts = dict(original)
+    for edit in mutant.edits:
+        _apply_edit(mutant, tuple(edit), texts)
+    changed = {f: t for f, t in texts.items() if t != original[f]}
+    for f, t in changed.items():
+        try:
+            ast.parse(t)
+        except SyntaxError as e:
+            raise AnchorError(f"mutant {mutant.name}: patched kda_kernels/triton/{f} does not parse: {e.msg} "
+                              f"(line {e.lineno})") from None
+    if not changed:
+        raise AnchorError(f"mutant {mutant.name}: patch changes no file")
+    return changed
+
+
+def patched_source(mutant: Mutant, src_dir: Optional[Path] = None) -> str:
+    """The patched text of the mutant's file (its first anchor's)."""
+    return patched_sources(mutant, src_dir)[mutant_files(mutant, src_dir)[0]]
 
 
 def check_anchors(mutants) -> None:
     """Raise AnchorError for the first mutant whose patch cannot be applied."""
     for m in mutants:
-        patched_source(m)
+        patched_sources(m)
 
 
 def materialize(mutant: Mutant, root: Path, src_dir: Optional[Path] = None) -> str:
     """Write the patched copy as package ``kda_mutant_<name>`` (with ``.triton`` inside) under
     ``root``; its ``base`` module is kda_kernels.base itself.  Returns the package name."""
     src_dir = Path(src_dir) if src_dir is not None else kernel_dir()
-    text = patched_source(mutant, src_dir)
+    texts = patched_sources(mutant, src_dir)
     pkg = Path(root) / package_name(mutant)
     shutil.copytree(src_dir, pkg / "triton", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    (pkg / "triton" / mutant.file).write_text(text)
+    for f, text in texts.items():
+        (pkg / "triton" / f).write_text(text)
     (pkg / "__init__.py").write_text('"""A mutant of kda_kernels (kda-verify mutate)."""\n')
     (pkg / "base.py").write_text("import sys\n\nimport kda_kernels.base as _base\n\nsys.modules[__name__] = _base\n")
     return pkg.name

@@ -9,6 +9,11 @@
 3. fp32 -> bf16 casts: the interpreter truncates the mantissa; GPUs round to nearest even
    (cvt.rn.bf16.f32).  The patched cast rounds to nearest even, so the interpreter's errors
    are the GPU's and not twice as large.
+
+Nothing is patched at import: the launcher (``launch.launch``) calls ``install(force=True)`` before
+the first launch of an interpreted kernel, and code that runs other projects' kernels under the
+interpreter calls ``install()``, which patches only when TRITON_INTERPRET=1.  Patching is done
+once per process (a second call returns at once).
 """
 from __future__ import annotations
 
@@ -25,8 +30,15 @@ def f32_to_bf16_bits(x):
     return np.where(nan, ((bits >> 16) | 0x40).astype(np.uint16), rounded)
 
 
-def install() -> None:
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True"):
+def is_interpreted(kernel) -> bool:
+    """Whether ``kernel`` was built for Triton's interpreter (an InterpretedFunction), not compiled."""
+    return type(kernel).__name__ == "InterpretedFunction"
+
+
+def install(force: bool = False) -> None:
+    """Apply the fixes to Triton's interpreter, once: when TRITON_INTERPRET=1, or with ``force``
+    (a kernel built under the interpreter is about to run, whatever the environment says now)."""
+    if not force and os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True"):
         return
     import numpy as np
     from triton.runtime import interpreter

@@ -33,6 +33,7 @@ from typing import Optional
 import torch
 
 from . import forward as fw
+from .launch import launch_context
 from .routes import RouteSpec, parse_route
 
 TARGETS = {
@@ -152,12 +153,9 @@ def route_variants(route_names: list, states=("kv", "paged"), hip: bool = False)
         for state in states:
             if state not in STATE_CONFIGS:
                 raise ValueError(f"--states: expected values in {'|'.join(STATE_CONFIGS)}, got {state!r}")
-            fw._RECORDER, fw._TARGET_IS_HIP = [], hip
-            try:
+            with launch_context(recorder=[], target_is_hip=hip) as ctx:
                 fw.flashkda_forward(**_small_problem(state), route=spec)
-                launches = fw._RECORDER
-            finally:
-                fw._RECORDER, fw._TARGET_IS_HIP = None, None
+            launches = ctx.recorder
             for kernel, _grid, args, kwargs in launches:
                 sig, cons, attrs, opts = _signature(kernel, args, kwargs)
                 v = Variant(kernel, sig, cons, attrs, opts)

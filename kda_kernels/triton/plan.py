@@ -103,7 +103,7 @@ def build_plan(bounds: tuple, cps: Optional[int], device) -> Plan:
         nmax = max(nmax, nch)
         base = len(tiles)
         for c in range(nch):
-            tiles.append((b, t0 + c * C, min(C, t1 - t0 - c * C), n))
+            tiles.append((b, t0 + c * C, min(C, t1 - t0 - c * C), n))  # mutant-anchor: plan-tile-rows
         step = nch if cps is None else cps
         nseg = max(1, -(-nch // step)) if step > 0 else 1
         for s in range(nseg):
