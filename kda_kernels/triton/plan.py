@@ -29,9 +29,7 @@ import torch
 C = 32
 SEG_BLOCKS_PER_SM = 2  # chunk-step programs resident per SM (~210 registers/thread at 4 warps: 2 fit)
 SEG_MIN_SEGMENTS = 4   # segmenting triples the chunk steps; fewer segments cannot pay for it
-SEG_MIN_CHUNKS = 48    # shorter sequences stay unsegmented: H200 with graphs, 1x512x12 (16 chunks) 48 vs 68 us
-                       # segmented, 1x1024x12 (32) 84 vs 99; 1x2048x12 (64) segmented wins, 132 vs 144
-                       # (without graphs segmenting also adds three launches of host time)
+SEG_MIN_CHUNKS = 48    # shorter sequences stay unsegmented (measured: docs/triton-flashkda.md)
 
 
 @dataclass
@@ -75,9 +73,9 @@ def choose_chunks_per_seg(n_chunks_max: int, N: int, H: int, V: int, bw: int, sm
     chunk steps are throughput-bound once a wave is full, so segmenting (pass A walks twice,
     pass C once: three walks for one) pays only when the unsegmented grid fills less than a
     third of a wave and the walk is long (>= SEG_MIN_CHUNKS).  Then each sequence is cut into
-    ``floor(wave / blocks)`` segments, so passes A and C run as one full wave (measured on the
-    H200 at 1x16384x12: 192 programs of 64 chunks beat 384 of 32, which leave a half-empty
-    second wave); fewer than SEG_MIN_SEGMENTS segments keep it unsegmented.
+    ``floor(wave / blocks)`` segments, so passes A and C run as one full wave rather than a
+    full wave and a half-empty second one; fewer than SEG_MIN_SEGMENTS segments keep it
+    unsegmented.
     """
     blocks = N * H * max(1, -(-V // bw))
     wave = SEG_BLOCKS_PER_SM * sms

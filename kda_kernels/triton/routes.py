@@ -17,8 +17,8 @@ A route name is ``MODE[:key=value]...``:
              "bf16x6" (six bf16 tensor-core products of 3-way splits, fp32's 24 bits; faster)
         k1   K1's shape: "tile" (default: the 32-row tile, two full pivoted products of which the
              block structure keeps half) or "halves" (the two 16-row halves: the three kept
-             blocks and 16x16 inverses only; the same workspace, 17% fewer sm90 instructions,
-             yet 15-40% slower than the tile on the H200)
+             blocks and 16x16 inverses only; the same workspace; docs/triton-flashkda.md
+             has its measured cost)
 
 Canonical names spell every key of the mode except ``nw``, ``scan``, ``inv`` and ``k1`` at their defaults
 (``seg:cps=4:A=fused:B=prefetch:BW=32``; the heuristic's is ``seg:A=fused:B=prefetch:BW=32``).
