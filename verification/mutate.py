@@ -140,7 +140,8 @@ def _apply_edit(mutant: Mutant, edit: tuple, texts: dict) -> None:
             raise AnchorError(f"mutant {mutant.name}: anchor {anchor}: expected {find!r} exactly once in the statement "
                               f"at kda_kernels/triton/{file}:{stmt.lineno}, got {hits[0]} occurrence(s)")
         if ast.dump(swapped) == ast.dump(stmt):
-            raise AnchorError(f"mutant {mutant.name}: anchor {anchor}: replacing {find!r} by {replace!r} changes nothing")
+            raise AnchorError(f"mutant {mutant.name}: anchor {anchor}: replacing {find!r} by {replace!r} "
+                              f"changes nothing")
         new = [indent + ln for ln in ast.unparse(ast.fix_missing_locations(swapped)).splitlines()]
     texts[file] = "\n".join(lines[:start] + keep_marker + new + lines[end:]) + "\n"
 

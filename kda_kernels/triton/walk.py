@@ -68,7 +68,8 @@ def segment_kernel(
 
     if STORE_FINAL:
         if FINAL_PAGED:
-            off = _state_offsets(tl.load(fidx_ptr + n), h, sfn, sfh, sfk, sfv, kk, cols)  # mutant-anchor: walk-final-paged
+            # mutant-anchor: walk-final-paged
+            off = _state_offsets(tl.load(fidx_ptr + n), h, sfn, sfh, sfk, sfv, kk, cols)
         else:
             off = _state_offsets(n, h, sfn, sfh, sfk, sfv, kk, cols)  # mutant-anchor: walk-final-dense
         tl.store(fs_ptr + off, S, mask=(is_last != 0) & (off >= 0))  # mutant-anchor: walk-store-final
