@@ -63,6 +63,8 @@ def _check_inputs(q, k, v, g, beta, A_log, dt_bias, lower_bound, cu_seqlens):
 
 
 def resolve_plan(route: RouteSpec, B: int, T: int, H: int, cu_seqlens, device) -> Plan:
+    """The plan (tiles of C = 32 tokens, segments) of a route on a problem: unsegmented, the
+    route's cps, or the occupancy heuristic's choice (plan.choose_chunks_per_seg)."""
     bounds = bounds_of(B, T, cu_seqlens)
     cps = None
     if route.segmented:
@@ -85,6 +87,16 @@ def flashkda_forward(q, k, v, g, beta, A_log, dt_bias=None, scale: Optional[floa
                      output_final_state: bool = True, out=None, route="seg",
                      return_workspace: bool = False) -> ForwardResult:
     """FlashKDA forward (lower-bound gate, sigmoid beta, in-kernel l2norm; K = V = 128, HV = H).
+
+    Inputs: q, k, v, g [B, T, H, 128] (any strides); beta [B, T, H] (logits); A_log [H];
+    dt_bias [H*128] or [H, 128] or None; lower_bound in [-5.5, 0); scale (default 128^-0.5);
+    cu_seqlens int [N+1] (varlen, B == 1; else N = B); initial_state fp32 [N, H, K, V] (kv) or
+    [N, H, V, K] (vk); or a paged cache state_cache fp32 [slots, H, V, K] with state_indices [N]
+    and has_initial_state [N].  Per head h and token t, with q^, k^ l2-normalised and
+    a_t = lb * sigmoid(exp(A_log[h]) * (g_t + dt_bias[h])), beta_t = sigmoid(beta logits):
+        S <- diag(exp(a_t)) S;   S <- S + beta_t k^_t (v_t - S^T k^_t)^T;   o_t = scale S^T q^_t
+    (the token recurrence of kda_ref.recurrence, state S [K, V] fp32), computed chunk-wise:
+    K1, then passes A, B, C (see the modules' docstrings).
 
     Returns o (v's dtype, or ``out`` written in place) and the final state fp32 in
     ``state_layout`` ([N,H,K,V] kv / [N,H,V,K] vk); with a paged cache the final state of
