@@ -3,10 +3,11 @@
 Exit codes of every `kda-verify` command (and of ``pytest -m verify``, for its matrix) are
 EXIT_CODES_HELP below, which ``kda-verify --help`` prints.
 
-``UsageError`` is the bad-input error of the harness (kda_ref.problem.ProblemError and
-kda_kernels.base.BackendError are the others, ``bad_input_errors()``).  ``writable_dir`` and
-``writable_file`` check an output path before any work is done, so an unwritable ``--out`` is
-a one-line error and not a traceback after the run.
+``UsageError`` is the bad-input error of the harness, ``ToleranceError`` (a tolerances.yaml that
+breaks the schema) one kind of it; kda_ref.problem.ProblemError and kda_kernels.base.BackendError
+are the others (``bad_input_errors()``).  ``writable_dir`` and ``writable_file`` check an output
+path before any work is done, so an unwritable ``--out`` is a one-line error and not a traceback
+after the run.  verification/devices.py holds the one check of ``--device``.
 """
 from __future__ import annotations
 
@@ -35,6 +36,10 @@ EXIT_INTERRUPTED = 130
 class UsageError(ValueError):
     """A bad command-line or file argument, or an environment that cannot do what was asked;
     the message names the argument, what was expected and what came."""
+
+
+class ToleranceError(UsageError):
+    """A tolerances.yaml that breaks the schema, or a key no entry matches."""
 
 
 class Interrupted(KeyboardInterrupt):

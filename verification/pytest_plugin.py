@@ -130,7 +130,7 @@ def pytest_configure(config):
             f.unlink(missing_ok=True)
     if _selects_verify(config):
         # --kda-backend triton on a machine without CUDA: Triton's interpreter, as kda-verify run sets it up
-        from verification.commands.run import setup_interpreter
+        from verification.selection import setup_interpreter
         note = setup_interpreter(_split(config.getoption("--kda-backend")), config.getoption("--kda-device") or "cpu")
         if note:
             import sys
@@ -161,7 +161,8 @@ class _State:
     """What every cell of one process shares: backends, truth and baseline caches, tolerances."""
 
     def __init__(self, config):
-        from verification.runner import BaselineCache, TruthCache, use_device
+        from verification.baselines import BaselineCache
+        from verification.runner import TruthCache, use_device
         self.config = config
         self.device = pick_device(config)
         use_device(self.device)
@@ -188,16 +189,15 @@ def _state(config) -> _State:
 
 def _backends(config) -> list:
     from kda_kernels.base import BUILTIN_BACKENDS
-    from verification.runner import load
+    from verification.runner import load, module_exists
     specs = _split(config.getoption("--kda-backend"))
     if specs:
         return [load(s) for s in specs]
     loaded = []
     for name, target in BUILTIN_BACKENDS.items():
-        from verification.commands.backends import _module_exists
         if target.startswith(NEGATIVE_CONTROLS_MODULE + ":"):
             continue        # deliberate bugs that fail by design: a matrix has them only when named
-        if not _module_exists(target.partition(":")[0]):
+        if not module_exists(target.partition(":")[0]):
             continue
         try:
             lb = load(name)
@@ -215,9 +215,10 @@ def cell_id(backend: str, route: str, case_id: str) -> str:
 def _cells(config) -> list:
     from types import SimpleNamespace
 
-    from verification.commands.run import _check_device, fuzz_args, select_cases
+    from verification.selection import fuzz_args, select_cases
+    from verification.devices import check_device
     from verification.runner import plan
-    _check_device(config.getoption("--kda-device"))     # a bad device or tolerance file: the options item says so
+    check_device(config.getoption("--kda-device"))     # a bad device or tolerance file: the options item says so
     _state(config).db
     suites = _split(config.getoption("--kda-suite")) or ["smoke"]
     fuzz = SimpleNamespace(fuzz_n=config.getoption("--kda-fuzz-n"), fuzz_seed=config.getoption("--kda-fuzz-seed"))
@@ -280,7 +281,7 @@ class VerifyConfigError(pytest.Item):
 
 
 def _properties(rec: dict) -> list[tuple[str, str]]:
-    from verification.runner import as_float
+    from verification.record import decode_number as as_float
     props = [("status", rec.get("status")), ("reason", rec.get("reason") or ""),
              ("backend", rec.get("backend")), ("route", rec.get("route")), ("case", rec.get("case")),
              ("seed", rec.get("seed")), ("device", rec.get("device")), ("margin", rec.get("margin"))]
@@ -312,8 +313,8 @@ class VerifyItem(pytest.Item):
         self.record = None
 
     def runtest(self):
-        from verification.runner import append_record, run_cell
-        from verification.runner import note_self_judged
+        from verification.record import append_record
+        from verification.runner import note_self_judged, run_cell
         lb, route, case = self.cell
         st = _state(self.config)
         if not lb.available:

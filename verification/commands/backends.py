@@ -7,7 +7,6 @@ an adapter that exists but whose library or device is missing reports its own re
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 
 NAME = "backends"
@@ -20,21 +19,15 @@ kda-verify backends --backend mypkg.kernels:make_backend
 """
 
 
-def _module_exists(mod_name: str) -> bool:
-    try:
-        return importlib.util.find_spec(mod_name) is not None
-    except (ImportError, ValueError):
-        return False
-
-
 def describe(name: str, spec: str | None = None) -> dict:
     """{"name", "available", "reason", "version", "routes"} of one backend; never raises."""
     from kda_kernels.base import BUILTIN_BACKENDS, BackendError, load_backend
+    from verification.runner import module_exists
 
     target = spec or BUILTIN_BACKENDS.get(name, name)
     mod_name = target.partition(":")[0]
     row = {"name": name, "available": False, "reason": "", "version": "", "routes": [], "spec": target}
-    if not _module_exists(mod_name):
+    if not module_exists(mod_name):
         row["reason"] = NOT_IMPLEMENTED
         return row
     try:

@@ -38,7 +38,7 @@ def add_arguments(p):
 
 def _shapes(args):
     from verification.bench import shapes_of_suite
-    from verification.cli import UsageError
+    from verification.errors import UsageError
     if args.shapes:
         out = []
         for item in args.shapes.split(";"):
@@ -93,7 +93,7 @@ def run(args) -> int:
 
     from kda_kernels.triton.routes import RouteError, parse_route
     from verification import bench
-    from verification.cli import UsageError
+    from verification.errors import UsageError
 
     backends = [b.strip() for b in args.backend.split(",") if b.strip()]
     bad = [b for b in backends if b not in bench.CALLABLES]
@@ -114,7 +114,8 @@ def run(args) -> int:
     shapes = _shapes(args)
     if not torch.cuda.is_available():
         raise UsageError("--device: bench needs a CUDA device (device-event timing); none is visible here")
-    device = torch.device(args.device or "cuda")
+    from verification.devices import check_device
+    device = torch.device(check_device(args.device or "cuda"))
     cells = [("triton", r) for r in routes] if "triton" in backends else []
     checks = {"fla": bench.fla_available, "fla-pinned": bench.fla_available, "moonshot": bench.moonshot_available,
               "aiter": bench.aiter_available}

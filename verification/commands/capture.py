@@ -43,10 +43,8 @@ def add_arguments(p):
 def backend_route_device(args):
     """(backend, route, device) of a capture: --backend loaded and available, --route among its
     routes (default its first), --device or cuda if available, else cpu; one line otherwise."""
-    import torch
-
     from kda_kernels.base import BackendError, load_backend
-    from verification.cli import UsageError
+    from verification.errors import UsageError
     backend = load_backend(args.backend)
     ok, why = backend.available()
     if not ok:
@@ -61,7 +59,8 @@ def backend_route_device(args):
         if not match:
             raise UsageError(f"--route: expected one of {', '.join(r.name for r in routes)}, got {args.route!r}")
         route = match[0]
-    return backend, route, args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    from verification.devices import check_device
+    return backend, route, check_device(args.device)
 
 
 def run(args) -> int:
@@ -69,7 +68,7 @@ def run(args) -> int:
 
     from kda_kernels.base import BackendError
     from kda_ref.problem import validate
-    from verification.cli import UsageError
+    from verification.errors import UsageError
     from verification.problem_file import load_problem, save_outputs
 
     from verification.errors import writable_file
@@ -109,7 +108,7 @@ def problem_files(inputs, arg: str = "--inputs") -> list:
     when there are none."""
     from pathlib import Path
 
-    from verification.cli import UsageError
+    from verification.errors import UsageError
     files = sorted(p for p in Path(inputs).glob("*.safetensors") if p.is_file())
     if not files:
         raise UsageError(f"{arg}: expected a directory holding problem files (*.safetensors, e.g. from "
@@ -122,7 +121,7 @@ def run_dir(args) -> int:
     import inspect
 
     from kda_ref.problem import ProblemError, validate
-    from verification.cli import UsageError
+    from verification.errors import UsageError
     from verification.errors import writable_dir
     from verification.problem_file import load_outputs, load_problem, save_outputs
 

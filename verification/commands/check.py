@@ -80,12 +80,11 @@ def run(args) -> int:
 
     from kda_kernels.emulator import RECIPES
     from kda_ref.problem import validate
-    from verification.cli import UsageError
-    from verification.commands.oracle import check_device
+    from verification.errors import UsageError
+    from verification.devices import check_device
     from verification.problem_file import load_outputs, load_problem
     from verification.tolerances import load_tolerances
-    from verification.runner import default_device
-    args.device = str(check_device(args.device or default_device()))
+    args.device = check_device(args.device)
     if Path(args.inputs).is_dir():
         return run_dir(args)
     for name, val in (("--out", args.out), ("--resume", args.resume)):
@@ -139,8 +138,9 @@ def judge_files(problem, outs: dict, recipe: str, backend_name: str, route_name:
     from kda_kernels.base import Route
     from kda_kernels.emulator import RECIPES
     from kda_ref.truth import truth
-    from verification.cli import UsageError
-    from verification.verdict import baseline_metrics, judge
+    from verification.errors import UsageError
+    from verification.baselines import baseline_metrics
+    from verification.verdict import judge
 
     route = Route(name=route_name or recipe, recipe=recipe)
     if "ws_inv" in outs and int(outs["ws_inv"].shape[-1]) != RECIPES[recipe].chunk:
@@ -173,13 +173,15 @@ def run_dir(args) -> int:
 
     from kda_kernels.emulator import RECIPES
     from kda_ref.problem import ProblemError, validate
-    from verification.cli import UsageError
+    from verification.errors import UsageError
     from verification.commands.capture import problem_files
     from verification.errors import writable_dir
     from verification.problem_file import load_outputs, load_outputs_metadata, load_problem
+    from verification.record import FAILING, JUDGED, RESULTS_FILE, Record, append_record, cell_key, read_records
+    from verification.record import encode as jsonable
     from verification.report import write_report
-    from verification.runner import (FAILING, JUDGED, RESULTS_FILE, _summ, append_record, apply_known_failure,
-                                     cell_key, jsonable, read_records, verified_headline, worst_margin)
+    from verification.runner import scalar_metrics, verified_headline, worst_margin
+    from verification.verdict import decide, known_failure_entry
     from verification.tolerances import load_tolerances
 
     if args.recipe is not None and args.recipe not in RECIPES:
@@ -225,18 +227,18 @@ def run_dir(args) -> int:
         key = cell_key(backend, route_name, cid)
         if key in done:
             continue
-        rec = {"key": key, "backend": backend, "backend_spec": backend, "backend_version": meta.get("version", ""),
-               "route": route_name, "recipe": recipe, "case": cid, "suite": suite, "seed": seed, "params": jsonable(params),
-               "device": meta.get("device", "unknown"), "status": None, "reason": "",
-               "shape": {"B": problem.B, "T": problem.T, "H": problem.H, "HV": problem.HV, "K": problem.K,
-                         "V": problem.V, "N": problem.N},
-               "shape_key": [1, sum(e - b for b, e in problem.seq_bounds()), problem.H] if problem.cu_seqlens is not None
-               else [problem.B, problem.T, problem.H],
-               "dtype": None, "tensors": {}, "metrics": {}, "baseline": {}, "margin": None, "timings": {},
-               "repro": f"kda-verify check --inputs {f} --outputs {target} --recipe {recipe} --backend-name {backend} "
-                        f"--route {route_name}",
-               "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "files": {"inputs": str(f),
-                                                                                     "outputs": str(target)}}
+        rec = Record(
+            key=key, backend=backend, backend_spec=backend, backend_version=meta.get("version", ""),
+            route=route_name, recipe=recipe, case=cid, suite=suite, seed=seed, params=jsonable(params),
+            device=meta.get("device", "unknown"),
+            shape={"B": problem.B, "T": problem.T, "H": problem.H, "HV": problem.HV, "K": problem.K,
+                   "V": problem.V, "N": problem.N},
+            shape_key=[1, sum(e - b for b, e in problem.seq_bounds()), problem.H] if problem.cu_seqlens is not None
+            else [problem.B, problem.T, problem.H],
+            repro=f"kda-verify check --inputs {f} --outputs {target} --recipe {recipe} --backend-name {backend} "
+                  f"--route {route_name}",
+            time_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            extra={"files": {"inputs": str(f), "outputs": str(target)}}).to_dict()
         from verification.metrics import dtype_name
         rec["dtype"] = dtype_name(problem.v.dtype)
         skipped, crashed, error = (outputs / f"{stem}.{x}" for x in ("skipped", "crashed", "error"))
@@ -256,12 +258,10 @@ def run_dir(args) -> int:
             t0 = time.perf_counter()
             verdict, base = judge_files(problem, outs, recipe, backend, route_name, db, args.device)
             rec["timings"]["check_s"] = time.perf_counter() - t0
-            rec.update(status=str(verdict.status), reason=str(verdict.reason or ""),
-                       tensors=jsonable(verdict.tensors), metrics=jsonable(verdict.metrics), baseline=_summ(base))
-            if rec["status"] == "not-applicable":
-                rec["status"], rec["reason"] = "skipped", f"not applicable: {rec['reason']}"
+            rec.update(tensors=jsonable(verdict.tensors), metrics=jsonable(verdict.metrics), baseline=scalar_metrics(base))
             rec["margin"] = jsonable(worst_margin(rec["tensors"]))
-            apply_known_failure(rec, db)
+            kf = known_failure_entry(db, backend, route_name, cid, rec.get("params"))
+            decide(verdict, known_failure=kf).apply_to(rec)
         append_record(results, rec)
         records.append(rec)
         print(f"{cid}: {rec['status']}: {rec['reason'][:200]}")

@@ -35,10 +35,8 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    import torch
-
     from kda_kernels.base import load_backend
-    from verification.cli import UsageError
+    from verification.errors import UsageError
     from verification.debug import THRESHOLDS, debug_passes, format_reports, reports_to_json
 
     thresholds = {}
@@ -50,9 +48,8 @@ def run(args) -> int:
             thresholds[name] = float(val)
         except ValueError:
             raise UsageError(f"--threshold: expected a number after {name}=, got {val!r}") from None
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError(f"--device: expected cpu (no CUDA device here), got {device!r}")
+    from verification.devices import check_device
+    device = check_device(args.device)
     backend = load_backend(args.backend)
     if not hasattr(backend, "run_pass") or not hasattr(backend, "debug_plan"):
         raise UsageError(f"--backend: expected a backend with passes (triton, aiter, fla), got {args.backend!r}, "

@@ -32,14 +32,14 @@ def run(args) -> int:
     from verification.errors import writable_dir, writable_file
     from verification.problem_file import save_problem
 
-    from verification.cli import UsageError
+    from verification.errors import UsageError
     if not args.case and not args.suite:
         raise UsageError("--case: expected a case id (or --suite SUITE[,SUITE]), got none")
     # an unknown id is a one-line error naming --case (a fuzz id past the draw's n names --fuzz-n)
     cases = [get_case(cid, n=args.fuzz_n, seed=args.fuzz_seed) for cid in (args.case or [])]
     if args.suite:
         from verification.cases import get_suite
-        from verification.commands.run import fuzz_args, split_list
+        from verification.selection import fuzz_args, split_list
         suites = split_list([args.suite])
         n, seed = fuzz_args(args, suites + (["fuzz"] if any(c.suite == "fuzz" for c in cases) else []))
         for s in suites:

@@ -35,7 +35,7 @@ def add_arguments(p):
 
 
 def _split(text: str, arg: str) -> list:
-    from verification.cli import UsageError
+    from verification.errors import UsageError
     items = [x.strip() for x in str(text).split(",") if x.strip()]
     if not items:
         raise UsageError(f"{arg}: expected a comma-separated list, got {text!r}")
@@ -43,7 +43,7 @@ def _split(text: str, arg: str) -> list:
 
 
 def run(args) -> int:
-    from verification.cli import UsageError
+    from verification.errors import UsageError
     if getattr(args, "backend", "triton") == "aiter":
         return _run_aiter(args)
     from kda_kernels.triton.isa import STATE_CONFIGS, TARGETS, isa_report
@@ -81,7 +81,7 @@ def run(args) -> int:
 
 def _run_aiter(args) -> int:
     from verification.aiter_isa import AiterIsaError, aiter_isa_report, table_header, table_row
-    from verification.cli import UsageError
+    from verification.errors import UsageError
     archs = _split(args.arch if args.arch != "gfx950,gfx1250,sm90" else "gfx950,gfx1250", "--arch")
     started = []
 

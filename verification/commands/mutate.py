@@ -42,10 +42,8 @@ def _names(values) -> list:
 
 
 def run(args) -> int:
-    import torch
-
     from verification.cases import SUITES
-    from verification.cli import UsageError
+    from verification.errors import UsageError
     from verification.mutants import CATALOGUE, by_name
     from verification.mutate import AnchorError, check_anchors, format_table, needs_attention, run_in_child
 
@@ -62,13 +60,11 @@ def run(args) -> int:
     bad = [s for s in suites if s not in SUITES]
     if bad or not suites:
         raise UsageError(f"--suite: expected a comma list of {', '.join(SUITES)}, got {args.suite!r}")
-    if args.device is None:
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.json_out:
         from verification.errors import writable_file
         writable_file(args.json_out, "--json-out")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device: expected cpu or an available CUDA device, got 'cuda' (no CUDA device here)")
+    from verification.devices import check_device
+    args.device = check_device(args.device)
     if args.timeout <= 0:
         raise UsageError(f"--timeout: expected a positive number of seconds, got {args.timeout}")
     try:
@@ -93,7 +89,7 @@ def run(args) -> int:
                   f"localized: {rec.get('localized')}) {rec.get('seconds', 0):.1f} s", flush=True)
     print(format_table(records))
     if args.json_out:
-        from verification.runner import jsonable
+        from verification.record import encode as jsonable
         with open(args.json_out, "w") as f:
             json.dump(jsonable(dict(suites=suites, device=args.device, long=args.long == "yes",
                                     taps=args.taps == "yes", records=records)), f, indent=1, allow_nan=False)

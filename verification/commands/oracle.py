@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import time
 
+from verification.devices import check_device  # noqa: F401 - the old import path (verification/devices.py)
+
 NAME = "oracle"
 HELP = "compute the float64 truth (o, final state or state cache; optionally ws_* and segments) of a problem file"
 EXAMPLES = """\
@@ -10,26 +12,6 @@ kda-verify oracle --inputs p.safetensors --out truth.safetensors
 kda-verify oracle --inputs p.safetensors --out truth.safetensors --workspace
 kda-verify oracle --inputs p.safetensors --out truth.safetensors --method segmented --chunks-per-seg 4
 """
-
-
-def check_device(device: str):
-    """Raise UsageError unless ``device`` is cpu or an available CUDA device."""
-    import torch
-
-    from verification.cli import UsageError
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError):
-        raise UsageError(f"--device: expected cpu or cuda[:N], got {device!r}") from None
-    if dev.type == "cpu":
-        return dev
-    if dev.type != "cuda":
-        raise UsageError(f"--device: expected cpu or cuda[:N], got {device!r}")
-    if not torch.cuda.is_available():
-        raise UsageError(f"--device: expected cpu or an available CUDA device, got {device!r} (no CUDA device here)")
-    if dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise UsageError(f"--device: expected a CUDA index below {torch.cuda.device_count()}, got {device!r}")
-    return dev
 
 
 def add_arguments(parser):
@@ -51,13 +33,11 @@ def run(args) -> int:
     import torch
 
     from kda_ref.truth import truth
-    from verification.cli import UsageError
+    from verification.errors import UsageError
     from verification.problem_file import load_problem, save_outputs
 
     from verification.errors import writable_file
-    from verification.runner import default_device
-
-    dev = check_device(args.device or default_device())
+    dev = torch.device(check_device(args.device))
     writable_file(args.out, "--out")
     if args.chunk_size not in (16, 32, 64) or (args.method == "fla" and args.chunk_size not in (32, 64)):
         allowed = "32 or 64 (fla)" if args.method == "fla" else "16, 32 or 64"

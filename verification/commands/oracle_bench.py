@@ -57,7 +57,7 @@ def add_arguments(parser):
 
 
 def parse_shapes(text: str):
-    from verification.cli import UsageError
+    from verification.errors import UsageError
     out = []
     for part in text.split(","):
         bits = part.strip().lower().split("x")
@@ -244,15 +244,15 @@ def bench_shape(B, T, H, args, dev) -> dict:
 def run(args) -> int:
     import torch
 
-    from verification.commands.oracle import check_device
-    from verification.cli import UsageError
+    from verification.devices import check_device
+    from verification.errors import UsageError
     if args.chunk_size not in (16, 32, 64):
         raise UsageError(f"--chunk-size: expected 16, 32 or 64, got {args.chunk_size}")
     if args.recurrence_tokens is not None and args.recurrence_tokens < 1:
         raise UsageError(f"--recurrence-tokens: expected a positive integer, got {args.recurrence_tokens}")
     if args.block_tokens is not None and args.block_tokens < args.chunk_size:
         raise UsageError(f"--block-tokens: expected at least one chunk ({args.chunk_size} tokens), got {args.block_tokens}")
-    dev = check_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dev = torch.device(check_device(args.device))
     shapes = parse_shapes(args.shapes)
     mm = matmul_tflops(dev)
     report = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",

@@ -17,7 +17,7 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    from verification.cli import UsageError
+    from verification.errors import UsageError
     from verification.report import load_results, results_files, summarize, write_report
 
     d = Path(args.dir)

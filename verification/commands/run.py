@@ -15,8 +15,10 @@ interpreter (TRITON_INTERPRET=1) before Triton is first imported, and says so.
 """
 from __future__ import annotations
 
-import fnmatch
 import sys
+
+from verification.selection import fuzz_args, select_cases, setup_interpreter, split_list  # noqa: F401 - also
+# imported from here by the commands that take the same options
 
 NAME = "run"
 HELP = "run every (backend, route, case) cell of the chosen suites and write the report"
@@ -27,14 +29,6 @@ kda-verify run --backend emulator --suite fuzz --fuzz-n 200 --fuzz-seed 1 --out 
 kda-verify run --backend triton --route seg --suite stress --case 'stress/weak-*' --out runs/weak
 kda-verify run --backend triton --suite smoke --out runs/r1 --resume --isolate --timeout 600
 """
-
-
-def split_list(values) -> list[str]:
-    """Repeatable, comma-separable options: ["a,b", "c"] -> ["a", "b", "c"]."""
-    out = []
-    for v in values or []:
-        out.extend(x.strip() for x in str(v).split(",") if x.strip())
-    return out
 
 
 def add_arguments(p):
@@ -76,72 +70,13 @@ def add_fuzz_arguments(p):
     p.add_argument("--fuzz-seed", metavar="SEED", help="with --suite fuzz: the seed of the draw (default 0)")
 
 
-def fuzz_args(args, suites: list[str], names=("--fuzz-n", "--fuzz-seed")) -> tuple:
-    """(n, seed) of the fuzz draw from --fuzz-n / --fuzz-seed (None: not given), checked: an
-    integer >= 1 (>= 0 for the seed), and only together with the fuzz suite."""
-    from verification.cases import fuzz_options
-    from verification.cli import UsageError
-    n, seed = getattr(args, "fuzz_n", None), getattr(args, "fuzz_seed", None)
-    checked = fuzz_options(n, seed, names=names)
-    for value, name, got in ((n, names[0], checked[0]), (seed, names[1], checked[1])):
-        if value is not None and "fuzz" not in suites:
-            raise UsageError(f"{name}: expected together with the fuzz suite, got {name} {got} with suite(s) "
-                             f"{', '.join(suites) or '(none)'}")
-    return (None if n is None else checked[0]), (None if seed is None else checked[1])
-
-
-def select_cases(suites: list[str], patterns: list[str] | None, long: bool = True,
-                 fuzz_n: int | None = None, fuzz_seed: int | None = None) -> list:
-    """The cases of the suites, in suite order, filtered by --case patterns (each must match).
-    long=False drops the suites' long cases unless a pattern names them; fuzz_n / fuzz_seed
-    size and seed the fuzz suite's draw (None: 20 cases, seed 0)."""
-    from verification.cases import get_suite
-    from verification.cli import UsageError
-
-    cases, seen = [], set()
-    for s in suites:
-        opts = {"n": fuzz_n, "seed": fuzz_seed} if s == "fuzz" else {}
-        for c in get_suite(s, long=long or bool(patterns), **opts):
-            if c.id not in seen:
-                seen.add(c.id)
-                cases.append(c)
-    if not patterns:
-        return cases
-    chosen = []
-    for pat in patterns:
-        hit = [c for c in cases if c.id == pat or fnmatch.fnmatchcase(c.id, pat)]
-        if not hit:
-            sample = ", ".join(c.id for c in cases[:6]) + (", ..." if len(cases) > 6 else "")
-            draw = next((c.suite_opts for c in cases if c.suite == "fuzz"), None)
-            note = (f" (fuzz ids depend on the draw: this one is --fuzz-n {draw['n']} --fuzz-seed {draw['seed']})"
-                    if draw and pat.startswith("fuzz") else "")
-            raise UsageError(f"--case: expected a case id (or glob) of suite(s) {', '.join(suites)}, "
-                             f"got {pat!r}{note}; ids look like: {sample}")
-        chosen.extend(c for c in hit if c not in chosen)
-    return [c for c in cases if c in chosen]
-
-
-def _check_device(device):
-    import torch
-
-    from verification.cli import UsageError
-    if device is None:
-        return None
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError) as e:
-        raise UsageError(f"--device: expected a torch device such as cpu, cuda, cuda:1, got {device!r}") from e
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError(f"--device: expected a device present here, got {device!r} (torch sees no CUDA device)")
-    return device
-
-
 def run(args) -> int:
     import time
 
     from verification import provenance
     from verification.errors import EXIT_USAGE, Interrupted, UsageError, writable_dir
-    from verification.runner import clip_words, default_device, nothing_verified_reason, run_matrix, verified_headline
+    from verification.devices import check_device
+    from verification.runner import clip_words, nothing_verified_reason, run_matrix, verified_headline
 
     started = time.perf_counter()
 
@@ -152,7 +87,7 @@ def run(args) -> int:
     if args.timeout is not None and not args.isolate:
         raise UsageError(f"--timeout: expected together with --isolate (a cell is timed out by killing its child "
                          f"process), got --timeout {args.timeout:g} alone")
-    device = _check_device(args.device) or default_device()
+    device = check_device(args.device)
     backends = split_list(args.backend)
     note = setup_interpreter(backends, device)
     if note:
@@ -187,7 +122,7 @@ def run(args) -> int:
     if len(summary.failed) > shown:
         print(f"  ... and {len(summary.failed) - shown} more failing cells (see the report)")
     from verification import timing
-    sums = timing.cell_sums(r.get("timings") for r in summary.fresh)
+    sums = timing.record_sums(summary.fresh)
     if args.no_report:
         bd = timing.breakdown(sums, wall_s=time.perf_counter() - started)
     else:
@@ -207,36 +142,14 @@ def run(args) -> int:
     return summary.exit_code
 
 
-def setup_interpreter(backends: list[str], device: str) -> str | None:
-    """Turn on Triton's CPU interpreter for a run of the ``triton`` backend on a machine without
-    CUDA: TRITON_INTERPRET=1, set before our kernels are first built (the interpreter replaces
-    them at import).  Returns the line to print, or None when nothing was changed (CUDA present,
-    a non-CPU device, TRITON_INTERPRET already set by the user, or no triton backend)."""
-    import os
-
-    import torch
-    if "triton" not in backends or torch.cuda.is_available() or not str(device).startswith("cpu"):
-        return None
-    if "TRITON_INTERPRET" in os.environ:
-        return None
-    if "kda_kernels.triton.kernels" in sys.modules:     # built compiled already: the backend will say why not
-        return None
-    os.environ["TRITON_INTERPRET"] = "1"
-    # NumPy's overflow / invalid-value warnings from the interpreter's own arithmetic on the padded
-    # lanes of a tile are not a verdict: the outputs are judged against the oracle (NaN, Inf included)
-    import warnings
-    warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"triton\.runtime\.interpreter")
-    return ("no CUDA device: the triton backend runs in Triton's CPU interpreter (TRITON_INTERPRET=1; "
-            "slow, small problems only)")
-
-
 def save_breakdown(out_dir, bd: dict) -> None:
     """Keep the breakdown with this invocation's provenance in DIR/run.json (kda-verify report
     DIR shows it again)."""
     import json
     from pathlib import Path
 
-    from verification.runner import RUN_FILE, jsonable
+    from verification.record import RUN_FILE
+    from verification.record import encode as jsonable
     p = Path(out_dir) / RUN_FILE
     try:
         data = json.loads(p.read_text())

@@ -20,12 +20,10 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
-    from verification.commands.oracle import check_device
+    from verification.devices import check_device
     from verification.selfcheck import format_table, selfcheck_report
 
-    from verification.runner import default_device
-    args.device = args.device or default_device()
-    check_device(args.device)
+    args.device = check_device(args.device)
     rep = selfcheck_report(quick=args.quick, device=args.device)
     rows = rep.pop("_rows")
     if args.json:

@@ -46,8 +46,8 @@ def _from_results(args):
     """(backend spec, route, case id, fuzz n, fuzz seed) of a cell in a results directory."""
     from pathlib import Path
 
-    from verification.cli import UsageError
-    from verification.runner import RESULTS_FILE, read_records
+    from verification.errors import UsageError
+    from verification.record import RESULTS_FILE, read_records
     if not args.cell:
         raise UsageError("--cell: expected a cell key backend|route|case with --from-results, got none")
     path = Path(args.from_results) / RESULTS_FILE
@@ -67,7 +67,7 @@ def _from_results(args):
 
 
 def run(args) -> int:
-    from verification.cli import UsageError
+    from verification.errors import UsageError
     from verification.errors import writable_dir
 
     if args.from_results:
@@ -98,9 +98,10 @@ def run(args) -> int:
             raise UsageError("--timeout: expected together with --isolate, got it alone")
     from verification.cases import get_case
     case = get_case(case_id, n=fuzz_n, seed=fuzz_seed)
-    from verification.commands.run import _check_device, setup_interpreter
-    from verification.runner import default_device, load, resolve_routes, use_device
-    device = _check_device(args.device) or default_device()
+    from verification.selection import setup_interpreter
+    from verification.devices import check_device
+    from verification.runner import load, resolve_routes, use_device
+    device = check_device(args.device)
     out = writable_dir(args.out, "--out")
     note = setup_interpreter([spec], device)
     if note:
