@@ -61,7 +61,7 @@ class Group:
 def collect_groups(records: list[dict], db) -> dict[tuple, Group]:
     """Group every measured (cell, tensor) by the entry of ``db`` governing it."""
     from verification.record import decode_number as as_float
-    from verification.tolerances import ToleranceError
+    from verification.errors import ToleranceError
     from verification.verdict import known_failure_entry
 
     groups: dict[tuple, Group] = {}

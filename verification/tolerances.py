@@ -68,7 +68,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional
 
-from verification.cli import UsageError
+from verification.errors import ToleranceError
 
 TOP_KEYS = ("schema", "entries", "known_failures")
 KNOWN_FIELDS = ("backend", "route", "case", "reason", "evidence")
@@ -83,10 +83,6 @@ FIELDS = KEY_FIELDS + NUM_FIELDS + TEXT_FIELDS + OPTIONAL_FIELDS
 DTYPES = ("bf16", "fp16", "fp32")
 TENSORS = ("o", "final_state", "state_cache", "ws_inv")
 DEFAULT_PATH = Path(__file__).resolve().parents[1] / "tolerances.yaml"
-
-
-class ToleranceError(UsageError):
-    """A tolerances.yaml that breaks the schema, or a key no entry matches."""
 
 
 @dataclass(frozen=True)
