@@ -1,10 +1,23 @@
 """Negative controls: kernels with one deliberate bug each, the backend ``emulator-bad``.
 
 They prove that the harness sees the bugs it exists to catch.  Each is the flashkda recipe of
-the emulator (``kda_kernels.emulator``) with one slip; the emulator that computes baselines
-only exposes its older in-recipe slips by name (``emulator.NEGATIVE_CONTROLS``), and the
-controls of this module wrap it from outside, so no switch of theirs sits in the code that
-computes a baseline.
+the emulator (``kda_kernels.emulator``) with one slip, built here from outside: the emulator
+that computes every baseline holds no switch of theirs.
+
+In-recipe controls (``NEGATIVE_CONTROLS``), one slip inside a chunk's algebra, each made by
+swapping one step of the emulator (an ``emulator.Hooks`` field), its recipe, or its output:
+
+    carry_scaled        the state carried across every chunk boundary is scaled by 0.99
+                        (state_update: rnd(0.99 * rnd(S gt + upd)))
+    wrong_L_sign        INV = (I + L)^{-1} (build_inverse of -L)
+    inv_bf16            the INV/Mqk buffer stored in bf16 (the recipe's inv, Mqk, u and U-for-Mqk
+                        dtypes bf16: aiter keeps INV and Mqk in one buffer)
+    tail_not_zeroed     a sequence's last chunk reads the tokens that follow it in memory
+                        (wrapping) instead of zeros, and treats those rows as valid (tiles, valid)
+    state_transposed    the final state comes back transposed (the output, dense or the written
+                        cache slots)
+    decay_after_update  S <- (S + kr^T U) gt (state_update)
+    mqk_no_diag         Mqk without its diagonal (mqk_mask i > j)
 
 Batch-level controls (``BATCH_CONTROLS``), the bugs a pooled error hides inside a large batch:
 
@@ -22,6 +35,7 @@ every sequence with its own initial state, no two written slots) it is not appli
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable, Optional
 
 import torch
@@ -30,8 +44,93 @@ from kda_ref.preprocess import F64, gate_activation
 from kda_ref.problem import Problem
 
 from .base import Outputs, Route
-from .emulator import NEGATIVE_CONTROLS, EmulatorBackend, emulate
+from .emulator import BF16, DEFAULT_HOOKS, RECIPES, EmulatorBackend, build_inverse, emulate, rnd, valid_rows
 
+NEGATIVE_CONTROLS: dict[str, str] = {
+    "carry_scaled": "the state carried across every chunk boundary is scaled by 0.99",
+    "wrong_L_sign": "INV = (I + L)^{-1} instead of (I - L)^{-1}",
+    "inv_bf16": "the INV/Mqk buffer stored in bf16 instead of fp16 (so the INV.u and Mqk.U dots take bf16 operands)",
+    "tail_not_zeroed": "rows past a sequence's end in its last chunk hold stale tokens instead of zeros",
+    "state_transposed": "the final state is returned transposed ([V,K] where [K,V] is due)",
+    "decay_after_update": "S <- (S + kr^T U) * gt: the chunk decay applied after the update",
+    "mqk_no_diag": "Mqk without its diagonal: o_i misses token i's own update",
+}
+CARRY_SCALE = 0.99
+
+
+# --------------------------------------------------------------------- in-recipe controls
+def _carry_scaled(S, gt, upd, recipe):
+    return rnd(CARRY_SCALE * rnd(S * gt + upd, recipe.state_dtype), recipe.state_dtype)
+
+
+def _decay_after_update(S, gt, upd, recipe):
+    return rnd((S + upd) * gt, recipe.state_dtype)
+
+
+def _negated_L_inverse(L, recipe, op):
+    return build_inverse(-L, recipe, op)
+
+
+def _strict_mqk_mask(C, device):
+    i = torch.arange(C, device=device)
+    return i[:, None] > i[None, :]
+
+
+def _stale_tiles(x: torch.Tensor, bounds, NC: int, C: int) -> torch.Tensor:
+    """The emulator's tiles, but a sequence's last chunk reads, past the sequence's end, the
+    tokens that follow in memory (wrapping at the end of the packed rows)."""
+    Ttot = x.shape[0]
+    N = len(bounds)
+    out = x.new_zeros((N, NC * C) + tuple(x.shape[1:]))
+    for n, (bos, eos) in enumerate(bounds):
+        out[n, : eos - bos] = x[bos:eos]
+        if eos > bos and Ttot:
+            end = -(-(eos - bos) // C) * C
+            idx = torch.arange(eos, bos + end, device=x.device) % Ttot
+            out[n, eos - bos:end] = x[idx]
+    return out.reshape((N, NC, C) + tuple(x.shape[1:])).movedim(3, 2)
+
+
+def _stale_valid(lens: torch.Tensor, C: int) -> torch.Tensor:
+    """Every row of a chunk that holds any token counts as valid."""
+    return valid_rows(lens, C) | (lens > 0)[:, :, None, None]
+
+
+HOOKS = {
+    "carry_scaled": replace(DEFAULT_HOOKS, state_update=_carry_scaled),
+    "wrong_L_sign": replace(DEFAULT_HOOKS, build_inverse=_negated_L_inverse),
+    "tail_not_zeroed": replace(DEFAULT_HOOKS, tiles=_stale_tiles, valid=_stale_valid),
+    "decay_after_update": replace(DEFAULT_HOOKS, state_update=_decay_after_update),
+    "mqk_no_diag": replace(DEFAULT_HOOKS, mqk_mask=_strict_mqk_mask),
+}
+
+
+def _transpose_final_state(problem: Problem, out: Outputs) -> Outputs:
+    """The final state transposed in the last two axes: the dense output, or the cache slots written."""
+    if out.state_cache is not None:
+        idx = problem.state_indices.long()
+        out.state_cache[idx] = out.state_cache[idx].transpose(-1, -2)
+    elif out.final_state is not None:
+        out.final_state = out.final_state.transpose(-1, -2).contiguous()
+    return out
+
+
+def run_in_recipe(problem: Problem, name: str, taps: bool = False) -> Outputs:
+    """The in-recipe control ``name`` (NEGATIVE_CONTROLS) on ``problem``: the flashkda recipe with
+    its one slip; ``taps`` as for ``emulate`` (the ws_inv tap in the dtype the control stores)."""
+    if name not in NEGATIVE_CONTROLS:
+        raise ValueError(f"control: expected one of {', '.join(NEGATIVE_CONTROLS)}, got {name!r}")
+    recipe = RECIPES["flashkda"]
+    if name == "inv_bf16":
+        recipe = replace(recipe, inv_dtype=BF16, mqk_dtype=BF16, u_dtype=BF16, U_mqk_dtype=BF16)
+    out = emulate(problem, recipe, taps=taps, hooks=HOOKS.get(name, DEFAULT_HOOKS))
+    if name == "state_transposed":
+        out = _transpose_final_state(problem, out)
+    out.info = {"route_ran": f"flashkda+{name}"}
+    return out
+
+
+# ------------------------------------------------------------------------ batch controls
 BATCH_CONTROLS: dict[str, str] = {
     "state_leak": "sequence n starts from sequence n-1's final state where it has no initial state of its own",
     "head_gate_scaled": "one head's log-decay on one sequence (the last head, sequence N//2) scaled by 1.05",
@@ -204,7 +303,7 @@ class ControlBackend(EmulatorBackend):
             out = RUNNERS[variant](problem)
             out.info = {"route_ran": f"flashkda+{variant}"}
             return out
-        return emulate(problem, "flashkda", variant=variant, taps=self.taps)
+        return run_in_recipe(problem, variant, taps=self.taps)
 
 
 def negative_control(variant: Optional[str] = None, taps: bool = True) -> ControlBackend:

@@ -36,14 +36,15 @@ Recipes (docs/tolerances.md, Baselines):
                   tmp = bf16(kd.S); v' = bf16(bf16(v - tmp) bf16(beta)); U = bf16(INV.v')
                   o = qd.S + Mqk.U;  S <- bf16(S*gt + kr^T.U)
 
-Negative controls (NEGATIVE_CONTROLS) are the flashkda recipe with one deliberate bug
-each; they run as routes of the backend ``emulator-bad`` (``negative_control()``), so the
-harness can prove that its verdict sees these bugs.
+The steps a recipe does not parametrize (how rows are laid into chunk tiles and which are
+valid, the Mqk mask, the inverse construction, the state update) are the fields of ``Hooks``;
+every recipe and every baseline runs the defaults (``DEFAULT_HOOKS``).  Callers that need the
+same algorithm with one step replaced pass their own ``Hooks`` to ``emulate``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Callable
 
 import torch
 
@@ -104,16 +105,6 @@ RECIPES: dict[str, Recipe] = {
                        "bf16 state, bf16 beta logits", beta_raw_dtype=BF16),
 }
 
-NEGATIVE_CONTROLS: dict[str, str] = {
-    "carry_scaled": "the state carried across every chunk boundary is scaled by 0.99",
-    "wrong_L_sign": "INV = (I + L)^{-1} instead of (I - L)^{-1}",
-    "inv_bf16": "the INV/Mqk buffer stored in bf16 instead of fp16 (so the INV.u and Mqk.U dots take bf16 operands)",
-    "tail_not_zeroed": "rows past a sequence's end in its last chunk hold stale tokens instead of zeros",
-    "state_transposed": "the final state is returned transposed ([V,K] where [K,V] is due)",
-    "decay_after_update": "S <- (S + kr^T U) * gt: the chunk decay applied after the update",
-    "mqk_no_diag": "Mqk without its diagonal: o_i misses token i's own update",
-}
-
 
 # ----------------------------------------------------------------------------- rounding
 def round_tf32(x: torch.Tensor) -> torch.Tensor:
@@ -140,19 +131,18 @@ def mm(a: torch.Tensor, b: torch.Tensor, acc=FP32) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------- the chunk grid
-def _tiles(x: torch.Tensor, bounds, NC: int, C: int, stale: bool = False) -> torch.Tensor:
-    """Packed [Ttot, HV, D] -> [N, NC, HV, C, D]; rows past a sequence's end are zero, or with
-    ``stale`` the last chunk's tail rows read the tokens that follow in memory (wrapping)."""
-    Ttot = x.shape[0]
+def zero_tail_tiles(x: torch.Tensor, bounds, NC: int, C: int) -> torch.Tensor:
+    """Packed [Ttot, HV, D] -> [N, NC, HV, C, D]; rows past a sequence's end are zero."""
     N = len(bounds)
     out = x.new_zeros((N, NC * C) + tuple(x.shape[1:]))
     for n, (bos, eos) in enumerate(bounds):
         out[n, : eos - bos] = x[bos:eos]
-        if stale and eos > bos and Ttot:
-            end = -(-(eos - bos) // C) * C
-            idx = torch.arange(eos, bos + end, device=x.device) % Ttot
-            out[n, eos - bos:end] = x[idx]
     return out.reshape((N, NC, C) + tuple(x.shape[1:])).movedim(3, 2)
+
+
+def valid_rows(lens: torch.Tensor, C: int) -> torch.Tensor:
+    """[N, NC] rows per chunk -> [N, NC, 1, C]: whether row r of a chunk holds a token (r < lens)."""
+    return torch.arange(C, device=lens.device)[None, None, None, :] < lens[:, :, None, None]
 
 
 def _untile(x: torch.Tensor, bounds, Ttot: int) -> torch.Tensor:
@@ -266,9 +256,41 @@ def _substitution(L: torch.Tensor, op, acc) -> torch.Tensor:
 
 
 def build_inverse(L: torch.Tensor, recipe: Recipe, op) -> torch.Tensor:
+    """INV = (I - L)^{-1} [.., C, C] as the recipe builds it (``op``: fla's operand dtype)."""
     if recipe.inverse == "doubling":
         return _doubling(rnd(L, recipe.inv_build_dtype), recipe.inv_build_dtype)
     return _substitution(L, op, recipe.inv_build_dtype)
+
+
+def mqk_mask(C: int, device) -> torch.Tensor:
+    """[C, C] bool: the entries of Mqk that exist, i >= j (token i sees its own update)."""
+    i = torch.arange(C, device=device)
+    return i[:, None] >= i[None, :]
+
+
+def decay_then_update(S: torch.Tensor, gt: torch.Tensor, upd: torch.Tensor, recipe: Recipe) -> torch.Tensor:
+    """The state carried to the next chunk: S <- S * gt + upd, stored in the recipe's state dtype."""
+    return rnd(S * gt + upd, recipe.state_dtype)
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """The replaceable steps of the emulation; each default is what every recipe computes.
+
+    tiles(x, bounds, NC, C)          packed rows [Ttot, HV, D] -> chunk tiles [N, NC, HV, C, D]
+    valid(lens, C)                   rows per chunk [N, NC] -> [N, NC, 1, C] bool, rows holding a token
+    mqk_mask(C, device)              [C, C] bool, the entries of Mqk that exist
+    build_inverse(L, recipe, op)     INV = (I - L)^{-1} as the recipe stores it before its final rounding
+    state_update(S, gt, upd, recipe) the next chunk's state from S, the chunk decay gt [.., K, 1] and
+                                     upd = kr^T U"""
+    tiles: Callable = zero_tail_tiles
+    valid: Callable = valid_rows
+    mqk_mask: Callable = mqk_mask
+    build_inverse: Callable = build_inverse
+    state_update: Callable = decay_then_update
+
+
+DEFAULT_HOOKS = Hooks()
 
 
 # ------------------------------------------------------------------------------ emulate
@@ -283,7 +305,7 @@ def _op_dtype(recipe: Recipe, problem: Problem):
     return TF32 if problem.q.dtype == FP32 else problem.q.dtype
 
 
-def _chunk_work(q, k, v, a, beta, valid, lens, scale, recipe: Recipe, problem: Problem, variant):
+def _chunk_work(q, k, v, a, beta, valid, lens, scale, recipe: Recipe, problem: Problem, hooks: Hooks):
     """K1 of one group of chunks: tiles, INV, Mqk (and fla's w, u); every tensor float64."""
     C = recipe.chunk
     qkd = _dtype(recipe.qk_dtype, problem)
@@ -314,9 +336,7 @@ def _chunk_work(q, k, v, a, beta, valid, lens, scale, recipe: Recipe, problem: P
         Pk = _pair_products(k, k, G, lens, recipe)
         Pq = _pair_products(scale * q, k, G, lens, recipe)
     i = torch.arange(C, device=q.device)
-    strict, incl = i[:, None] > i[None, :], i[:, None] >= i[None, :]
-    if variant == "mqk_no_diag":
-        incl = strict
+    strict, incl = i[:, None] > i[None, :], hooks.mqk_mask(C, q.device)
     if recipe.form == "moonshot":
         # flash_kda stores kd.ki^T in fp16 and scales it there by fp16(beta): L = -fp16(fp16(Pk) fp16(beta))
         ib = recipe.inv_build_dtype
@@ -325,7 +345,7 @@ def _chunk_work(q, k, v, a, beta, valid, lens, scale, recipe: Recipe, problem: P
         L = torch.where(strict, -beta[..., :, None] * Pk, zero)
     L = rnd(L, acc)
     op = _op_dtype(recipe, problem)
-    inv = build_inverse(-L if variant == "wrong_L_sign" else L, recipe, op)
+    inv = hooks.build_inverse(L, recipe, op)
     inv_dtype = _dtype(recipe.inv_dtype, problem)
     inv = rnd(inv, inv_dtype)
     mqk = rnd(torch.where(incl, Pq, zero), _dtype(recipe.mqk_dtype, problem))
@@ -337,8 +357,6 @@ def _chunk_work(q, k, v, a, beta, valid, lens, scale, recipe: Recipe, problem: P
             out["kd"] = torch.where(vm, rnd(k * e, tile), zero)
             out["qd"] = torch.where(vm, rnd(scale * q * e, tile), zero)
             out["kr"] = torch.where(vm, rnd(k * er, tile), zero)
-        if variant == "tail_not_zeroed":   # stale rows reach the tiles and u
-            out["kd"], out["qd"], out["kr"] = rnd(k * e, tile), rnd(scale * q * e, tile), rnd(k * er, tile)
     else:
         out["qg"] = torch.where(vm, rnd(q * e, tile), zero)
         out["kg"] = torch.where(vm, rnd(k * er, tile), zero)
@@ -354,10 +372,10 @@ def _group_size(N, NC, HV, C, K) -> int:
     return max(1, min(NC, (1 << 27) // per_chunk))
 
 
-def emulate(problem: Problem, recipe="flashkda", variant: Optional[str] = None, keep_f64: bool = False,
-            taps: bool = False) -> Outputs:
-    """Run the chunked algorithm with ``recipe``'s precision (a name of RECIPES or a Recipe);
-    ``variant`` selects a negative control (NEGATIVE_CONTROLS).  Outputs are in the Problem's
+def emulate(problem: Problem, recipe="flashkda", keep_f64: bool = False, taps: bool = False, *,
+            hooks: Hooks = DEFAULT_HOOKS) -> Outputs:
+    """Run the chunked algorithm with ``recipe``'s precision (a name of RECIPES or a Recipe) and
+    the steps of ``hooks`` (DEFAULT_HOOKS: the recipe's own).  Outputs are in the Problem's
     layouts: o in v's dtype, the final state (or the written cache) in fp32; with ``keep_f64``
     every output stays float64 (for self-tests of the algorithm).  With ``taps`` the stored
     inverse comes back as ``taps["ws_inv"]`` in the oracle's layout: head-major tiles
@@ -367,10 +385,6 @@ def emulate(problem: Problem, recipe="flashkda", variant: Optional[str] = None, 
         if recipe not in RECIPES:
             raise ValueError(f"recipe: expected one of {', '.join(RECIPES)}, got {recipe!r}")
         recipe = RECIPES[recipe]
-    if variant is not None and variant not in NEGATIVE_CONTROLS:
-        raise ValueError(f"variant: expected one of {', '.join(NEGATIVE_CONTROLS)}, got {variant!r}")
-    if variant == "inv_bf16":   # aiter keeps INV and Mqk in one buffer: both, and their dot operands, go bf16
-        recipe = replace(recipe, inv_dtype=BF16, mqk_dtype=BF16, u_dtype=BF16, U_mqk_dtype=BF16)
     pp = prepare(problem)
     C = recipe.chunk
     bounds = pp.bounds
@@ -378,24 +392,20 @@ def emulate(problem: Problem, recipe="flashkda", variant: Optional[str] = None, 
     lens_list = [e - b for b, e in bounds]
     NC = max([-(-n // C) for n in lens_list] + [0])
     dev = pp.q.device
-    stale = variant == "tail_not_zeroed"
     beta_act = pp.beta
     if recipe.beta_raw_dtype not in (None, F64):   # the kernel takes the raw beta in this dtype only
         braw = rnd(problem.beta.reshape(pp.beta.shape).to(F64), recipe.beta_raw_dtype)
         beta_act = beta_activation(braw, problem.beta_kind)
     beta_p = rnd(beta_act, recipe.acc_dtype)
     a_p = rnd(pp.a, recipe.acc_dtype)
-    qt = _tiles(pp.q, bounds, NC, C, stale)
-    kt = _tiles(pp.k, bounds, NC, C, stale)
-    vt = _tiles(pp.v, bounds, NC, C, stale)
-    at = _tiles(a_p, bounds, NC, C, stale)
-    bt = _tiles(beta_p[..., None], bounds, NC, C, stale)[..., 0]
+    qt = hooks.tiles(pp.q, bounds, NC, C)
+    kt = hooks.tiles(pp.k, bounds, NC, C)
+    vt = hooks.tiles(pp.v, bounds, NC, C)
+    at = hooks.tiles(a_p, bounds, NC, C)
+    bt = hooks.tiles(beta_p[..., None], bounds, NC, C)[..., 0]
     seq_len = torch.tensor(lens_list, device=dev, dtype=torch.int64)
     lens = (seq_len[:, None] - torch.arange(NC, device=dev)[None, :] * C).clamp(0, C)   # [N, NC]
-    valid = torch.arange(C, device=dev)[None, None, None, :] < lens[:, :, None, None]   # [N,NC,1,C]
-    if stale:
-        valid = valid | (lens > 0)[:, :, None, None]
-    valid = valid.expand(N, NC, HV, C)
+    valid = hooks.valid(lens, C).expand(N, NC, HV, C)
     S = rnd(pp.S0, recipe.state_dtype)
     o_t = torch.zeros(N, NC, HV, C, V, dtype=F64, device=dev)
     g = _group_size(N, NC, HV, C, K)
@@ -403,21 +413,19 @@ def emulate(problem: Problem, recipe="flashkda", variant: Optional[str] = None, 
     for c0 in range(0, NC, g):
         sl = slice(c0, min(c0 + g, NC))
         w = _chunk_work(qt[:, sl], kt[:, sl], vt[:, sl], at[:, sl], bt[:, sl], valid[:, sl], lens[:, sl],
-                        pp.scale, recipe, problem, variant)
+                        pp.scale, recipe, problem, hooks)
         if recipe.acc_dtype != F64:   # every stored value is exact in fp32: halve the memory
             w = {key: val.to(FP32) if val.is_floating_point() else val for key, val in w.items()}
         if taps:
             inv_all[:, sl] = w["inv"].to(FP32)
         for j in range(sl.stop - sl.start):
             ch = {key: (val[:, j].to(F64) if val.is_floating_point() else val[:, j]) for key, val in w.items()}
-            S, o_c = _step(S, ch, recipe, problem, pp.scale, variant)
+            S, o_c = _step(S, ch, recipe, problem, pp.scale, hooks)
             o_t[:, c0 + j] = o_c
     out_dt, state_dt = (F64, F64) if keep_f64 else (problem.v.dtype, FP32)
     o = _untile(o_t, bounds, Ttot).to(out_dt).reshape(problem.B, problem.T, HV, V)
     final = S.to(state_dt)
-    if variant == "state_transposed":
-        final = final.transpose(-1, -2)
-    out = _finish(problem, o, final, recipe.name, variant)
+    out = _finish(problem, o, final, recipe.name)
     if taps:
         inv_dt = _dtype(recipe.inv_dtype, problem)
         out.taps["ws_inv"] = _head_major_tiles(inv_all, lens).to(inv_dt if not keep_f64 else F64)
@@ -432,7 +440,7 @@ def _head_major_tiles(x: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
     return flat.transpose(0, 1).reshape((-1,) + tuple(x.shape[3:]))
 
 
-def _step(S, ch, recipe: Recipe, problem: Problem, scale: float, variant):
+def _step(S, ch, recipe: Recipe, problem: Problem, scale: float, hooks: Hooks):
     """One chunk of the sequential recurrence for every sequence and head at once."""
     vm = ch["valid"][..., None]
     zero = torch.zeros((), dtype=F64, device=S.device)
@@ -444,7 +452,7 @@ def _step(S, ch, recipe: Recipe, problem: Problem, scale: float, variant):
         Sb = rnd(S, op)
         v_new = torch.where(vm, rnd(ch["u"] - mm(rnd(ch["w"], op), Sb, acc), tile), zero)
         o = rnd(scale * mm(rnd(ch["qg"], op), Sb, acc), acc) + mm(rnd(ch["mqk"], op), rnd(v_new, op), acc)
-        S_new = rnd(S * gt + mm(rnd(ch["kg"], op).transpose(-1, -2), rnd(v_new, op), acc), recipe.state_dtype)
+        S_new = hooks.state_update(S, gt, mm(rnd(ch["kg"], op).transpose(-1, -2), rnd(v_new, op), acc), recipe)
         return S_new, rnd(o, acc)
     beta = ch["beta"][..., None]
     Sb = rnd(S, recipe.operand_dtype)
@@ -459,17 +467,11 @@ def _step(S, ch, recipe: Recipe, problem: Problem, scale: float, variant):
         U = mm(ch["inv"], rnd(u, recipe.u_dtype), acc)
     o = rnd(mm(ch["qd"], Sb, acc) + mm(ch["mqk"], rnd(U, recipe.U_mqk_dtype), acc), acc)
     upd = mm(ch["kr"].transpose(-1, -2), rnd(U, recipe.U_kr_dtype), acc)
-    if variant == "decay_after_update":
-        S_new = rnd((S + upd) * gt, recipe.state_dtype)
-    else:
-        S_new = rnd(S * gt + upd, recipe.state_dtype)
-    if variant == "carry_scaled":
-        S_new = rnd(0.99 * S_new, recipe.state_dtype)
-    return S_new, o
+    return hooks.state_update(S, gt, upd, recipe), o
 
 
-def _finish(problem: Problem, o: torch.Tensor, final_kfirst: torch.Tensor, recipe: str, variant) -> Outputs:
-    info = {"route_ran": recipe if variant is None else f"{recipe}+{variant}"}
+def _finish(problem: Problem, o: torch.Tensor, final_kfirst: torch.Tensor, recipe: str) -> Outputs:
+    info = {"route_ran": recipe}
     if problem.paged:
         cache = problem.state_cache.detach().clone().to(final_kfirst.dtype)
         cache[problem.state_indices.long()] = final_kfirst.transpose(-1, -2).to(cache.device)
@@ -482,15 +484,11 @@ def _finish(problem: Problem, o: torch.Tensor, final_kfirst: torch.Tensor, recip
 
 # ------------------------------------------------------------------------------ backends
 class EmulatorBackend:
-    """The emulator as a Backend: one route per recipe (route.recipe = that recipe), or, with
-    ``variant``, the negative control of that name as the single route of ``emulator-bad``."""
+    """The emulator as a Backend: one route per recipe (route.recipe = that recipe)."""
 
-    def __init__(self, variant: Optional[str] = None, taps: bool = False):
-        if variant is not None and variant not in NEGATIVE_CONTROLS:
-            raise ValueError(f"variant: expected one of {', '.join(NEGATIVE_CONTROLS)}, got {variant!r}")
-        self.variant = variant
+    def __init__(self, taps: bool = False):
         self.taps = bool(taps)
-        self.name = "emulator" if variant is None else "emulator-bad"
+        self.name = "emulator"
 
     def available(self):
         return True, ""
@@ -499,9 +497,6 @@ class EmulatorBackend:
         return "kda-verify emulator 1 (float64 with explicit rounding)"
 
     def routes(self) -> list[Route]:
-        if self.variant is not None:
-            return [Route(name=self.variant, recipe="flashkda", flags=(("variant", self.variant),),
-                          description=NEGATIVE_CONTROLS[self.variant])]
         return [Route(name=r.name, recipe=r.name, flags=(("recipe", r.name),), description=r.description)
                 for r in RECIPES.values()]
 
@@ -517,27 +512,4 @@ class EmulatorBackend:
         return True, ""
 
     def run(self, problem: Problem, route: Route) -> Outputs:
-        variant = route.flag("variant")
-        if variant is not None:
-            return emulate(problem, "flashkda", variant=variant, taps=self.taps)
         return emulate(problem, route.recipe, taps=self.taps)
-
-
-class NegativeControlBackend(EmulatorBackend):
-    """``emulator-bad``: every negative control of NEGATIVE_CONTROLS as a route (with the
-    ws_inv tap, so a wrongly stored inverse is visible where the outputs cannot show it)."""
-
-    def __init__(self, taps: bool = True):
-        super().__init__(taps=taps)
-        self.name = "emulator-bad"
-
-    def routes(self) -> list[Route]:
-        return [Route(name=n, recipe="flashkda", flags=(("variant", n),), description=d)
-                for n, d in NEGATIVE_CONTROLS.items()]
-
-
-def negative_control(variant: Optional[str] = None, taps: bool = True):
-    """Backend factory kept for the spec ``kda_kernels.emulator:negative_control``: the controls
-    live in ``kda_kernels.controls`` (built-in name ``emulator-bad``)."""
-    from .controls import negative_control as controls
-    return controls(variant=variant, taps=taps)

@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from kda_kernels.emulator import NEGATIVE_CONTROLS, emulate
+from kda_kernels.controls import NEGATIVE_CONTROLS, run_in_recipe
 from kda_ref.truth import truth
 from verification.cases import get_case
 from verification.cli import main
@@ -58,7 +58,7 @@ def test_truth_rounded_to_the_output_dtypes_passes(files, capsys):
 def test_negative_controls_are_rejected(files, capsys, control):
     d, paths = files
     inputs, p = paths[CATCHING_CASE[control]]
-    res = emulate(p, "flashkda", variant=control, taps=True)
+    res = run_in_recipe(p, control, taps=True)
     out = str(d / f"{control}.safetensors")
     save_outputs(out, {**res.tensors(), "ws_inv": res.taps["ws_inv"]}, {"variant": control})
     assert _check(inputs, out, "--backend-name", "aiter", "--json") == 1

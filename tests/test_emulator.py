@@ -6,9 +6,8 @@ import pytest
 import torch
 
 from kda_kernels.base import Backend
-from kda_kernels.controls import BATCH_CONTROLS
-from kda_kernels.emulator import (NEGATIVE_CONTROLS, RECIPES, EmulatorBackend, emulate, exact_recipe,
-                                  negative_control, round_tf32)
+from kda_kernels.controls import BATCH_CONTROLS, NEGATIVE_CONTROLS, negative_control
+from kda_kernels.emulator import DEFAULT_HOOKS, RECIPES, EmulatorBackend, emulate, exact_recipe, round_tf32
 from kda_ref.truth import truth
 from kda_ref.workspace import workspace
 from verification.cases import build_problem, get_case
@@ -145,7 +144,15 @@ def test_bad_recipe_and_variant_names_are_rejected(problems):
     with pytest.raises(ValueError, match="recipe: expected one of flashkda, fla, moonshot"):
         emulate(p, "flashkda2")
     with pytest.raises(ValueError, match="variant: expected one of"):
-        EmulatorBackend(variant="nope")
+        negative_control(variant="nope")
+
+
+def test_the_default_hooks_are_the_recipes_own_steps(problems):
+    p, _ = problems["smoke/varlen-tail33-lb-5"]
+    for r in RECIPES:
+        a, b = emulate(p, r), emulate(p, r, hooks=DEFAULT_HOOKS)
+        assert torch.equal(a.o, b.o) and torch.equal(a.final_state, b.final_state)
+        assert a.info == {"route_ran": r}
 
 
 def test_moonshot_inverse_loses_the_correlated_keys_case(problems):

@@ -6,7 +6,8 @@ catch each control, measured here on every run."""
 import pytest
 
 from kda_kernels.base import Route
-from kda_kernels.emulator import NEGATIVE_CONTROLS, EmulatorBackend, negative_control
+from kda_kernels.controls import NEGATIVE_CONTROLS, negative_control
+from kda_kernels.emulator import EmulatorBackend
 from kda_ref.truth import truth
 from verification.cases import get_case
 from verification.tolerances import load_tolerances
