@@ -136,7 +136,7 @@ def test_a_cap_no_recipe_can_meet_is_lifted_to_the_best_recipe():
     p = build_problem(ONE_TOKEN, 1447717590)
     tr = truth(p)
     base, db, recipes = baseline_metrics(p, "flashkda", tr), load_tolerances(), _recipes(p, tr)
-    assert min(m["o"]["rel_l2"] for m in recipes.values()) > 0.1            # every recipe, > the 0.05 cap
+    assert min(m["o"]["rel_l2"] for m in recipes.values()) > 0.05           # every recipe, > the 0.05 cap
     out = emulate(p, "flashkda")
     capped = judge("triton", ROUTE, p, out, tr, base, db)
     assert capped.status == "fail" and "cap 0.05" in capped.reason           # without the recipes: a false alarm
@@ -144,9 +144,11 @@ def test_a_cap_no_recipe_can_meet_is_lifted_to_the_best_recipe():
     assert v.status == "pass", v.reason
     lift = v.tensors["o"]["cap_lifted"]
     tol = db.lookup("triton", ROUTE.name, "bf16", "o")
-    assert lift["best_recipe"] == "flashkda" and lift["from"] == tol.cap == 0.05
-    assert lift["to"] == pytest.approx(tol.m * lift["best_err"] + tol.floor) and lift["best_err"] > 0.1
-    assert "cap 0.05 lifted" in v.reason
+    best = min(recipes, key=lambda r: recipes[r]["o"]["rel_l2"])
+    assert lift["best_recipe"] == best and lift["from"] == tol.cap == 0.05 and lift["best_err"] > 0.05
+    own = max(base["o"]["rel_l2"], base["o"]["tail_rel_l2"])     # held to m x its own baseline, not the luckiest
+    assert lift["to"] == pytest.approx(tol.m * max(lift["best_err"], own) + tol.floor)
+    assert "cap 0.05 lifted" in v.reason and "no recipe meets it" in v.reason
     # a kernel 3x worse than the best recipe still fails under the lifted cap
     worse = Outputs(o=(tr.o + 3 * (out.o.double() - tr.o)).to(out.o.dtype), final_state=out.final_state)
     bad = judge("triton", ROUTE, p, worse, tr, base, db, recipe_baselines=lambda: recipes)
