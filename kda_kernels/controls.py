@@ -92,7 +92,8 @@ def _stale_tiles(x: torch.Tensor, bounds, NC: int, C: int) -> torch.Tensor:
 
 
 def _stale_valid(lens: torch.Tensor, C: int) -> torch.Tensor:
-    """Every row of a chunk that holds any token counts as valid."""
+    """Every row of a chunk that holds any token counts as valid, so the stale rows reach the
+    tiles kd, qd, kr and u (chunks holding no token keep zero tiles and stay invalid)."""
     return valid_rows(lens, C) | (lens > 0)[:, :, None, None]
 
 

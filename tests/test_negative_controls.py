@@ -6,8 +6,8 @@ catch each control, measured here on every run."""
 import pytest
 
 from kda_kernels.base import Route
-from kda_kernels.controls import NEGATIVE_CONTROLS, negative_control
-from kda_kernels.emulator import EmulatorBackend
+from kda_kernels.controls import NEGATIVE_CONTROLS, negative_control, run_in_recipe
+from kda_kernels.emulator import EmulatorBackend, emulate
 from kda_ref.truth import truth
 from verification.cases import get_case
 from verification.tolerances import load_tolerances
@@ -70,3 +70,18 @@ def test_every_control_is_flagged_by_the_expected_tensors(judged, control):
 def test_no_control_passes_the_whole_subset(judged):
     for control in NEGATIVE_CONTROLS:
         assert any(judged[(control, cid)].status != "pass" for cid in SUBSET), control
+
+
+def test_each_in_recipe_control_changes_the_flashkda_outputs_and_names_itself():
+    # the controls are built outside the emulator; the emulator's own routes are the recipes only
+    p = get_case("stress/tail17-lb-1").build()
+    good = emulate(p, "flashkda")
+    assert not {r.name for r in EmulatorBackend().routes()} & set(NEGATIVE_CONTROLS)
+    for control in NEGATIVE_CONTROLS:
+        out = run_in_recipe(p, control)
+        assert out.info == {"route_ran": f"flashkda+{control}"}
+        changed = [n for n, t in out.tensors().items()
+                   if t.shape != good.tensors()[n].shape or not t.equal(good.tensors()[n])]
+        assert changed, control
+    with pytest.raises(ValueError, match="control: expected one of carry_scaled"):
+        run_in_recipe(p, "nope")
