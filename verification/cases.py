@@ -56,7 +56,7 @@ DEFAULT_SHAPES = ((1, 256, 12), (1, 512, 12), (1, 1664, 12), (1, 2048, 12), (1, 
 
 
 def _usage_error(msg: str) -> Exception:
-    from verification.cli import UsageError
+    from verification.errors import UsageError
     return UsageError(msg)
 
 

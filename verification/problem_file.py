@@ -48,7 +48,7 @@ META_KEYS = ("scale", "lower_bound", "gate", "beta", "qk_l2norm", "state_layout"
 
 
 def _usage(msg: str) -> Exception:
-    from verification.cli import UsageError
+    from verification.errors import UsageError
     return UsageError(msg)
 
 
