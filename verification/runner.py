@@ -78,10 +78,24 @@ class TruthCache:
         while len(store) > self.keep:
             store.popitem(last=False)
 
+    def _make_room(self, store: OrderedDict, key) -> None:
+        """Before building the entry ``key``: drop the least recently used entries so that at
+        most keep - 1 others stay (a new problem or truth is never computed while ``keep`` old
+        ones are still held: at T = 1M one float64 o is 12 GiB, the fp32 inputs 24 GiB)."""
+        while len(store) >= self.keep and key not in store:
+            store.popitem(last=False)
+
+    def forget_others(self, case_id) -> None:
+        """Drop every cached problem and truth but ``case_id``'s (harness_call's out-of-memory retry)."""
+        for store in (self._problems, self._truths):
+            for k in [k for k in store if k != case_id]:
+                del store[k]
+
     def problem(self, case):
         if case.id in self._problems:
             self._problems.move_to_end(case.id)
             return self._problems[case.id]
+        self._make_room(self._problems, case.id)
         p = case.build(device=self.device)
         self._remember(self._problems, case.id, p)
         return p
@@ -99,6 +113,7 @@ class TruthCache:
             t, s = self._truths[case.id]
             return p, t, s, False
         from kda_ref.truth import truth as oracle
+        self._make_room(self._truths, case.id)
         _sync(self.device)
         t0 = time.perf_counter()
         t = oracle(p)
@@ -306,14 +321,17 @@ def _free_memory(device) -> None:
         torch.cuda.empty_cache()
 
 
-def harness_call(fn, device):
-    """``fn()``; if it runs out of memory, the CUDA cache is emptied and ``fn()`` runs once more
-    (a second out-of-memory propagates)."""
+def harness_call(fn, device, before_retry=None):
+    """``fn()``; if it runs out of memory, ``before_retry()`` (e.g. dropping other cases' cached
+    truths) runs, the CUDA cache is emptied and ``fn()`` runs once more (a second out-of-memory
+    propagates)."""
     try:
         return fn()
     except Exception as e:  # noqa: BLE001 - only an out-of-memory is retried
         if not is_out_of_memory(e):
             raise
+    if before_retry is not None:
+        before_retry()
     _free_memory(device)
     return fn()
 
@@ -385,7 +403,8 @@ def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: Base
         return rec
     # truth and baseline, shared
     try:
-        problem, truth, oracle_s, fresh = harness_call(lambda: truth_cache.get(case), device)
+        problem, truth, oracle_s, fresh = harness_call(lambda: truth_cache.get(case), device,
+                                                       before_retry=lambda: truth_cache.forget_others(case.id))
         timings.update(oracle_s=oracle_s, oracle_cached=not fresh)
         recipe = getattr(route, "recipe", None) or "flashkda"
         baseline, base_s, fresh_b = harness_call(lambda: baseline_cache.get(case, recipe, problem, truth), device)
