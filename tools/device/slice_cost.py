@@ -3,7 +3,7 @@
     python tools/device/slice_cost.py [--device DEVICE] [--shapes "BxTxH;..."] [--reps N]
 
 For each shape (K = V = 128, lb -5, the exact truth rounded to bf16 as the output) it times
-``tensor_metrics`` of o and of the final state with the slices and with ``slice_sums`` stubbed
+``tensor_metrics`` of o and of the final state with the slices and with ``slice_sums`` / ``slice_sums_from_rows`` stubbed
 out, alternating the two, and prints the medians and the slices' share."""
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ def main() -> int:
     ap.add_argument("--shapes", default="1x2048x12;1x16384x12;1x16384x96;8x2048x16")
     ap.add_argument("--reps", type=int, default=5)
     a = ap.parse_args()
-    real = metrics.slice_sums
+    real = metrics.slice_sums, metrics.slice_sums_from_rows
+    off = (lambda *args, **kw: None)
     print(f"{'shape':>12} {'with slices ms':>15} {'without ms':>11} {'slices share':>13}")
     for shape in a.shapes.split(";"):
         B, T, H = (int(x) for x in shape.split("x"))
@@ -39,14 +40,14 @@ def main() -> int:
         times = {True: [], False: []}
         for _ in range(a.reps):
             for with_slices in (True, False):
-                metrics.slice_sums = real if with_slices else (lambda *args, **kw: None)
+                metrics.slice_sums, metrics.slice_sums_from_rows = real if with_slices else (off, off)
                 _sync(a.device)
                 t0 = time.perf_counter()
                 metrics.tensor_metrics(o, tr.o, dtype=o.dtype, problem=p, tensor="o")
                 metrics.tensor_metrics(fs, tr.final_state, dtype=fs.dtype, problem=p, tensor="final_state")
                 _sync(a.device)
                 times[with_slices].append(time.perf_counter() - t0)
-        metrics.slice_sums = real
+        metrics.slice_sums, metrics.slice_sums_from_rows = real
         w, wo = statistics.median(times[True]) * 1e3, statistics.median(times[False]) * 1e3
         print(f"{shape:>12} {w:>15.2f} {wo:>11.2f} {100 * (w - wo) / w:>12.1f}%", flush=True)
     return 0
