@@ -39,3 +39,11 @@ def test_key_cos_keys_have_consecutive_cosines_in_range():
     kv = pv.k[0, 6:].float()
     assert pv.k.shape[1] == 306
     assert float(torch.nn.functional.cosine_similarity(kv[1:], kv[:-1], dim=-1).mean()) > 0.83
+
+
+def test_run_on_the_cpu_says_how_many_long_cases_it_left_out(tmp_path, capsys):
+    from verification.cli import main
+    rc = main(["run", "--backend", "emulator", "--suite", "long", "--device", "cpu", "--out", str(tmp_path / "r")])
+    err = capsys.readouterr().err
+    n = len(list(get_suite("long", long=True)))
+    assert rc != 0 and f"{n} long case(s) of suite(s) long left out on cpu (--long yes runs them here)" in err, err

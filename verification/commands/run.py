@@ -96,6 +96,11 @@ def run(args) -> int:
     fuzz_n, fuzz_seed = fuzz_args(args, suites)
     long = args.long == "yes" or (args.long == "auto" and device.startswith("cuda"))
     cases = select_cases(suites, split_list(args.case), long=long, fuzz_n=fuzz_n, fuzz_seed=fuzz_seed)
+    if not long and not split_list(args.case):
+        left_out = len(select_cases(suites, None, long=True, fuzz_n=fuzz_n, fuzz_seed=fuzz_seed)) - len(cases)
+        if left_out:
+            print(f"kda-verify run: {left_out} long case(s) of suite(s) {', '.join(suites)} left out on {device} "
+                  f"(--long yes runs them here)", file=sys.stderr)
     db = None
     if args.tolerances:
         from verification.tolerances import load_tolerances
