@@ -309,7 +309,7 @@ class AiterBackend:
         if p.initial_state is not None:
             kw["initial_state"] = p.initial_state.to(torch.float32)
         if p.paged:   # written in place: a private copy with the Problem's strides (slot padding kept)
-            from .triton.backend import copy_with_padding
+            from .base import copy_with_padding
             kw.update(state_cache=copy_with_padding(p.state_cache), state_indices=p.state_indices.to(torch.int32),
                       has_initial_state=p.has_initial_state.bool())
         if p.paged or self._supports("out"):

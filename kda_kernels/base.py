@@ -60,6 +60,92 @@ class Backend(Protocol):
         """Run one route on one Problem."""
 
 
+# ----------------------------------------------------------------------------------------
+# Optional capabilities: each its own runtime-checkable Protocol, tested with isinstance by
+# the harness (never by getattr/hasattr on a backend, and no attribute set from outside).
+# ----------------------------------------------------------------------------------------
+@runtime_checkable
+class RunsPasses(Protocol):
+    """Per-pass running (``kda-verify debug``): the passes a route runs and one pass on
+    oracle-fed inputs.  Built in: triton, aiter, fla."""
+
+    def debug_plan(self, problem: Problem, route: Route) -> dict:
+        """{"form": "flashkda"|"fla", "chunk_size": C, "chunks_per_seg": n, "passes": [...]}."""
+
+    def run_pass(self, problem: Problem, route: Route, pass_name: str, feed: Optional[dict] = None) -> dict:
+        """Run one pass on ``feed`` (oracle tensors); the tensors it wrote, by oracle name."""
+
+
+@runtime_checkable
+class TakesBuffers(Protocol):
+    """Taking guard buffers (verification.guards): with ``accepts_buffers`` true,
+    ``run(problem, route, buffers=GuardedBuffers)`` allocates every output and workspace from
+    ``buffers.allocate`` and writes the paged cache in place.  Built in: triton."""
+    accepts_buffers: bool
+
+    def run(self, problem: Problem, route: Route, *, buffers=None) -> Outputs:
+        """As Backend.run, the buffers the caller's."""
+
+
+@runtime_checkable
+class ReturnsTaps(Protocol):
+    """Taps: with ``taps`` true every run returns workspace intermediates as ``Outputs.taps``
+    (ws_inv at least).  ``with_taps(True)`` is the same backend with taps on (a new object; the
+    caller's is unchanged).  Built in: triton, emulator, emulator-bad."""
+    taps: bool
+
+    def with_taps(self, taps: bool = True) -> "ReturnsTaps":
+        """This backend with taps on (or off)."""
+
+
+@runtime_checkable
+class LooksUpRoutes(Protocol):
+    """Route lookup: ``route(name)`` canonicalises a route name that ``routes()`` may not list
+    (e.g. "seg:cps=4") or raises ValueError/KeyError in one line.  Built in: triton."""
+
+    def route(self, name: str) -> Route:
+        """The Route named ``name``."""
+
+
+@runtime_checkable
+class ChecksContract(Protocol):
+    """A documented but unchecked input range (see out_of_contract below).  Built in: moonshot."""
+
+    def out_of_contract(self, problem: Problem, route: Route) -> Optional[str]:
+        """None, or one line naming the documented range and the value that violates it."""
+
+
+CAPABILITIES: dict[str, type] = {
+    "runs_passes": RunsPasses,
+    "takes_buffers": TakesBuffers,
+    "returns_taps": ReturnsTaps,
+    "looks_up_routes": LooksUpRoutes,
+    "checks_contract": ChecksContract,
+}
+
+
+def capabilities(backend) -> list[str]:
+    """The names (CAPABILITIES' keys) of the optional capabilities ``backend`` has."""
+    return [name for name, proto in CAPABILITIES.items() if isinstance(backend, proto)]
+
+
+def with_taps(backend, taps: bool = True):
+    """A copy of ``backend`` with its ``taps`` switch set: the ReturnsTaps.with_taps of a
+    built-in backend (the caller's object is unchanged)."""
+    import copy
+
+    other = copy.copy(backend)
+    other.taps = bool(taps)
+    return other
+
+
+def copy_with_padding(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` with the same strides over a copy of its whole storage (padding kept)."""
+    n = t.untyped_storage().nbytes() // t.element_size()
+    flat = t.new_empty(0).set_(t.untyped_storage(), 0, (n,), (1,)).clone()
+    return flat.as_strided(t.shape, t.stride(), t.storage_offset())
+
+
 class BackendError(RuntimeError):
     """A backend could not be loaded or run; the message says why."""
 
@@ -67,16 +153,16 @@ class BackendError(RuntimeError):
 def out_of_contract(backend, problem: Problem, route: Route) -> Optional[str]:
     """The range a kernel documents but does not check, where ``problem`` lies outside it.
 
-    Optional capability of a Backend: a method ``out_of_contract(problem, route) -> Optional[str]``
-    returning None (within the documented contract) or one line naming the documented range and
-    the value that violates it (e.g. "lower_bound -5.5 outside the documented [-5, 0]").  Such a
-    cell still runs; the harness records what the kernel did (raised, or returned what) with the
-    status "out-of-contract", never a pass or a failure.  A backend without the method documents
-    no such range (None).  Exceptions propagate."""
-    fn = getattr(backend, "out_of_contract", None)
-    if fn is None:
+    Optional capability of a Backend (ChecksContract): a method
+    ``out_of_contract(problem, route) -> Optional[str]`` returning None (within the documented
+    contract) or one line naming the documented range and the value that violates it (e.g.
+    "lower_bound -5.5 outside the documented [-5, 0]").  Such a cell still runs; the harness
+    records what the kernel did (raised, or returned what) with the status "out-of-contract",
+    never a pass or a failure.  A backend without the method documents no such range (None).
+    Exceptions propagate."""
+    if not isinstance(backend, ChecksContract):
         return None
-    why = fn(problem, route)
+    why = backend.out_of_contract(problem, route)
     return str(why) if why else None
 
 

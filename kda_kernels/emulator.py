@@ -51,7 +51,7 @@ import torch
 from kda_ref.preprocess import F64, LOG2E, beta_activation, prepare
 from kda_ref.problem import Problem, validate
 
-from .base import Outputs, Route
+from .base import Outputs, Route, with_taps
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 TF32 = "tf32"
@@ -489,6 +489,10 @@ class EmulatorBackend:
     def __init__(self, taps: bool = False):
         self.taps = bool(taps)
         self.name = "emulator"
+
+    def with_taps(self, taps: bool = True) -> "EmulatorBackend":
+        """This backend with the ws_inv tap on every run (kda_kernels.base.ReturnsTaps)."""
+        return with_taps(self, taps)
 
     def available(self):
         return True, ""

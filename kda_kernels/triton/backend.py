@@ -28,7 +28,7 @@ import torch
 
 from kda_ref.problem import Problem
 
-from ..base import Outputs, Route
+from ..base import Outputs, Route, copy_with_padding, with_taps
 from . import forward as fw
 from .routes import RouteError, RouteSpec, parse_route, route_names
 
@@ -39,13 +39,6 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True")
 
 
-def copy_with_padding(t: torch.Tensor) -> torch.Tensor:
-    """A copy of ``t`` with the same strides over a copy of its whole storage (padding kept)."""
-    n = t.untyped_storage().nbytes() // t.element_size()
-    flat = t.new_empty(0).set_(t.untyped_storage(), 0, (n,), (1,)).clone()
-    return flat.as_strided(t.shape, t.stride(), t.storage_offset())
-
-
 class TritonBackend:
     """``TritonBackend(taps=True)`` returns the workspace (ws_*) and, when segmented, A_seg,
     b_seg and h_in as ``Outputs.taps`` on every run; ``run(..., taps=True)`` asks for one run."""
@@ -54,6 +47,10 @@ class TritonBackend:
 
     def __init__(self, taps: bool = False):
         self.taps = bool(taps)
+
+    def with_taps(self, taps: bool = True) -> "TritonBackend":
+        """This backend with taps on every run (kda_kernels.base.ReturnsTaps)."""
+        return with_taps(self, taps)
 
     def available(self) -> tuple[bool, str]:
         try:
