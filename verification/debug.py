@@ -18,9 +18,9 @@ decayed dot product of two nearly orthogonal keys, carries the rounding error of
 factors, not of its own size; a real bug moves rows by O(1) of the typical row norm), and the first row (in order of sequence, chunk or segment, row, head)
 whose error exceeds the tensor's threshold is named.  The thresholds localise; they are
 not the verdict (tolerances.yaml is).  When the backend hands its inverse to the verdict
-(``backend.taps``: `mutate --taps yes`, `debug --taps`), one tensor is also held to the
-verdict's own rule: K1's ws_inv, which pass K1 computes from the problem's inputs exactly as a
-full run does (``inverse_rule``), so a storage slip that moves every row a little is named at
+(a ``kda_kernels.base.ReturnsTaps`` backend with taps on: `mutate --taps yes`,
+`debug --taps`), one tensor is also held to the verdict's own rule: K1's ws_inv, which
+pass K1 computes from the problem's inputs exactly as a full run does (``inverse_rule``), so a storage slip that moves every row a little is named at
 K1 too.  Without taps the verdict never judges the inverse, and neither does this.
 
 A backend takes part by providing ``debug_plan(problem, route) -> {"chunk_size": C,
@@ -289,7 +289,9 @@ def inverse_rule(backend, p: Problem, route, ws_inv: torch.Tensor) -> str:
 def debug_passes(backend, p: Problem, route, passes=("all",), thresholds: Optional[dict] = None,
                  progress=None) -> list[PassReport]:
     """Run the chosen passes of ``route`` on oracle-fed inputs; one PassReport per pass."""
-    if not hasattr(backend, "run_pass") or not hasattr(backend, "debug_plan"):
+    from kda_kernels.base import ReturnsTaps, RunsPasses
+
+    if not isinstance(backend, RunsPasses):
         raise ValueError(f"--backend: {backend.name!r} exposes no passes (needs run_pass and debug_plan)")
     plan = backend.debug_plan(p, route)
     form = plan.get("form", "flashkda")
@@ -322,7 +324,7 @@ def debug_passes(backend, p: Problem, route, passes=("all",), thresholds: Option
                 if t == "o":
                     x = x.reshape(r.shape)
                 rep.tensors.append(compare_tensor(t, x, r, ctx, thresholds))
-                if form == "flashkda" and name == "K1" and t == "ws_inv" and getattr(backend, "taps", False):
+                if form == "flashkda" and name == "K1" and t == "ws_inv" and isinstance(backend, ReturnsTaps) and backend.taps:
                     rep.tensors[-1].rule_failed = inverse_rule(backend, p, route, x)
         reports.append(rep)
     return reports

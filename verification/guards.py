@@ -257,8 +257,10 @@ def _timed(report: GuardReport, fn, problem, *args, **kwargs):
 def guarded_run(backend, problem, route, **run_kwargs):
     """Run ``backend.run(problem, route)`` under the guards above; returns (Outputs, GuardReport).
     The Problem given is not modified (its cache is copied)."""
+    from kda_kernels.base import TakesBuffers, copy_with_padding
+
     report = GuardReport()
-    supports = bool(getattr(backend, "accepts_buffers", False))
+    supports = isinstance(backend, TakesBuffers) and bool(backend.accepts_buffers)
     unread, written = [], []
     if problem.paged:
         written = [int(i) for i in problem.state_indices.tolist()]
@@ -290,7 +292,6 @@ def guarded_run(backend, problem, route, **run_kwargs):
         run_problem = problem
         before = None
         if problem.paged:
-            from kda_kernels.triton.backend import copy_with_padding
             cache = copy_with_padding(problem.state_cache)
             unread = _poisoned_unread(problem, cache)
             before = cache.clone()   # the slots' values (NaN-equal compare below, bitwise)

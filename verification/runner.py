@@ -185,7 +185,7 @@ def resolve_routes(lb: LoadedBackend, wanted: Optional[list[str]] = None, strict
     not among backend.routes() goes to backend.route(name) where the backend parses route
     specs; otherwise it is a UsageError naming --route and the choices (with strict=False
     it is left out: another backend of the run may have it)."""
-    from kda_kernels.base import Route
+    from kda_kernels.base import LooksUpRoutes, Route
     from verification.errors import UsageError
     try:
         have = list(lb.backend.routes())
@@ -201,7 +201,7 @@ def resolve_routes(lb: LoadedBackend, wanted: Optional[list[str]] = None, strict
     for name in wanted:
         if name in by_name:
             out.append(by_name[name])
-        elif callable(getattr(lb.backend, "route", None)):
+        elif isinstance(lb.backend, LooksUpRoutes):
             try:
                 out.append(lb.backend.route(name))
             except (ValueError, KeyError) as e:

@@ -66,7 +66,7 @@ def backend_route_device(args):
 def run(args) -> int:
     import inspect
 
-    from kda_kernels.base import BackendError
+    from kda_kernels.base import BackendError, ReturnsTaps
     from kda_ref.problem import validate
     from verification.errors import UsageError
     from verification.problem_file import load_problem, save_outputs
@@ -87,8 +87,8 @@ def run(args) -> int:
     kwargs = {}
     if args.taps and "taps" in inspect.signature(backend.run).parameters:
         kwargs["taps"] = True
-    elif args.taps and hasattr(backend, "taps"):
-        backend.taps = True
+    elif args.taps and isinstance(backend, ReturnsTaps):
+        backend = backend.with_taps(True)
     out = backend.run(problem, route, **kwargs)
     tensors = {k: v.detach().cpu().contiguous() for k, v in out.tensors().items()}
     if args.taps and "ws_inv" in (out.taps or {}):
@@ -120,6 +120,7 @@ def run_dir(args) -> int:
     """capture over a directory (module docstring)."""
     import inspect
 
+    from kda_kernels.base import ReturnsTaps
     from kda_ref.problem import ProblemError, validate
     from verification.errors import UsageError
     from verification.errors import writable_dir
@@ -173,8 +174,8 @@ def run_dir(args) -> int:
         kwargs = {}
         if args.taps and "taps" in inspect.signature(backend.run).parameters:
             kwargs["taps"] = True
-        elif args.taps and hasattr(backend, "taps"):
-            backend.taps = True
+        elif args.taps and isinstance(backend, ReturnsTaps):
+            backend = backend.with_taps(True)
         running.write_text(f"{backend.name}/{route.name}\n", encoding="utf-8")
         try:
             out = backend.run(problem, route, **kwargs)

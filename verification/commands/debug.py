@@ -35,7 +35,7 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    from kda_kernels.base import load_backend
+    from kda_kernels.base import LooksUpRoutes, ReturnsTaps, RunsPasses, load_backend
     from verification.errors import UsageError
     from verification.debug import THRESHOLDS, debug_passes, format_reports, reports_to_json
 
@@ -51,19 +51,19 @@ def run(args) -> int:
     from verification.devices import check_device
     device = check_device(args.device)
     backend = load_backend(args.backend)
-    if not hasattr(backend, "run_pass") or not hasattr(backend, "debug_plan"):
+    if not isinstance(backend, RunsPasses):
         raise UsageError(f"--backend: expected a backend with passes (triton, aiter, fla), got {args.backend!r}, "
                          f"which exposes none (no run_pass / debug_plan)")
     if args.taps:
-        if not hasattr(backend, "taps"):
+        if not isinstance(backend, ReturnsTaps):
             raise UsageError(f"--taps: expected a backend that returns taps (triton), got {args.backend!r}")
-        backend.taps = True
+        backend = backend.with_taps(True)
     ok, why = backend.available()
     if not ok:
         raise UsageError(f"--backend: {args.backend} cannot run here: {why}")
     routes = {r.name: r for r in backend.routes()}
     route = routes.get(args.route)
-    if route is None and hasattr(backend, "route"):
+    if route is None and isinstance(backend, LooksUpRoutes):
         route = backend.route(args.route)   # canonicalises or raises a one-line error
     if route is None:
         raise UsageError(f"--route: expected one of {', '.join(routes)}, got {args.route!r}")
