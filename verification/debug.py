@@ -20,8 +20,9 @@ whose error exceeds the tensor's threshold is named.  The thresholds localise; t
 not the verdict (tolerances.yaml is).  When the backend hands its inverse to the verdict
 (a ``kda_kernels.base.ReturnsTaps`` backend with taps on: `mutate --taps yes`,
 `debug --taps`), one tensor is also held to the verdict's own rule: K1's ws_inv, which
-pass K1 computes from the problem's inputs exactly as a full run does (``inverse_rule``), so a storage slip that moves every row a little is named at
-K1 too.  Without taps the verdict never judges the inverse, and neither does this.
+pass K1 computes from the problem's inputs exactly as a full run does (``inverse_rule``),
+so a storage slip that moves every row a little is named at K1 too.  Without taps the
+verdict never judges the inverse, and neither does this.
 
 A backend takes part by providing ``debug_plan(problem, route) -> {"chunk_size": C,
 "chunks_per_seg": None | int, "passes": [...]}`` and ``run_pass(problem, route, name,
