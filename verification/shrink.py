@@ -369,20 +369,32 @@ FAMILIES = (("sequences", sequence_steps), ("heads", head_steps), ("leading", le
 # The cell, run the matrix's way
 # ----------------------------------------------------------------------------------------
 class _Recording:
-    """A backend whose run() keeps what it returned (run_cell does not hand outputs back)."""
-
-    def __init__(self, inner):
-        self._inner = inner
-        self.last = None
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
+    """Mixin of ``recording``: run() keeps what it returned (run_cell does not hand outputs back)."""
+    last = None
 
     def run(self, problem, route, *a, **kw):
         self.last = None
-        out = self._inner.run(problem, route, *a, **kw)
+        out = super().run(problem, route, *a, **kw)
         self.last = out
         return out
+
+
+def recording(inner):
+    """A shallow copy of backend ``inner`` whose run() keeps what it returned in ``.last``.  Its
+    class derives from inner's, so it has every capability inner's class declares (the harness
+    tests capabilities with isinstance against runtime-checkable Protocols, which do not see
+    attributes a wrapper forwards through __getattr__ on Python >= 3.12)."""
+    cls = type(f"Recording{type(inner).__name__}", (_Recording, type(inner)), {})
+    try:
+        state = vars(inner)               # the backend's own state, shared (no __init__ runs again)
+    except TypeError:                     # a backend without __dict__ (__slots__)
+        from verification.errors import UsageError
+        raise UsageError(f"--backend: expected a backend object with a __dict__ (shrink records its "
+                         f"outputs), got {type(inner).__name__} with __slots__") from None
+    rec = object.__new__(cls)
+    rec.__dict__.update(state)
+    rec.last = None
+    return rec
 
 
 @dataclass
@@ -438,7 +450,7 @@ class Shrinker:
                  log: Optional[Callable[[str], None]] = None, isolate: bool = False,
                  timeout_s: Optional[float] = None, tolerances_path: Optional[str] = None):
         from verification.runner import LoadedBackend
-        self.rec_backend = _Recording(loaded.backend)
+        self.rec_backend = recording(loaded.backend)
         self.loaded = LoadedBackend(spec=loaded.spec, backend=self.rec_backend, available=loaded.available,
                                     reason=loaded.reason, version=loaded.version, from_spec=loaded.from_spec)
         self.route, self.db, self.device, self.guards = route, db, device, guards
