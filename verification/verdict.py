@@ -134,9 +134,12 @@ def judge_tensor(name, met, base, tol) -> tuple[str, str, dict]:
     return "pass", "", rec
 
 
-def lifted_cap(name: str, tol, recipe_baselines: Optional[Callable[[], dict]]) -> Optional[dict]:
+def lifted_cap(name: str, tol, recipe_baselines: Optional[Callable[[], dict]],
+               own: Optional[dict] = None) -> Optional[dict]:
     """The cap lift of tensor ``name`` (see the module docstring), or None when the best
-    recipe meets the cap on both judged metrics.  ``recipe_baselines()`` -> {recipe: metrics}."""
+    recipe meets the cap on both judged metrics.  ``recipe_baselines()`` -> {recipe: metrics};
+    ``own``: the route's own baseline metrics of the tensor (the lift is at least m x its
+    worse judged metric + floor)."""
     if recipe_baselines is None:
         return None
     per_recipe = {r: m.get(name) for r, m in (recipe_baselines() or {}).items() if m and m.get(name)}
@@ -153,8 +156,11 @@ def lifted_cap(name: str, tol, recipe_baselines: Optional[Callable[[], dict]]) -
     if not over:
         return None
     metric, (recipe, err) = max(over.items(), key=lambda kv: kv[1][1])
-    return {"from": tol.cap, "to": tol.m * err + tol.floor, "metric": metric, "best_recipe": recipe,
-            "best_err": err}
+    to = tol.m * err + tol.floor
+    own_err = max((float((own or {}).get(k, 0.0) or 0.0) for k in JUDGED_METRICS), default=0.0)
+    if not math.isnan(own_err):
+        to = max(to, tol.m * own_err + tol.floor)
+    return {"from": tol.cap, "to": to, "metric": metric, "best_recipe": recipe, "best_err": err}
 
 
 def degenerate(base: Optional[dict]) -> Optional[str]:
@@ -335,11 +341,7 @@ def judge(backend: str, route, problem, outputs, truth, baseline: dict, db,
             if note not in notes:
                 notes.append(note)
         if status == "fail" and rec.get("threshold") == tol.cap:
-            lift = lifted_cap(name, tol, recipe_baselines)
-            if lift is not None:
-                own = max((float((base or {}).get(k, 0.0) or 0.0) for k in JUDGED_METRICS), default=0.0)
-                if not math.isnan(own):
-                    lift["to"] = max(lift["to"], tol.m * own + tol.floor)
+            lift = lifted_cap(name, tol, recipe_baselines, own=base)
             if lift is not None and lift["to"] > tol.cap:
                 status, reason, rec2 = judge_tensor(name, met, base, dataclasses.replace(tol, cap=lift["to"]))
                 rec2.update({k: v for k, v in rec.items() if k == "baseline_recipe"})
