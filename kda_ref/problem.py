@@ -163,7 +163,12 @@ def _float_tensor(name: str, t) -> None:
 
 
 def _finite(name: str, t: Optional[torch.Tensor]):
+    """Raise unless every element of float tensor ``t`` is finite.  A finite ``t.sum()`` proves it
+    (a NaN or an infinity anywhere makes the sum NaN or infinite); only a sum that is not finite
+    (a bad element, or finite values whose sum overflows) takes the elementwise check."""
     if t is None or not t.is_floating_point():
+        return
+    if t.numel() == 0 or bool(torch.isfinite(t.sum())):
         return
     bad = ~torch.isfinite(t)
     if bool(bad.any()):
