@@ -48,7 +48,7 @@ from typing import Callable
 
 import torch
 
-from kda_ref.preprocess import F64, LOG2E, beta_activation, prepare
+from kda_ref.preprocess import F64, LOG2E, beta_activation, initial_state_kfirst
 from kda_ref.problem import Problem, validate
 
 from .base import Outputs, Route, with_taps
@@ -143,16 +143,6 @@ def zero_tail_tiles(x: torch.Tensor, bounds, NC: int, C: int) -> torch.Tensor:
 def valid_rows(lens: torch.Tensor, C: int) -> torch.Tensor:
     """[N, NC] rows per chunk -> [N, NC, 1, C]: whether row r of a chunk holds a token (r < lens)."""
     return torch.arange(C, device=lens.device)[None, None, None, :] < lens[:, :, None, None]
-
-
-def _untile(x: torch.Tensor, bounds, Ttot: int) -> torch.Tensor:
-    """[N, NC, HV, C, D] -> packed [Ttot, HV, D]."""
-    N, NC, HV, C, D = x.shape
-    rows = x.movedim(2, 3).reshape(N, NC * C, HV, D)
-    out = x.new_zeros(Ttot, HV, D)
-    for n, (bos, eos) in enumerate(bounds):
-        out[bos:eos] = rows[n, : eos - bos]
-    return out
 
 
 # ------------------------------------------------------------------- anchored pair products
@@ -368,8 +358,34 @@ def _chunk_work(q, k, v, a, beta, valid, lens, scale, recipe: Recipe, problem: P
 
 
 def _group_size(N, NC, HV, C, K) -> int:
+    """Chunk positions per group: one [N, g, HV, C, max(K, C)] float64 array stays within 128 MiB."""
     per_chunk = max(N * HV * C * max(K, C) * 8, 1)
     return max(1, min(NC, (1 << 27) // per_chunk))
+
+
+def _group_inputs(problem: Problem, bounds, c0: int, c1: int, C: int):
+    """The prepared float64 inputs of chunk positions [c0, c1) of every sequence, packed
+    (``kda_ref.chunked.prepare_tokens`` on each sequence's piece, concatenated), and the pieces'
+    bounds in that packing: sequence n contributes tokens [bos + c0 C, min(bos + c1 C, eos)),
+    possibly none."""
+    from kda_ref.chunked import prepare_tokens
+    pieces, sub_bounds, pos = [], [], 0
+    for bos, eos in bounds:
+        t0, t1 = min(bos + c0 * C, eos), min(bos + c1 * C, eos)
+        if t1 > t0:
+            pieces.append(prepare_tokens(problem, t0, t1, None))
+        sub_bounds.append((pos, pos + t1 - t0))
+        pos += t1 - t0
+    if len(pieces) == 1:
+        return pieces[0], sub_bounds
+    cat = {n: torch.cat([getattr(x, n) for x in pieces]) for n in ("q", "k", "v", "a", "beta")}
+    return replace(pieces[0], **cat), sub_bounds
+
+
+def _raw_beta(problem: Problem, bounds, c0: int, c1: int, C: int) -> torch.Tensor:
+    """The raw beta [tokens, HV] of chunk positions [c0, c1), packed as ``_group_inputs``."""
+    b = problem.beta.reshape(problem.B * problem.T, problem.HV)
+    return torch.cat([b[min(bos + c0 * C, eos):min(bos + c1 * C, eos)] for bos, eos in bounds])
 
 
 def emulate(problem: Problem, recipe="flashkda", keep_f64: bool = False, taps: bool = False, *,
@@ -379,51 +395,66 @@ def emulate(problem: Problem, recipe="flashkda", keep_f64: bool = False, taps: b
     layouts: o in v's dtype, the final state (or the written cache) in fp32; with ``keep_f64``
     every output stays float64 (for self-tests of the algorithm).  With ``taps`` the stored
     inverse comes back as ``taps["ws_inv"]`` in the oracle's layout: head-major tiles
-    [HV*tiles, C, C] (kda_ref.workspace), in the dtype the recipe stores it in."""
+    [HV*tiles, C, C] (kda_ref.workspace), in the dtype the recipe stores it in.
+
+    Streamed over groups of chunk positions (``_group_size``): each group's inputs are cast to
+    float64 and preprocessed on their own (``_group_inputs``), so memory is the inputs, o in its
+    output dtype, the states and one group's working set, at any T.  ``hooks.tiles`` lays out
+    one group's pieces (chunk positions [c0, c1) of each sequence, packed)."""
     validate(problem)
     if isinstance(recipe, str):
         if recipe not in RECIPES:
             raise ValueError(f"recipe: expected one of {', '.join(RECIPES)}, got {recipe!r}")
         recipe = RECIPES[recipe]
-    pp = prepare(problem)
     C = recipe.chunk
-    bounds = pp.bounds
-    Ttot, HV, K, V, N = pp.q.shape[0], problem.HV, problem.K, problem.V, problem.N
+    bounds = problem.seq_bounds()
+    Ttot, HV, K, V, N = problem.B * problem.T, problem.HV, problem.K, problem.V, problem.N
     lens_list = [e - b for b, e in bounds]
     NC = max([-(-n // C) for n in lens_list] + [0])
-    dev = pp.q.device
-    beta_act = pp.beta
-    if recipe.beta_raw_dtype not in (None, F64):   # the kernel takes the raw beta in this dtype only
-        braw = rnd(problem.beta.reshape(pp.beta.shape).to(F64), recipe.beta_raw_dtype)
-        beta_act = beta_activation(braw, problem.beta_kind)
-    beta_p = rnd(beta_act, recipe.acc_dtype)
-    a_p = rnd(pp.a, recipe.acc_dtype)
-    qt = hooks.tiles(pp.q, bounds, NC, C)
-    kt = hooks.tiles(pp.k, bounds, NC, C)
-    vt = hooks.tiles(pp.v, bounds, NC, C)
-    at = hooks.tiles(a_p, bounds, NC, C)
-    bt = hooks.tiles(beta_p[..., None], bounds, NC, C)[..., 0]
+    dev = problem.device
     seq_len = torch.tensor(lens_list, device=dev, dtype=torch.int64)
     lens = (seq_len[:, None] - torch.arange(NC, device=dev)[None, :] * C).clamp(0, C)   # [N, NC]
     valid = hooks.valid(lens, C).expand(N, NC, HV, C)
-    S = rnd(pp.S0, recipe.state_dtype)
-    o_t = torch.zeros(N, NC, HV, C, V, dtype=F64, device=dev)
+    S = rnd(initial_state_kfirst(problem), recipe.state_dtype)
+    out_dt, state_dt = (F64, F64) if keep_f64 else (problem.v.dtype, FP32)
+    o = torch.zeros(Ttot, HV, V, dtype=out_dt, device=dev)
     g = _group_size(N, NC, HV, C, K)
     inv_all = torch.zeros(N, NC, HV, C, C, dtype=FP32, device=dev) if taps else None
     for c0 in range(0, NC, g):
         sl = slice(c0, min(c0 + g, NC))
-        w = _chunk_work(qt[:, sl], kt[:, sl], vt[:, sl], at[:, sl], bt[:, sl], valid[:, sl], lens[:, sl],
-                        pp.scale, recipe, problem, hooks)
+        ng = sl.stop - sl.start
+        pp, sub = _group_inputs(problem, bounds, sl.start, sl.stop, C)
+        beta_act = pp.beta
+        if recipe.beta_raw_dtype not in (None, F64):   # the kernel takes the raw beta in this dtype only
+            braw = rnd(_raw_beta(problem, bounds, sl.start, sl.stop, C).to(F64), recipe.beta_raw_dtype)
+            beta_act = beta_activation(braw, problem.beta_kind)
+        beta_p = rnd(beta_act, recipe.acc_dtype)
+        a_p = rnd(pp.a, recipe.acc_dtype)
+        qt = hooks.tiles(pp.q, sub, ng, C)
+        kt = hooks.tiles(pp.k, sub, ng, C)
+        vt = hooks.tiles(pp.v, sub, ng, C)
+        at = hooks.tiles(a_p, sub, ng, C)
+        bt = hooks.tiles(beta_p[..., None], sub, ng, C)[..., 0]
+        del pp, a_p, beta_p, beta_act
+        w = _chunk_work(qt, kt, vt, at, bt, valid[:, sl], lens[:, sl], problem.scale_value, recipe, problem, hooks)
+        del qt, kt, vt, at, bt
         if recipe.acc_dtype != F64:   # every stored value is exact in fp32: halve the memory
             w = {key: val.to(FP32) if val.is_floating_point() else val for key, val in w.items()}
         if taps:
             inv_all[:, sl] = w["inv"].to(FP32)
-        for j in range(sl.stop - sl.start):
+        o_t = torch.zeros(N, ng, HV, C, V, dtype=F64, device=dev)
+        for j in range(ng):
             ch = {key: (val[:, j].to(F64) if val.is_floating_point() else val[:, j]) for key, val in w.items()}
-            S, o_c = _step(S, ch, recipe, problem, pp.scale, hooks)
-            o_t[:, c0 + j] = o_c
-    out_dt, state_dt = (F64, F64) if keep_f64 else (problem.v.dtype, FP32)
-    o = _untile(o_t, bounds, Ttot).to(out_dt).reshape(problem.B, problem.T, HV, V)
+            S, o_c = _step(S, ch, recipe, problem, problem.scale_value, hooks)
+            o_t[:, j] = o_c
+        del w
+        rows = o_t.movedim(2, 3).reshape(N, ng * C, HV, V)
+        for n, (bos, eos) in enumerate(bounds):
+            t0, t1 = min(bos + sl.start * C, eos), min(bos + sl.stop * C, eos)
+            if t1 > t0:
+                o[t0:t1] = rows[n, : t1 - t0]
+        del o_t, rows
+    o = o.reshape(problem.B, problem.T, HV, V)
     final = S.to(state_dt)
     out = _finish(problem, o, final, recipe.name)
     if taps:
