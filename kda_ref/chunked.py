@@ -93,37 +93,78 @@ def chunked_from_workspace(pp: Prepared, ws: Workspace, return_chunk_states: boo
     return o, final, st.contiguous()
 
 
-def chunked_deferred(pp: Prepared, ws: Workspace):
+class BlockBuffers:
+    """Float64 arrays reused from one streamed block to the next: ``get(name, shape)`` returns the
+    array kept under ``name`` when its shape is ``shape`` (contents left as the last block wrote
+    them), else a new one.  Every block but the last of a streamed run has the same shapes, so
+    its working arrays are allocated once, not once per block."""
+
+    def __init__(self, device, dtype=F64):
+        self.device, self.dtype, self.arrays = device, dtype, {}
+
+    def get(self, name: str, shape) -> torch.Tensor:
+        shape = tuple(int(s) for s in shape)
+        x = self.arrays.get(name)
+        if x is None or tuple(x.shape) != shape:
+            x = self.arrays[name] = torch.empty(shape, dtype=self.dtype, device=self.device)
+        return x
+
+
+def _one_sequence_steps(S0, kd, kr, gt, inv, beta, vt, S_in, U_all, buf):
+    """The chunk steps of one sequence's consecutive tiles 0..n-1 of a block, per value head:
+    ``S_in [HV, n, K, V]`` receives each tile's incoming state (``S_in[:, 0] = S0``) and
+    ``U_all [HV, n, C, V]`` its deltas; returns the state after tile n-1.  Operation for operation
+    ``chunk_step`` without its output, written into reused arrays."""
+    HV, n, C, K = kd.shape
+    V = vt.shape[-1]
+    S_in[:, 0] = S0
+    t1 = buf.get("step_cv", (HV, C, V))
+    t2 = buf.get("step_kv", (HV, K, V))
+    S_out = buf.get("step_state", (HV, K, V))
+    krT = kr.transpose(-1, -2)
+    for t in range(n):
+        S = S_in[:, t]
+        torch.matmul(kd[:, t], S, out=t1)                   # kd S
+        torch.sub(vt[:, t], t1, out=t1)                     # v - kd S
+        t1.mul_(beta[:, t, :, None])                        # beta (v - kd S)
+        U = U_all[:, t]
+        torch.matmul(inv[:, t], t1, out=U)                  # U = inv (beta (v - kd S))
+        S_next = S_in[:, t + 1] if t + 1 < n else S_out
+        torch.mul(gt[:, t, :, None], S, out=S_next)         # diag(gt) S
+        torch.matmul(krT[:, t], U, out=t2)
+        S_next.add_(t2)                                     # + kr^T U
+    return S_out
+
+
+def chunked_deferred(pp: Prepared, ws: Workspace, buffers: Optional[BlockBuffers] = None):
     """(o [Ttot, HV, V], final state [N, HV, K, V] K-first): the chunk steps of
     ``chunked_from_workspace``, with the outputs taken after the sequential loop.  The loop runs
     only what the next state needs (``chunk_step`` without its output, on the rows whose
-    sequence has a chunk at that position; a lone sequence's tiles as views, not gathered)
-    and keeps each chunk's incoming state S_c and deltas U_c; then, for all tiles at once,
+    sequence has a chunk at that position; a lone sequence's tiles as views, not gathered, its
+    steps written into reused arrays) and keeps each chunk's incoming state S_c and deltas U_c;
+    then, for all tiles at once,
 
         o_c = ws_qd S_c + ws_mqk U_c
 
-    Extra memory: S_c [HV, tiles, K, V] and U_c [HV, tiles, C, V]."""
+    Extra memory: S_c [HV, tiles, K, V] and U_c [HV, tiles, C, V] (from ``buffers`` when given).
+    With ``buffers`` the returned o and state may be arrays of ``buffers``: copy them out before
+    the next block."""
     kd, qd, kr, gt = (ws.heads(n) for n in ("ws_kd", "ws_qd", "ws_kr", "ws_gt"))
     inv, mqk, beta, vt = ws.heads("ws_inv"), ws.heads("ws_mqk"), ws.heads("ws_beta"), ws.heads("v")
     HV, V, K = ws.HV, pp.v.shape[-1], pp.k.shape[-1]
-    S = pp.S0.transpose(0, 1).contiguous()                             # [HV, N, K, V]
-    S_in = S.new_empty(HV, ws.tiles, K, V)
-    U_all = S.new_empty(HV, ws.tiles, ws.C, V)
+    buf = buffers if buffers is not None else BlockBuffers(pp.v.device)
+    S_in = buf.get("S_in", (HV, ws.tiles, K, V))
+    U_all = buf.get("U_all", (HV, ws.tiles, ws.C, V))
     grid = ws.grid.seq_grid().cpu()
     M = grid.shape[0]
-    for j in range(grid.shape[1]):
+    if M == 1:                                     # one sequence: its tiles are 0..tiles-1, views only
+        S = _one_sequence_steps(pp.S0[0], kd, kr, gt, inv, beta, vt, S_in, U_all, buf)[:, None]
+    else:
+        S = pp.S0.transpose(0, 1).contiguous()                         # [HV, N, K, V]
+    for j in range(grid.shape[1] if M > 1 else 0):
         col = grid[:, j]
         rows = torch.nonzero(col >= 0).flatten()
         if rows.numel() == 0:
-            continue
-        if M == 1:                                 # one sequence: tile j itself, views only
-            t = int(col[0])
-            sl = slice(t, t + 1)
-            S_new, _, U = chunk_step(S, kd[:, sl], None, kr[:, sl], gt[:, sl], inv[:, sl], None, beta[:, sl],
-                                     vt[:, sl], compute_output=False)
-            S_in[:, sl] = S
-            U_all[:, sl] = U
-            S = S_new
             continue
         ix = col[rows].to(S.device)
         full = rows.numel() == M
@@ -137,9 +178,12 @@ def chunked_deferred(pp: Prepared, ws: Workspace):
         else:
             S = S.clone()
             S[:, rows.to(S.device)] = S_new
-    o_tiles = qd @ S_in
-    o_tiles += mqk @ U_all
-    return ws.grid.scatter(o_tiles), S.transpose(0, 1).contiguous()
+    o_tiles = buf.get("o_tiles", (HV, ws.tiles, ws.C, V))
+    torch.matmul(qd, S_in, out=o_tiles)
+    t = buf.get("o_tiles_tmp", (HV, ws.tiles, ws.C, V))
+    torch.matmul(mqk, U_all, out=t)
+    o_tiles += t
+    return ws.grid.scatter(o_tiles), S.transpose(0, 1)
 
 
 def chunked(pp: Prepared, C: int = 64, inverse: str = "exact"):
@@ -233,12 +277,13 @@ def streamed(p, C: int = 64, block_tokens: Optional[int] = None, block_bytes: Op
         tpb = max(1, budget // (HV * block_bytes_per_tile_head(C, K, V)))
     S = initial_state_kfirst(p).clone()                                     # [N, HV, K, V]
     o = torch.zeros(Tt, HV, V, dtype=F64, device=p.device)
+    buffers = BlockBuffers(p.device)
     for t0, t1, parts in block_plan(p.seq_bounds(), C, tpb):
         seqs = torch.tensor([n for n, _, _ in parts], dtype=torch.long, device=p.device)
         pp = prepare_tokens(p, t0, t1, S[seqs])
         pp.bounds = [(b0, b1) for _, b0, b1 in parts]
         ws = workspace_prepared(pp, C)
-        o_blk, S_blk = chunked_deferred(pp, ws)
+        o_blk, S_blk = chunked_deferred(pp, ws, buffers)
         o[t0:t1] = o_blk
         S[seqs] = S_blk
         del pp, ws, o_blk, S_blk
