@@ -14,6 +14,11 @@ the last record of a key wins) and DIR/run.json (provenance).  Output:
     plots/worst_chunks.png     per-chunk rel-L2 curve of o along T for the worst cells
     plots/margin_heatmap.png   route x case, colour = log10(margin), margin = err / threshold;
                                cells without a margin in their status's HTML colour
+    plots/long_context.png     the long suite only: rel-L2 of o and of the final state (log) vs T
+                               on a log2 axis, one line per route and gate through its dense
+                               cases; the varlen pack and key-cos cases as marker-only points;
+                               under it in the report, each line's error at its smallest and
+                               largest T and their ratio (growth)
 
 The headline is runner.verified_headline: ``VERIFIED n of N cells: ...`` when n cells were
 judged (pass, known-fail, fail, mistrusted), ``NOTHING VERIFIED: ...`` when none was.  A
@@ -35,7 +40,7 @@ from .record import decode_number as as_float
 from .record import encode as jsonable
 from .runner import verified_headline
 
-PLOTS = ("error_vs_T", "worst_chunks", "margin_heatmap")
+PLOTS = ("error_vs_T", "worst_chunks", "margin_heatmap", "long_context")
 STATUS_COLOURS = {"pass": "#2e7d32", "fail": "#c62828", "mistrusted": "#ef6c00", "crashed": "#6a1b9a",
                   "error": "#4e342e", "skipped": "#757575", "known-fail": "#f9a825", "out-of-contract": "#0277bd",
                   "resource-error": "#455a64"}
@@ -505,12 +510,223 @@ def plot_margin_heatmap(records: list[dict], path: Path) -> Optional[Path]:
     return path
 
 
+# ---- long context ------------------------------------------------------------------------
+LONG_PREFIX = "long/"
+STATE_TENSORS = ("final_state", "state_cache")       # the first of these a record has is its state
+LONG_MARKERS = {"dense": "o", "dense-other-H": "D", "varlen": "s", "key-cos": "^"}
+LONG_KIND_NOTE = {"dense": "dense (line)", "dense-other-H": "dense, another H", "varlen": "varlen pack (all tokens)",
+                  "key-cos": "key-cos 0.85-0.97"}
+GATE_STYLES = ("-", "--", ":", "-.")                 # by gate, strongest (most negative lb) first
+
+
+def _tensor_err(r: dict, name: str) -> tuple[float, float]:
+    """(err, baseline err) of tensor ``name`` of a record: the verdict's, else the metrics' rel-L2
+    (NaN where absent)."""
+    t = (r.get("tensors") or {}).get(name) or {}
+    e = as_float(t["err"]) if "err" in t else as_float(((r.get("metrics") or {}).get(name) or {}).get("rel_l2"))
+    b = as_float(t.get("baseline_err"))
+    if not _finite_pos(b):
+        b = as_float(((r.get("baseline") or {}).get(name) or {}).get("rel_l2"))
+    return e, b
+
+
+def _state_name(r: dict) -> Optional[str]:
+    have = set(r.get("tensors") or {}) | set(r.get("metrics") or {})
+    return next((n for n in STATE_TENSORS if n in have), None)
+
+
+def _record_T(r: dict) -> Optional[int]:
+    """The problem's T (a varlen pack: all its tokens): shape, else shape_key, else the params."""
+    T = (r.get("shape") or {}).get("T")
+    if not T and r.get("shape_key"):
+        T = r["shape_key"][1]
+    p = r.get("params") or {}
+    if not T:
+        T = sum(p["lens"]) if p.get("lens") else p.get("T")
+    return int(T) if T else None
+
+
+def _long_gate(r: dict) -> float:
+    p = r.get("params") or {}
+    if "lb" in p:
+        return as_float(p["lb"])
+    m = re.search(r"-lb(-?[0-9.]+)$", str(r.get("case")))
+    return float(m.group(1)) if m else -5.0
+
+
+def _long_points(records: list[dict]) -> list[dict]:
+    """One point per judged cell of the long suite: route label, gate, kind (dense / varlen /
+    key-cos), H, T and the o and state errors with their baselines."""
+    pts = []
+    for r in records:
+        case = str(r.get("case") or "")
+        if not case.startswith(LONG_PREFIX) or r.get("status") in UNJUDGED:
+            continue
+        T = _record_T(r)
+        if not T:
+            continue
+        p = r.get("params") or {}
+        kind = ("varlen" if p.get("lens") or "/varlen" in case else
+                "key-cos" if p.get("key_cos") or "/key-cos" in case else "dense")
+        state = _state_name(r)
+        o, ob = _tensor_err(r, "o")
+        s, sb = _tensor_err(r, state) if state else (math.nan, math.nan)
+        pts.append({"label": route_label(r), "gate": _long_gate(r), "kind": kind, "H": (r.get("shape") or {}).get("H"),
+                    "T": T, "status": r.get("status"), "o": o, "o_base": ob, "state": s, "state_base": sb})
+    return pts
+
+
+def _long_lines(pts: list[dict]) -> dict:
+    """{(route label, gate, H): {T: point}} over the dense points (the worst cell per T)."""
+    lines: dict = {}
+    for p in pts:
+        if p["kind"] == "dense":
+            cur = lines.setdefault((p["label"], p["gate"], p["H"]), {})
+            if p["T"] not in cur or not p["o"] <= cur[p["T"]]["o"]:
+                cur[p["T"]] = p
+    return lines
+
+
+def _tokens(T: int) -> str:
+    """16384 -> 16K, 1048576 -> 1M, 528384 -> 516K."""
+    if T >= 2 ** 20 and T % 2 ** 20 == 0:
+        return f"{T >> 20}M"
+    return f"{T / 1024:.0f}K" if T >= 1024 else str(T)
+
+
+def long_context_figure(records: list[dict]):
+    """The long suite's errors against T, two panels: rel-L2 of o and of the final state
+    (final_state, else state_cache) vs the float64 oracle, y log, x T tokens on a log2 axis
+    (ticks at the T of the dense cases).  Per route a colour; per (route, gate, H) a line through
+    its dense cases (worst cell per T), solid for the strongest gate (lb -5), dashed for the next
+    (lb -0.05), diamonds where H is not the route's smallest (T131072-H96); the route's baseline
+    (its emulated recipe) a thin grey line of the same dashes under it.  The varlen pack (at all
+    its tokens) and the key-cos cases are marker-only points (square, triangle; filled at the
+    strongest gate, open at the others) with the baseline as a grey bar.  Failing cells get a
+    red x, known-fail ones an amber ring.  None when no long-suite cell has a finite error of o."""
+    pts = [p for p in _long_points(records) if _finite_pos(p["o"])]
+    if not pts:
+        return None
+    plt = _plt()
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import FixedLocator, NullFormatter
+    labels = sorted({p["label"] for p in pts})
+    colour = dict(zip(labels, _route_colours(plt, len(labels))))
+    gates = sorted({p["gate"] for p in pts})
+    style = {g: GATE_STYLES[min(i, len(GATE_STYLES) - 1)] for i, g in enumerate(gates)}
+    min_H = {lab: min((p["H"] or 0) for p in pts if p["label"] == lab and p["kind"] == "dense") for lab in labels
+             if any(p["label"] == lab and p["kind"] == "dense" for p in pts)}
+    lines = _long_lines(pts)
+    fig, axes = plt.subplots(1, 2, figsize=(14, 6.2), dpi=110, layout="constrained")
+    kinds_seen, any_bad, any_known = set(), False, False
+    for ax, key, title in ((axes[0], "o", "o"), (axes[1], "state", "final state (final_state or state_cache)")):
+        drawn = False
+        for (lab, gate, H), by_T in sorted(lines.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or 0)):
+            Ts = [t for t in sorted(by_T) if _finite_pos(by_T[t][key])]
+            if not Ts:
+                continue
+            kind = "dense" if (H or 0) == min_H.get(lab) else "dense-other-H"
+            kinds_seen.add(kind)
+            ax.plot(Ts, [by_T[t][key] for t in Ts], ls=style[gate], marker=LONG_MARKERS[kind], ms=5,
+                    color=colour[lab], lw=1.6, zorder=3)
+            bT = [t for t in Ts if _finite_pos(by_T[t][key + "_base"])]
+            if bT:
+                ax.plot(bT, [by_T[t][key + "_base"] for t in bT], ls=style[gate], color="0.6", lw=0.9, zorder=2,
+                        marker="_" if len(bT) == 1 else None, ms=9)
+            drawn = True
+        for p in pts:
+            if p["kind"] == "dense" or not _finite_pos(p[key]):
+                continue
+            kinds_seen.add(p["kind"])
+            c = colour[p["label"]]
+            ax.scatter([p["T"]], [p[key]], marker=LONG_MARKERS[p["kind"]], s=42, facecolors=c if p["gate"] == gates[0]
+                       else "none", edgecolors=c, linewidths=1.3, zorder=4)
+            if _finite_pos(p[key + "_base"]):
+                ax.scatter([p["T"]], [p[key + "_base"]], marker="_", s=90, color="0.6", linewidths=1.2, zorder=2)
+            drawn = True
+        mine = [p for p in pts if _finite_pos(p[key])]
+        bad = [p for p in mine if p["status"] in FAILING]
+        known = [p for p in mine if p["status"] == "known-fail"]
+        if bad:
+            ax.scatter([p["T"] for p in bad], [p[key] for p in bad], s=70, marker="x", color="red", linewidths=1.6,
+                       zorder=6)
+            any_bad = True
+        if known:
+            ax.scatter([p["T"] for p in known], [p[key] for p in known], s=110, marker="o", facecolors="none",
+                       edgecolors=STATUS_COLOURS["known-fail"], linewidths=1.8, zorder=5)
+            any_known = True
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ticks = sorted({p["T"] for p in pts if p["kind"] == "dense"} or {p["T"] for p in pts})
+        ax.xaxis.set_major_locator(FixedLocator(ticks))
+        ax.set_xticks(ticks, [_tokens(t) for t in ticks], fontsize=8)
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        Tall = [p["T"] for p in pts]
+        ax.set_xlim(min(Tall) / 1.4, max(Tall) * 1.4)
+        ax.set_xlabel("T (tokens per forward; varlen: all sequences), log2 axis")
+        ax.set_ylabel(f"rel-L2 of {key if key == 'o' else 'the final state'} vs the float64 oracle")
+        ax.set_title(title, fontsize=10)
+        ax.grid(True, which="both", alpha=0.25)
+        if not drawn:
+            ax.text(0.5, 0.5, "no cell with this tensor", transform=ax.transAxes, ha="center", va="center",
+                    color="0.4")
+    handles = [Line2D([], [], color=colour[lab], lw=2.2, label=lab) for lab in labels]
+    handles += [Line2D([], [], color="black", ls=style[g], lw=1.4, marker="o", mfc="black" if g == gates[0] else "none",
+                       label=f"lb {g:g} ({'solid, points filled' if g == gates[0] else 'points open'})") for g in gates]
+    handles += [Line2D([], [], color="0.3", ls="none", marker=LONG_MARKERS[k], label=LONG_KIND_NOTE[k])
+                for k in LONG_MARKERS if k in kinds_seen]
+    handles.append(Line2D([], [], color="0.6", lw=0.9, label="baseline: the route's emulated recipe"))
+    if any_bad:
+        handles.append(Line2D([], [], color="red", ls="none", marker="x", mew=1.6, label="failing cell"))
+    if any_known:
+        handles.append(Line2D([], [], ls="none", marker="o", mfc="none", mec=STATUS_COLOURS["known-fail"], mew=1.8,
+                              ms=9, label="known-fail cell"))
+    fig.suptitle("Long context: error vs T, per route (colour) and gate (line style)", fontsize=11)
+    fig.legend(handles=handles, loc="outside lower center", fontsize=8, ncol=min(4, len(handles)), framealpha=0.9)
+    return fig
+
+
+def plot_long_context(records: list[dict], path: Path) -> Optional[Path]:
+    """Save long_context_figure to ``path`` (None, and nothing written, when there is nothing to plot)."""
+    fig = long_context_figure(records)
+    if fig is None:
+        return None
+    fig.savefig(path)
+    _plt().close(fig)
+    return path
+
+
+LONG_COLS = ("route", "gate", "H", "T small", "T large", "o err small", "o err large", "o growth",
+             "state err small", "state err large", "state growth")
+
+
+def long_growth_rows(records: list[dict]) -> list[list[str]]:
+    """One row per line of long_context_figure with at least two T: the o and state errors at its
+    smallest and its largest T and their ratio (large / small), "–" where a tensor is absent."""
+    rows = []
+    for (lab, gate, H), by_T in sorted(_long_lines([p for p in _long_points(records) if _finite_pos(p["o"])]).items(),
+                                       key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or 0)):
+        if len(by_T) < 2:
+            continue
+        lo, hi = by_T[min(by_T)], by_T[max(by_T)]
+        row = [lab, f"lb {gate:g}", str(H if H is not None else "–"), _tokens(lo["T"]), _tokens(hi["T"])]
+        for key in ("o", "state"):
+            a, b = lo[key], hi[key]
+            row += [_g(a) if math.isfinite(a) else "–", _g(b) if math.isfinite(b) else "–",
+                    _g(b / a) if _finite_pos(a) and math.isfinite(b) else "–"]
+        rows.append(row)
+    return rows
+
+
+PLOT_FUNCS = {"error_vs_T": plot_error_vs_T, "worst_chunks": plot_worst_chunks, "margin_heatmap": plot_margin_heatmap,
+              "long_context": plot_long_context}
+
+
 def make_plots(records: list[dict], plots_dir: Path) -> dict[str, Path]:
     plots_dir.mkdir(parents=True, exist_ok=True)
     out = {}
-    for name, fn in (("error_vs_T", plot_error_vs_T), ("worst_chunks", plot_worst_chunks),
-                     ("margin_heatmap", plot_margin_heatmap)):
-        p = fn(records, plots_dir / f"{name}.png")
+    for name in PLOTS:
+        p = PLOT_FUNCS[name](records, plots_dir / f"{name}.png")
         if p is not None:
             out[name] = p
         else:
@@ -611,7 +827,9 @@ TABLE_COLS = (("status", "status"), ("backend", "backend"), ("route", "route"), 
               ("o_threshold", "threshold"), ("state_err", "state rel-L2"), ("margin", "margin"),
               ("dtypes", "dtypes"), ("kernel_ms", "kernel ms"), ("reason", "reason"))
 NUM_COLS = {"o rel-L2", "o tail", "baseline", "threshold", "state rel-L2", "margin", "kernel ms", "err",
-            "slice err", "slice baseline", "slice margin", "cells", "worst margin", "seconds", "share"}
+            "slice err", "slice baseline", "slice margin", "cells", "worst margin", "seconds", "share",
+            "H", "T small", "T large", "o err small", "o err large", "o growth", "state err small",
+            "state err large", "state growth"}
 FAIL_COLS = ("status", "backend", "route", "case", "tensor", "err", "threshold", "margin", "worst slice",
              "slice err", "slice baseline", "slice margin")
 
@@ -693,7 +911,13 @@ def sections(summary: dict, records: list[dict], prov: dict, plots: dict, out_di
                             [[route] + [str(pr.get(s, 0)) for s in present] + [_g(pr["worst_margin"])]
                              for route, pr in sorted(summary["per_route"].items())])]))
     if plots:
-        out.append(("Plots", [("images", plots)]))
+        blocks = [("images", plots)]
+        growth = long_growth_rows(records) if "long_context" in plots else []
+        if growth:
+            blocks += [("text", "Long context (long_context.png): each line's error at its smallest and its largest T, "
+                                "and their ratio (growth = large / small)."),
+                       ("table", list(LONG_COLS), growth)]
+        out.append(("Plots", blocks))
     rows = cell_rows(records)
     out.append(("Cells", [("table", [h for _, h in TABLE_COLS], [[str(row[k]) for k, _ in TABLE_COLS] for row in rows])]))
     repro = [_repro(r, out_dir) for r in records if r.get("status") != "skipped" and r.get("repro")]
