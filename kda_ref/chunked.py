@@ -22,7 +22,7 @@ import torch
 
 from .budget import block_budget, sharing_workers  # noqa: F401 - sharing_workers: kept importable here
 from .preprocess import F64, Prepared
-from .workspace import Workspace, workspace_prepared
+from .workspace import BlockBuffers, Workspace, workspace_prepared
 
 
 def chunk_step(S, kd, qd, kr, gt, inv, mqk, beta, v, compute_output: bool = True):
@@ -91,23 +91,6 @@ def chunked_from_workspace(pp: Prepared, ws: Workspace, return_chunk_states: boo
     # state before chunk c of sequence n; past its last chunk a sequence's state stays final
     st = torch.stack(states + [S], dim=0).permute(2, 0, 1, 3, 4)        # [N, NCmax+1, HV, K, V]
     return o, final, st.contiguous()
-
-
-class BlockBuffers:
-    """Float64 arrays reused from one streamed block to the next: ``get(name, shape)`` returns the
-    array kept under ``name`` when its shape is ``shape`` (contents left as the last block wrote
-    them), else a new one.  Every block but the last of a streamed run has the same shapes, so
-    its working arrays are allocated once, not once per block."""
-
-    def __init__(self, device, dtype=F64):
-        self.device, self.dtype, self.arrays = device, dtype, {}
-
-    def get(self, name: str, shape) -> torch.Tensor:
-        shape = tuple(int(s) for s in shape)
-        x = self.arrays.get(name)
-        if x is None or tuple(x.shape) != shape:
-            x = self.arrays[name] = torch.empty(shape, dtype=self.dtype, device=self.device)
-        return x
 
 
 def _one_sequence_steps(S0, kd, kr, gt, inv, beta, vt, S_in, U_all, buf):
@@ -239,20 +222,32 @@ def block_plan(bounds, C: int, tiles_per_block: int) -> list:
     return blocks
 
 
+def _f64_head_major(x: torch.Tensor) -> torch.Tensor:
+    """``x [n, h, ...]`` cast to float64, as a ``[n, h, ...]`` view of an ``[h, n, ...]`` array
+    (head-major: the workspace's tile layout is then a view, not a copy)."""
+    out = torch.empty((x.shape[1], x.shape[0]) + tuple(x.shape[2:]), dtype=F64, device=x.device)
+    out = out.transpose(0, 1)
+    out.copy_(x)
+    return out
+
+
 def prepare_tokens(p, t0: int, t1: int, S0: torch.Tensor) -> Prepared:
     """The Prepared inputs of packed tokens ``[t0, t1)`` of Problem ``p``, cast to float64 here
-    (the same per-token operations as ``kda_ref.preprocess.prepare``, on the slice only); bounds
-    are left empty for the caller and ``S0`` is passed through."""
+    (the same per-token operations as ``kda_ref.preprocess.prepare``, on the slice only), laid
+    out head-major (``[t1 - t0, HV, .]`` views of ``[HV, t1 - t0, .]`` arrays; elementwise
+    operations keep that layout); bounds are left empty for the caller and ``S0`` is passed
+    through."""
     from .preprocess import beta_activation, expand_gva, gate_activation, l2norm
     HV, Tt = p.HV, p.B * p.T
-    q = p.q.reshape(Tt, p.H, p.K)[t0:t1].to(F64)
-    k = p.k.reshape(Tt, p.H, p.K)[t0:t1].to(F64)
+    q = _f64_head_major(p.q.reshape(Tt, p.H, p.K)[t0:t1])
+    k = _f64_head_major(p.k.reshape(Tt, p.H, p.K)[t0:t1])
     if p.qk_l2norm:
         q, k = l2norm(q), l2norm(k)
     q, k = expand_gva(q, HV), expand_gva(k, HV)
-    a = gate_activation(p.g.reshape(Tt, HV, p.K)[t0:t1], p.gate, p.A_log, p.dt_bias, p.lower_bound)
-    beta = beta_activation(p.beta.reshape(Tt, HV)[t0:t1], p.beta_kind)
-    v = p.v.reshape(Tt, HV, p.V)[t0:t1].to(F64)
+    a = gate_activation(_f64_head_major(p.g.reshape(Tt, HV, p.K)[t0:t1]), p.gate, p.A_log, p.dt_bias,
+                        p.lower_bound)
+    beta = beta_activation(_f64_head_major(p.beta.reshape(Tt, HV)[t0:t1]), p.beta_kind)
+    v = _f64_head_major(p.v.reshape(Tt, HV, p.V)[t0:t1])
     return Prepared(q=q, k=k, v=v, a=a, beta=beta, scale=p.scale_value, bounds=[], S0=S0)
 
 
@@ -282,7 +277,7 @@ def streamed(p, C: int = 64, block_tokens: Optional[int] = None, block_bytes: Op
         seqs = torch.tensor([n for n, _, _ in parts], dtype=torch.long, device=p.device)
         pp = prepare_tokens(p, t0, t1, S[seqs])
         pp.bounds = [(b0, b1) for _, b0, b1 in parts]
-        ws = workspace_prepared(pp, C)
+        ws = workspace_prepared(pp, C, buffers=buffers)
         o_blk, S_blk = chunked_deferred(pp, ws, buffers)
         o[t0:t1] = o_blk
         S[seqs] = S_blk

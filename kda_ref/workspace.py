@@ -44,6 +44,23 @@ EPS32 = 2.0 ** -24
 SUPPORTED_C = (16, 32, 64)
 
 
+class BlockBuffers:
+    """Float64 arrays reused from one block of work to the next: ``get(name, shape)`` returns the
+    array kept under ``name`` when its shape is ``shape`` (contents left as the last user wrote
+    them), else a new one kept under that name.  Every block but the last of a streamed run has
+    the same shapes, so its working arrays are allocated once, not once per block."""
+
+    def __init__(self, device=None, dtype=F64):
+        self.device, self.dtype, self.arrays = device, dtype, {}
+
+    def get(self, name: str, shape) -> torch.Tensor:
+        shape = tuple(int(s) for s in shape)
+        x = self.arrays.get(name)
+        if x is None or tuple(x.shape) != shape:
+            x = self.arrays[name] = torch.empty(shape, dtype=self.dtype, device=self.device)
+        return x
+
+
 @dataclass
 class Workspace:
     C: int
@@ -100,31 +117,45 @@ def decayed_gram_pairwise(x: torch.Tensor, k: torch.Tensor, G: torch.Tensor, inc
     return out
 
 
-def _pivot_grams(q, k, G, pivot, valid, scale):
+def _pivot_grams(q, k, G, pivot, valid, scale, buffers=None, all_valid=None, sq=None):
     """(KK, QK) [HV, tiles, C, C]: Σ_d k̂_i k̂_j 2^{G_i-G_j} and scale Σ_d q̂_i k̂_j 2^{G_i-G_j},
-    through the pivot row; unmasked (callers take the triangles)."""
+    through the pivot row; unmasked (callers take the triangles).  ``buffers`` (a BlockBuffers)
+    holds the temporaries and the results; ``all_valid`` (every row valid, known on the host)
+    skips the row mask; ``sq`` is ``scale * q`` when the caller has it."""
     HV, tiles, C, K = k.shape
+    buf = buffers if buffers is not None else BlockBuffers(k.device)
     Gp = torch.gather(G, 2, pivot.view(1, tiles, 1, 1).expand(HV, tiles, 1, K))     # [HV,tiles,1,K]
-    Gh = torch.where(valid[None, :, :, None], G - Gp, torch.zeros_like(G))
-    span = Gh.abs().amax(dim=(2, 3))                                                  # [HV, tiles]
+    Gh = torch.sub(G, Gp, out=buf.get("pg_Gh", G.shape))                            # Ĝ = G - G_p
+    if not all_valid:
+        Gh.masked_fill_(~valid[None, :, :, None], 0.0)
+    span = torch.abs(Gh, out=buf.get("pg_abs", G.shape)).amax(dim=(2, 3))            # [HV, tiles]
     safe = span <= PIVOT_SAFE_LOG2
-    Gs = torch.where(safe[:, :, None, None], Gh, torch.zeros_like(Gh))
-    up, down = torch.exp2(Gs), torch.exp2(-Gs)
-    kp, ki, qp = k * up, k * down, (scale * q) * up
+    all_safe = bool(safe.all())
+    Gs = Gh if all_safe else torch.where(safe[:, :, None, None], Gh, torch.zeros_like(Gh))
+    up = torch.exp2(Gs, out=buf.get("pg_up", G.shape))
+    ki = torch.neg(Gs, out=buf.get("pg_ki", G.shape)).exp2_().mul_(k)                 # k 2^{-Ĝ}
+    kp = torch.mul(k, up, out=buf.get("pg_kp", G.shape))                               # k 2^{Ĝ}
+    qp = up.mul_(scale * q if sq is None else sq)                                       # scale q 2^{Ĝ}
     kiT = ki.transpose(-1, -2)
-    KK, QK = kp @ kiT, qp @ kiT
-    if not bool(safe.all()):
+    KK = torch.matmul(kp, kiT, out=buf.get("pg_KK", (HV, tiles, C, C)))
+    QK = torch.matmul(qp, kiT, out=buf.get("pg_QK", (HV, tiles, C, C)))
+    if not all_safe:
         bad = ~safe
         KK[bad] = decayed_gram_pairwise(k[bad], k[bad], G[bad], include_diag=False)
         QK[bad] = decayed_gram_pairwise(scale * q[bad], k[bad], G[bad], include_diag=True)
     return KK, QK
 
 
-def exact_inverse(L: torch.Tensor) -> torch.Tensor:
-    """(I - L)^{-1} of strictly lower-triangular L [..., C, C] by a triangular solve."""
+def exact_inverse(L: torch.Tensor, buffers=None) -> torch.Tensor:
+    """(I - L)^{-1} of strictly lower-triangular L [..., C, C] by a triangular solve
+    (``buffers``: a BlockBuffers for I - L and the result)."""
     C = L.shape[-1]
     eye = torch.eye(C, dtype=L.dtype, device=L.device).expand_as(L)
-    return torch.linalg.solve_triangular(eye - L, eye, upper=False, unitriangular=True)
+    if buffers is None:
+        return torch.linalg.solve_triangular(eye - L, eye, upper=False, unitriangular=True)
+    A = torch.sub(eye, L, out=buffers.get("inv_A", L.shape))
+    return torch.linalg.solve_triangular(A, eye, upper=False, unitriangular=True,
+                                         out=buffers.get("inv_X", L.shape))
 
 
 def production_inverse(L: torch.Tensor, dtype: torch.dtype = F64, block: int = NEUMANN_BLOCK) -> torch.Tensor:
@@ -199,33 +230,40 @@ def chunk_log2_cumsum_tiles(a_tiles: torch.Tensor) -> torch.Tensor:
     return LOG2E * torch.cumsum(a_tiles, dim=2)
 
 
-def workspace_prepared(pp: Prepared, C: int, inverse: str = "exact") -> Workspace:
+def workspace_prepared(pp: Prepared, C: int, inverse: str = "exact", buffers=None) -> Workspace:
     """The float64 workspace of prepared inputs for chunk size C (16, 32 or 64).
-    ``inverse``: "exact" (triangular solve) or "production" (the kernel's construction in float64)."""
+    ``inverse``: "exact" (triangular solve) or "production" (the kernel's construction in float64).
+    ``buffers`` (a BlockBuffers): the workspace and its temporaries are written into its arrays,
+    so the workspace lives until the next use of the same buffers.  Inputs already in head-major
+    layout (``[Ttot, HV, .]`` views of ``[HV, Ttot, .]`` arrays) are tiled without a copy when
+    every tile is full; the workspace never writes into them."""
     if C not in SUPPORTED_C:
         raise ValueError(f"chunk_size: expected one of {SUPPORTED_C}, got {C!r}")
     if inverse not in ("exact", "production"):
         raise ValueError(f"inverse: expected exact|production, got {inverse!r}")
+    buf = buffers if buffers is not None else BlockBuffers(pp.k.device)
     Ttot, HV, K = pp.k.shape
     grid = tile_grid(pp.bounds, C, Ttot, device=pp.k.device)
     valid = grid.row_mask                                                   # [tiles, C]
     q, k, v = grid.gather(pp.q), grid.gather(pp.k), grid.gather(pp.v)      # [HV, tiles, C, .]
     a = grid.gather(pp.a)
     beta = grid.gather(pp.beta)                                             # [HV, tiles, C]
-    G = chunk_log2_cumsum_tiles(a)
+    shp = k.shape
+    G = torch.cumsum(a, dim=2, out=buf.get("ws_G", shp)).mul_(LOG2E)       # chunk_log2_cumsum_tiles
     G_last = G[:, :, -1:, :]                                                # tail a = 0 -> G_{Lc-1}
     # tail rows: q = k = 0 and G = G_last, so every product below is 0 there without a mask
-    eG = torch.exp2(G)
-    ws_kd = k * eG
-    ws_qd = pp.scale * q * eG
-    ws_kr = k * torch.exp2(G_last - G)
+    eG = torch.exp2(G, out=buf.get("ws_eG", shp))
+    ws_kd = torch.mul(k, eG, out=buf.get("ws_kd", shp))
+    sq = torch.mul(q, pp.scale, out=buf.get("ws_sq", shp))                 # scale q
+    ws_qd = torch.mul(sq, eG, out=buf.get("ws_qd", shp))
+    ws_kr = torch.sub(G_last, G, out=buf.get("ws_kr", shp)).exp2_().mul_(k)
     ws_gt = torch.exp2(G_last[:, :, 0, :])
     pivot = torch.clamp(grid.tile_len - 1, max=C // 2)
-    KK, QK = _pivot_grams(q, k, G, pivot, valid, pp.scale)
-    L = -beta[..., None] * torch.tril(KK, -1)
-    mqk = torch.tril(QK, 0)
+    KK, QK = _pivot_grams(q, k, G, pivot, valid, pp.scale, buffers=buf, all_valid=grid.full, sq=sq)
+    L = KK.tril_(-1).mul_(torch.neg(beta)[..., None])                      # -β_i KK_ij, i > j
+    mqk = QK.tril_(0)
     L, mqk = _heads_flat(L), _heads_flat(mqk)
-    inv = exact_inverse(L) if inverse == "exact" else production_inverse(L, F64)
+    inv = exact_inverse(L, buf) if inverse == "exact" else production_inverse(L, F64)
     return Workspace(C=C, HV=HV, grid=grid, ws_kd=_heads_flat(ws_kd), ws_qd=_heads_flat(ws_qd),
                      ws_kr=_heads_flat(ws_kr), ws_gt=_heads_flat(ws_gt), ws_inv=inv, ws_mqk=mqk,
                      ws_beta=_heads_flat(beta), L=L, v=_heads_flat(v), pivot=pivot)

@@ -92,8 +92,8 @@ def test_no_block_holds_more_tiles_than_its_budget(monkeypatch):
     built = []
     real = ch.workspace_prepared
 
-    def spy(pp, C_, inverse="exact"):
-        ws = real(pp, C_, inverse)
+    def spy(pp, C_, inverse="exact", **kw):
+        ws = real(pp, C_, inverse, **kw)
         built.append(ws.tiles)
         return ws
 
