@@ -15,6 +15,8 @@
 # (.vendor/aiter-newest from tools/assemble_aiter.py, or .vendor/aiter-2026-08).  Env: AITER,
 # FUZZ_N (2000), RUNS, JOBS_M (8: moonshot's workers), MOONSHOT_SUITES, BUILD_JOBS (8), T_ALL
 # (460 s: what every step after the oracle bench must end within), STEPS (oracle,build,moonshot),
+# FLASH_KDA_BUILT (a .tgz of an installed flash_kda, as house_job.sh returns it: unpacked into the
+# path instead of a build), T_ORACLE (90 s: the oracle bench's limit),
 # NO_INSTALL (set: skip `pip install -e .`, for a rehearsal on a machine whose install must stay).  DIR gets log.txt, mem.csv and one .tgz per run
 # (results-*.jsonl, report.md and the pytest output; the plots stay behind to keep files small).
 set -u -o pipefail
@@ -33,6 +35,7 @@ exec > >(tee -a "$OUT/log.txt") 2>&1
 T0=$(date +%s)
 left() { echo $(( T_ALL - ($(date +%s) - T0) )); }
 if ls .whl/*.whl >/dev/null 2>&1; then python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl; fi
+if [ -n "${FLASH_KDA_BUILT:-}" ]; then mkdir -p /tmp/site && tar -xzf "$FLASH_KDA_BUILT" -C /tmp/site && echo "flash_kda from $FLASH_KDA_BUILT"; fi
 [ -n "${NO_INSTALL:-}" ] || python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "pip install -e . failed: using PYTHONPATH"
 export PYTHONPATH=/tmp/site:$PWD:$PWD/$AITER
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
@@ -42,7 +45,7 @@ PLUGIN=()
 python3 -c "import importlib.metadata as m, sys; sys.exit(0 if any(e.name == 'kda_verify' for e in m.entry_points(group='pytest11')) else 1)" \
   || PLUGIN=(-p verification.pytest_plugin)
 
-want oracle && { echo "=== oracle-bench at +$(( $(date +%s) - T0 ))s"; timeout 90 python3 -m verification.cli oracle-bench \
+want oracle && { echo "=== oracle-bench at +$(( $(date +%s) - T0 ))s"; timeout "${T_ORACLE:-90}" python3 -m verification.cli oracle-bench \
   --device cuda --no-recurrence --shapes "$ORACLE_SHAPES"; echo "=== oracle-bench: exit $?"; }
 T0=$(date +%s)      # T_ALL counts from here
 
@@ -80,6 +83,8 @@ for d in $(for spec in "${RUN_LIST[@]}"; do echo "${spec%%|*}"; done) moonshot; 
   echo "--- $d"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/$d.txt" | tail -n 40
   files=("$d.txt"); [ -d "$OUT/$d" ] && files+=($(cd "$OUT" && ls "$d"/results*.jsonl "$d"/report.md 2>/dev/null))
   tar -czf "$OUT/$d.tgz" -C "$OUT" "${files[@]}" && rm -rf "${OUT:?}/$d" "$OUT/$d.txt"
+  # a file over the 15 MB a result file may be comes back in parts (cat parts > $d.tgz)
+  [ "$(stat -c %s "$OUT/$d.tgz")" -gt 15000000 ] && split -b 15m -d "$OUT/$d.tgz" "$OUT/$d.tgz.part" && rm "$OUT/$d.tgz"
 done
 python3 - "$OUT/mem.csv" <<'EOF' || true
 import sys, collections
