@@ -16,6 +16,7 @@ to block.  Memory: the inputs, o, the states and one block's working set.
 """
 from __future__ import annotations
 
+import contextvars
 from typing import Optional
 
 import torch
@@ -96,30 +97,30 @@ def chunked_from_workspace(pp: Prepared, ws: Workspace, return_chunk_states: boo
 def _one_sequence_steps(S0, kd, kr, gt, inv, beta, vt, S_in, U_all, buf):
     """The chunk steps of one sequence's consecutive tiles 0..n-1 of a block, per value head:
     ``S_in [HV, n, K, V]`` receives each tile's incoming state (``S_in[:, 0] = S0``) and
-    ``U_all [HV, n, C, V]`` its deltas; returns the state after tile n-1.  Operation for operation
-    ``chunk_step`` without its output, written into reused arrays."""
+    ``U_all [HV, n, C, V]`` its deltas; returns the state after tile n-1.  The arithmetic of
+    ``chunk_step`` without its output, each product fused with the sum it feeds
+    (``baddbmm``: v - kd S, and diag(gt) S + kr^T U), written into reused arrays."""
     HV, n, C, K = kd.shape
     V = vt.shape[-1]
     S_in[:, 0] = S0
-    t1 = buf.get("step_cv", (HV, C, V))
-    t2 = buf.get("step_kv", (HV, K, V))
+    w = buf.get("step_cv", (HV, C, V))
     S_out = buf.get("step_state", (HV, K, V))
-    krT = kr.transpose(-1, -2)
+    kd_t, kr_t, inv_t, v_t = kd.unbind(1), kr.transpose(-1, -2).unbind(1), inv.unbind(1), vt.unbind(1)
+    beta_t, gt_t = beta[..., None].unbind(1), gt[..., None].unbind(1)
+    S_t, U_t = S_in.unbind(1), U_all.unbind(1)
     for t in range(n):
-        S = S_in[:, t]
-        torch.matmul(kd[:, t], S, out=t1)                   # kd S
-        torch.sub(vt[:, t], t1, out=t1)                     # v - kd S
-        t1.mul_(beta[:, t, :, None])                        # beta (v - kd S)
-        U = U_all[:, t]
-        torch.matmul(inv[:, t], t1, out=U)                  # U = inv (beta (v - kd S))
-        S_next = S_in[:, t + 1] if t + 1 < n else S_out
-        torch.mul(gt[:, t, :, None], S, out=S_next)         # diag(gt) S
-        torch.matmul(krT[:, t], U, out=t2)
-        S_next.add_(t2)                                     # + kr^T U
+        S = S_t[t]
+        torch.baddbmm(v_t[t], kd_t[t], S, alpha=-1, out=w)           # v - kd S
+        w.mul_(beta_t[t])                                              # beta (v - kd S)
+        torch.bmm(inv_t[t], w, out=U_t[t])                             # U = inv (beta (v - kd S))
+        S_next = S_t[t + 1] if t + 1 < n else S_out
+        torch.mul(gt_t[t], S, out=S_next)                              # diag(gt) S
+        S_next.baddbmm_(kr_t[t], U_t[t])                               # + kr^T U
     return S_out
 
 
-def chunked_deferred(pp: Prepared, ws: Workspace, buffers: Optional[BlockBuffers] = None):
+def chunked_deferred(pp: Prepared, ws: Workspace, buffers: Optional[BlockBuffers] = None,
+                     o_out: Optional[torch.Tensor] = None):
     """(o [Ttot, HV, V], final state [N, HV, K, V] K-first): the chunk steps of
     ``chunked_from_workspace``, with the outputs taken after the sequential loop.  The loop runs
     only what the next state needs (``chunk_step`` without its output, on the rows whose
@@ -130,8 +131,8 @@ def chunked_deferred(pp: Prepared, ws: Workspace, buffers: Optional[BlockBuffers
         o_c = ws_qd S_c + ws_mqk U_c
 
     Extra memory: S_c [HV, tiles, K, V] and U_c [HV, tiles, C, V] (from ``buffers`` when given).
-    With ``buffers`` the returned o and state may be arrays of ``buffers``: copy them out before
-    the next block."""
+    ``o_out [Ttot, HV, V]``: o is written there (and returned).  With ``buffers`` the returned
+    state may be an array of ``buffers``: copy it out before the next block."""
     kd, qd, kr, gt = (ws.heads(n) for n in ("ws_kd", "ws_qd", "ws_kr", "ws_gt"))
     inv, mqk, beta, vt = ws.heads("ws_inv"), ws.heads("ws_mqk"), ws.heads("ws_beta"), ws.heads("v")
     HV, V, K = ws.HV, pp.v.shape[-1], pp.k.shape[-1]
@@ -166,7 +167,14 @@ def chunked_deferred(pp: Prepared, ws: Workspace, buffers: Optional[BlockBuffers
     t = buf.get("o_tiles_tmp", (HV, ws.tiles, ws.C, V))
     torch.matmul(mqk, U_all, out=t)
     o_tiles += t
-    return ws.grid.scatter(o_tiles), S.transpose(0, 1)
+    if o_out is None:
+        return ws.grid.scatter(o_tiles), S.transpose(0, 1)
+    g = ws.grid
+    if g.full:                                      # token tile * C + i is row i of tile `tile`
+        o_out.view(g.tiles, g.C, HV, V).copy_(o_tiles.permute(1, 2, 0, 3))
+    else:
+        o_out.copy_(g.scatter(o_tiles))
+    return o_out, S.transpose(0, 1)
 
 
 def chunked(pp: Prepared, C: int = 64, inverse: str = "exact"):
@@ -222,10 +230,17 @@ def block_plan(bounds, C: int, tiles_per_block: int) -> list:
     return blocks
 
 
-def _f64_head_major(x: torch.Tensor) -> torch.Tensor:
+# The BlockBuffers of the streamed run in progress (None outside one): prepare_tokens writes a
+# block's float64 inputs into them, so one set of arrays serves every block.
+_RUN_BUFFERS: contextvars.ContextVar = contextvars.ContextVar("kda_streamed_buffers", default=None)
+
+
+def _f64_head_major(x: torch.Tensor, name: str, buffers: Optional[BlockBuffers]) -> torch.Tensor:
     """``x [n, h, ...]`` cast to float64, as a ``[n, h, ...]`` view of an ``[h, n, ...]`` array
-    (head-major: the workspace's tile layout is then a view, not a copy)."""
-    out = torch.empty((x.shape[1], x.shape[0]) + tuple(x.shape[2:]), dtype=F64, device=x.device)
+    (head-major: the workspace's tile layout is then a view, not a copy), taken from ``buffers``
+    under ``name`` when given."""
+    shape = (x.shape[1], x.shape[0]) + tuple(x.shape[2:])
+    out = buffers.get(name, shape) if buffers is not None else torch.empty(shape, dtype=F64, device=x.device)
     out = out.transpose(0, 1)
     out.copy_(x)
     return out
@@ -234,20 +249,23 @@ def _f64_head_major(x: torch.Tensor) -> torch.Tensor:
 def prepare_tokens(p, t0: int, t1: int, S0: torch.Tensor) -> Prepared:
     """The Prepared inputs of packed tokens ``[t0, t1)`` of Problem ``p``, cast to float64 here
     (the same per-token operations as ``kda_ref.preprocess.prepare``, on the slice only), laid
-    out head-major (``[t1 - t0, HV, .]`` views of ``[HV, t1 - t0, .]`` arrays; elementwise
-    operations keep that layout); bounds are left empty for the caller and ``S0`` is passed
-    through."""
+    out head-major (``[t1 - t0, HV, .]`` views of ``[HV, t1 - t0, .]`` arrays; the elementwise
+    steps run in place on them); bounds are left empty for the caller and ``S0`` is passed
+    through.  Inside ``streamed`` the arrays are that run's block buffers: the result is valid
+    until the next block is prepared."""
     from .preprocess import beta_activation, expand_gva, gate_activation, l2norm
+    buf = _RUN_BUFFERS.get()
     HV, Tt = p.HV, p.B * p.T
-    q = _f64_head_major(p.q.reshape(Tt, p.H, p.K)[t0:t1])
-    k = _f64_head_major(p.k.reshape(Tt, p.H, p.K)[t0:t1])
+    q = _f64_head_major(p.q.reshape(Tt, p.H, p.K)[t0:t1], "in_q", buf)
+    k = _f64_head_major(p.k.reshape(Tt, p.H, p.K)[t0:t1], "in_k", buf)
     if p.qk_l2norm:
-        q, k = l2norm(q), l2norm(k)
+        tmp = torch.empty_like(q) if buf is None else buf.get("in_sq", (q.shape[1], q.shape[0], q.shape[2])).transpose(0, 1)
+        q, k = l2norm(q, inplace=True, tmp=tmp), l2norm(k, inplace=True, tmp=tmp)
     q, k = expand_gva(q, HV), expand_gva(k, HV)
-    a = gate_activation(_f64_head_major(p.g.reshape(Tt, HV, p.K)[t0:t1]), p.gate, p.A_log, p.dt_bias,
-                        p.lower_bound)
-    beta = beta_activation(_f64_head_major(p.beta.reshape(Tt, HV)[t0:t1]), p.beta_kind)
-    v = _f64_head_major(p.v.reshape(Tt, HV, p.V)[t0:t1])
+    a = gate_activation(_f64_head_major(p.g.reshape(Tt, HV, p.K)[t0:t1], "in_g", buf), p.gate, p.A_log,
+                        p.dt_bias, p.lower_bound, inplace=True)
+    beta = beta_activation(_f64_head_major(p.beta.reshape(Tt, HV)[t0:t1], "in_beta", buf), p.beta_kind)
+    v = _f64_head_major(p.v.reshape(Tt, HV, p.V)[t0:t1], "in_v", buf)
     return Prepared(q=q, k=k, v=v, a=a, beta=beta, scale=p.scale_value, bounds=[], S0=S0)
 
 
@@ -271,15 +289,22 @@ def streamed(p, C: int = 64, block_tokens: Optional[int] = None, block_bytes: Op
         budget = default_block_bytes(p.device) if block_bytes is None else int(block_bytes)
         tpb = max(1, budget // (HV * block_bytes_per_tile_head(C, K, V)))
     S = initial_state_kfirst(p).clone()                                     # [N, HV, K, V]
-    o = torch.zeros(Tt, HV, V, dtype=F64, device=p.device)
+    o = torch.empty(Tt, HV, V, dtype=F64, device=p.device)
     buffers = BlockBuffers(p.device)
-    for t0, t1, parts in block_plan(p.seq_bounds(), C, tpb):
-        seqs = torch.tensor([n for n, _, _ in parts], dtype=torch.long, device=p.device)
-        pp = prepare_tokens(p, t0, t1, S[seqs])
-        pp.bounds = [(b0, b1) for _, b0, b1 in parts]
-        ws = workspace_prepared(pp, C, buffers=buffers)
-        o_blk, S_blk = chunked_deferred(pp, ws, buffers)
-        o[t0:t1] = o_blk
-        S[seqs] = S_blk
-        del pp, ws, o_blk, S_blk
+    done = 0                                                                 # o[:done] written
+    token = _RUN_BUFFERS.set(buffers)
+    try:
+        for t0, t1, parts in block_plan(p.seq_bounds(), C, tpb):
+            o[done:t0] = 0                                                   # tokens of no block
+            seqs = torch.tensor([n for n, _, _ in parts], dtype=torch.long, device=p.device)
+            pp = prepare_tokens(p, t0, t1, S[seqs])
+            pp.bounds = [(b0, b1) for _, b0, b1 in parts]
+            ws = workspace_prepared(pp, C, buffers=buffers)
+            _, S_blk = chunked_deferred(pp, ws, buffers, o_out=o[t0:t1])
+            S[seqs] = S_blk
+            done = t1
+            del pp, ws, S_blk
+    finally:
+        _RUN_BUFFERS.reset(token)
+    o[done:] = 0
     return o, S

@@ -18,17 +18,20 @@ from dataclasses import dataclass
 
 import torch
 
-from .problem import Problem
+from .problem import GATE_KINDS, Problem
 
 F64 = torch.float64
 LOG2E = 1.4426950408889634
 L2NORM_EPS = 1e-6
 
 
-def l2norm(x: torch.Tensor) -> torch.Tensor:
-    """x / sqrt(sum(x^2, last dim) + 1e-6), in float64."""
+def l2norm(x: torch.Tensor, inplace: bool = False, tmp: torch.Tensor = None) -> torch.Tensor:
+    """x / sqrt(sum(x^2, last dim) + 1e-6), in float64.  ``inplace`` (x already float64): the
+    quotient is written into x; ``tmp``, an array of x's shape for x^2."""
     x = x.to(F64)
-    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
+    sq = x * x if tmp is None else torch.mul(x, x, out=tmp)
+    den = torch.sqrt(sq.sum(-1, keepdim=True) + L2NORM_EPS)
+    return x.div_(den) if inplace else x / den
 
 
 def beta_activation(beta_raw: torch.Tensor, kind: str) -> torch.Tensor:
@@ -42,21 +45,27 @@ def beta_activation(beta_raw: torch.Tensor, kind: str) -> torch.Tensor:
     raise ValueError(f"beta_kind: expected sigmoid|sigmoid2|pregated, got {kind!r}")
 
 
-def gate_activation(g: torch.Tensor, kind: str, A_log=None, dt_bias=None, lower_bound=None) -> torch.Tensor:
-    """Natural-log decay a [..., HV, K] from the raw gate g [..., HV, K]."""
+def gate_activation(g: torch.Tensor, kind: str, A_log=None, dt_bias=None, lower_bound=None,
+                    inplace: bool = False) -> torch.Tensor:
+    """Natural-log decay a [..., HV, K] from the raw gate g [..., HV, K].  ``inplace`` (g already
+    float64): every step is written into g, which is returned (the same operations)."""
+    if kind not in GATE_KINDS:
+        raise ValueError(f"gate: expected lower_bound|softplus|pregated, got {kind!r}")
     x = g.to(F64)
     if kind == "pregated":
         return x
     HV, K = x.shape[-2], x.shape[-1]
+    if x is g and not inplace:             # g was float64 already: never write into the caller's tensor
+        x = x.clone()
     if dt_bias is not None:
-        x = x + dt_bias.to(F64).reshape(HV, K)
+        x.add_(dt_bias.to(F64).reshape(HV, K))
     if kind == "lower_bound":
-        rate = 1.0 if A_log is None else torch.exp(A_log.to(F64)).reshape(HV, 1)
-        return float(lower_bound) * torch.sigmoid(rate * x)
-    if kind == "softplus":
-        # softplus(x) = log(1 + e^x), stable for any x in float64
-        return -torch.exp(A_log.to(F64)).reshape(HV, 1) * torch.logaddexp(x, torch.zeros((), dtype=F64, device=x.device))
-    raise ValueError(f"gate: expected lower_bound|softplus|pregated, got {kind!r}")
+        if A_log is not None:
+            x.mul_(torch.exp(A_log.to(F64)).reshape(HV, 1))
+        return x.sigmoid_().mul_(float(lower_bound))
+    # softplus(x) = log(1 + e^x), stable for any x in float64
+    torch.logaddexp(x, torch.zeros((), dtype=F64, device=x.device), out=x)
+    return x.mul_(-torch.exp(A_log.to(F64)).reshape(HV, 1))
 
 
 def expand_gva(x: torch.Tensor, HV: int) -> torch.Tensor:
