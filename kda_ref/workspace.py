@@ -51,7 +51,7 @@ class BlockBuffers:
     the same shapes, so its working arrays are allocated once, not once per block."""
 
     def __init__(self, device=None, dtype=F64):
-        self.device, self.dtype, self.arrays = device, dtype, {}
+        self.device, self.dtype, self.arrays, self.grids = device, dtype, {}, {}
 
     def get(self, name: str, shape) -> torch.Tensor:
         shape = tuple(int(s) for s in shape)
@@ -59,6 +59,14 @@ class BlockBuffers:
         if x is None or tuple(x.shape) != shape:
             x = self.arrays[name] = torch.empty(shape, dtype=self.dtype, device=self.device)
         return x
+
+    def tile_grid(self, bounds, C: int, Ttot: int) -> TileGrid:
+        """``tiles.tile_grid(bounds, C, Ttot)`` on this device, kept for the next block of the same
+        bounds (its index tensors are only read)."""
+        key = (tuple(bounds), int(C), int(Ttot))
+        if self.grids.get("key") != key:
+            self.grids = {"key": key, "grid": tile_grid(bounds, C, Ttot, device=self.device)}
+        return self.grids["grid"]
 
 
 @dataclass
@@ -230,6 +238,20 @@ def chunk_log2_cumsum_tiles(a_tiles: torch.Tensor) -> torch.Tensor:
     return LOG2E * torch.cumsum(a_tiles, dim=2)
 
 
+def _log2_cumsum_rows(a: torch.Tensor, buf: BlockBuffers) -> torch.Tensor:
+    """``chunk_log2_cumsum_tiles(a)`` into ``buf``'s "ws_G" [HV, tiles, C, K].  The running sum
+    along the rows is taken with the rows as the last (contiguous) dimension, where torch's CPU
+    cumsum is vectorised: the same sums in the same order, so the same values."""
+    HV, tiles, C, K = a.shape
+    G = buf.get("ws_G", a.shape)
+    if a.device.type != "cpu":
+        return torch.cumsum(a, dim=2, out=G).mul_(LOG2E)
+    at = buf.get("ws_aT", (HV, tiles, K, C))
+    at.copy_(a.transpose(-1, -2))
+    gt = torch.cumsum(at, dim=-1, out=buf.get("ws_GT", (HV, tiles, K, C)))
+    return G.copy_(gt.transpose(-1, -2)).mul_(LOG2E)
+
+
 def workspace_prepared(pp: Prepared, C: int, inverse: str = "exact", buffers=None) -> Workspace:
     """The float64 workspace of prepared inputs for chunk size C (16, 32 or 64).
     ``inverse``: "exact" (triangular solve) or "production" (the kernel's construction in float64).
@@ -243,13 +265,13 @@ def workspace_prepared(pp: Prepared, C: int, inverse: str = "exact", buffers=Non
         raise ValueError(f"inverse: expected exact|production, got {inverse!r}")
     buf = buffers if buffers is not None else BlockBuffers(pp.k.device)
     Ttot, HV, K = pp.k.shape
-    grid = tile_grid(pp.bounds, C, Ttot, device=pp.k.device)
+    grid = buf.tile_grid(pp.bounds, C, Ttot) if buffers is not None else tile_grid(pp.bounds, C, Ttot, device=pp.k.device)
     valid = grid.row_mask                                                   # [tiles, C]
     q, k, v = grid.gather(pp.q), grid.gather(pp.k), grid.gather(pp.v)      # [HV, tiles, C, .]
     a = grid.gather(pp.a)
     beta = grid.gather(pp.beta)                                             # [HV, tiles, C]
     shp = k.shape
-    G = torch.cumsum(a, dim=2, out=buf.get("ws_G", shp)).mul_(LOG2E)       # chunk_log2_cumsum_tiles
+    G = _log2_cumsum_rows(a, buf)                                           # chunk_log2_cumsum_tiles
     G_last = G[:, :, -1:, :]                                                # tail a = 0 -> G_{Lc-1}
     # tail rows: q = k = 0 and G = G_last, so every product below is 0 there without a mask
     eG = torch.exp2(G, out=buf.get("ws_eG", shp))
