@@ -164,9 +164,8 @@ def chunked_deferred(pp: Prepared, ws: Workspace, buffers: Optional[BlockBuffers
             S[:, rows.to(S.device)] = S_new
     o_tiles = buf.get("o_tiles", (HV, ws.tiles, ws.C, V))
     torch.matmul(qd, S_in, out=o_tiles)
-    t = buf.get("o_tiles_tmp", (HV, ws.tiles, ws.C, V))
-    torch.matmul(mqk, U_all, out=t)
-    o_tiles += t
+    o3 = o_tiles.view(-1, ws.C, V)
+    o3.baddbmm_(mqk.reshape(-1, ws.C, ws.C), U_all.view(-1, ws.C, V))             # + mqk U
     if o_out is None:
         return ws.grid.scatter(o_tiles), S.transpose(0, 1)
     g = ws.grid
@@ -296,7 +295,11 @@ def streamed(p, C: int = 64, block_tokens: Optional[int] = None, block_bytes: Op
     try:
         for t0, t1, parts in block_plan(p.seq_bounds(), C, tpb):
             o[done:t0] = 0                                                   # tokens of no block
-            seqs = torch.tensor([n for n, _, _ in parts], dtype=torch.long, device=p.device)
+            ns = [n for n, _, _ in parts]
+            if ns == list(range(ns[0], ns[-1] + 1)):                         # consecutive: a view of S
+                seqs = slice(ns[0], ns[-1] + 1)
+            else:
+                seqs = torch.tensor(ns, dtype=torch.long, device=p.device)
             pp = prepare_tokens(p, t0, t1, S[seqs])
             pp.bounds = [(b0, b1) for _, b0, b1 in parts]
             ws = workspace_prepared(pp, C, buffers=buffers)
