@@ -139,13 +139,13 @@ def chunked_deferred(pp: Prepared, ws: Workspace, buffers: Optional[BlockBuffers
     buf = buffers if buffers is not None else BlockBuffers(pp.v.device)
     S_in = buf.get("S_in", (HV, ws.tiles, K, V))
     U_all = buf.get("U_all", (HV, ws.tiles, ws.C, V))
-    grid = ws.grid.seq_grid().cpu()
-    M = grid.shape[0]
-    if M == 1:                                     # one sequence: its tiles are 0..tiles-1, views only
+    M = ws.grid.N
+    grid = ws.grid.seq_grid().cpu() if M > 1 else None
+    if M == 1 and ws.tiles > 0:                    # one sequence: its tiles are 0..tiles-1, views only
         S = _one_sequence_steps(pp.S0[0], kd, kr, gt, inv, beta, vt, S_in, U_all, buf)[:, None]
     else:
         S = pp.S0.transpose(0, 1).contiguous()                         # [HV, N, K, V]
-    for j in range(grid.shape[1] if M > 1 else 0):
+    for j in range(grid.shape[1] if grid is not None else 0):
         col = grid[:, j]
         rows = torch.nonzero(col >= 0).flatten()
         if rows.numel() == 0:

@@ -54,10 +54,9 @@ class BlockBuffers:
         self.device, self.dtype, self.arrays, self.grids = device, dtype, {}, {}
 
     def get(self, name: str, shape) -> torch.Tensor:
-        shape = tuple(int(s) for s in shape)
         x = self.arrays.get(name)
-        if x is None or tuple(x.shape) != shape:
-            x = self.arrays[name] = torch.empty(shape, dtype=self.dtype, device=self.device)
+        if x is None or x.shape != tuple(shape):
+            x = self.arrays[name] = torch.empty(tuple(shape), dtype=self.dtype, device=self.device)
         return x
 
     def tile_grid(self, bounds, C: int, Ttot: int) -> TileGrid:
@@ -249,7 +248,7 @@ def _log2_cumsum_rows(a: torch.Tensor, buf: BlockBuffers) -> torch.Tensor:
     at = buf.get("ws_aT", (HV, tiles, K, C))
     at.copy_(a.transpose(-1, -2))
     gt = torch.cumsum(at, dim=-1, out=buf.get("ws_GT", (HV, tiles, K, C)))
-    return G.copy_(gt.transpose(-1, -2)).mul_(LOG2E)
+    return torch.mul(gt.transpose(-1, -2), LOG2E, out=G)
 
 
 def workspace_prepared(pp: Prepared, C: int, inverse: str = "exact", buffers=None) -> Workspace:
@@ -266,7 +265,7 @@ def workspace_prepared(pp: Prepared, C: int, inverse: str = "exact", buffers=Non
     buf = buffers if buffers is not None else BlockBuffers(pp.k.device)
     Ttot, HV, K = pp.k.shape
     grid = buf.tile_grid(pp.bounds, C, Ttot) if buffers is not None else tile_grid(pp.bounds, C, Ttot, device=pp.k.device)
-    valid = grid.row_mask                                                   # [tiles, C]
+    valid = None if grid.full else grid.row_mask                            # [tiles, C]; None: all rows
     q, k, v = grid.gather(pp.q), grid.gather(pp.k), grid.gather(pp.v)      # [HV, tiles, C, .]
     a = grid.gather(pp.a)
     beta = grid.gather(pp.beta)                                             # [HV, tiles, C]
