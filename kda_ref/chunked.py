@@ -12,7 +12,9 @@ S unchanged and writes no output.  Only the loop over chunk positions is sequent
 ``streamed`` (truth()'s default) runs the same chunk steps block by block: the tiles of all
 sequences, in order, cut into blocks of consecutive tiles; each block's inputs are cast to float64
 and its workspace built on its own, and the float64 states [N, HV, K, V] are carried from block
-to block.  Memory: the inputs, o, the states and one block's working set.
+to block.  The blocks of one run share one set of working arrays (``BlockBuffers``), so a block
+allocates nothing that the previous one of the same shape had.  Memory: the inputs, o, the
+states and one block's working set.
 """
 from __future__ import annotations
 
@@ -274,7 +276,9 @@ def streamed(p, C: int = 64, block_tokens: Optional[int] = None, block_bytes: Op
     consecutive tiles (``block_plan``); each block's inputs are cast to float64 and preprocessed
     (``prepare_tokens``), its workspace is built and its chunk steps run from the float64 states
     carried over from the previous block, and its outputs are written into o.  Per block the
-    arithmetic is that of ``chunked_from_workspace`` on the same chunks.
+    arithmetic is that of ``chunked_from_workspace`` on the same chunks: the same formulas,
+    evaluated in the same order (a lone sequence's steps fuse each product with the sum it
+    feeds, ``baddbmm``), so the two agree to rounding.
 
     Block size: ``block_tokens`` (rounded down to whole chunks, at least one), else the largest
     number of tiles whose working set (``block_bytes_per_tile_head`` x HV) fits ``block_bytes``
