@@ -154,15 +154,16 @@ def _pivot_grams(q, k, G, pivot, valid, scale, buffers=None, all_valid=None, sq=
 
 
 def exact_inverse(L: torch.Tensor, buffers=None) -> torch.Tensor:
-    """(I - L)^{-1} of strictly lower-triangular L [..., C, C] by a triangular solve
-    (``buffers``: a BlockBuffers for I - L and the result)."""
+    """(I - L)^{-1} of strictly lower-triangular L [..., C, C] by a triangular solve.
+    ``buffers`` (a BlockBuffers): I - L and the result are kept there, the result column-major
+    (a transposed view: the layout LAPACK solves in, so it is written in place, no copy)."""
     C = L.shape[-1]
     eye = torch.eye(C, dtype=L.dtype, device=L.device).expand_as(L)
     if buffers is None:
         return torch.linalg.solve_triangular(eye - L, eye, upper=False, unitriangular=True)
     A = torch.sub(eye, L, out=buffers.get("inv_A", L.shape))
-    return torch.linalg.solve_triangular(A, eye, upper=False, unitriangular=True,
-                                         out=buffers.get("inv_X", L.shape))
+    X = buffers.get("inv_X", L.shape).transpose(-1, -2)
+    return torch.linalg.solve_triangular(A, eye, upper=False, unitriangular=True, out=X)
 
 
 def production_inverse(L: torch.Tensor, dtype: torch.dtype = F64, block: int = NEUMANN_BLOCK) -> torch.Tensor:
