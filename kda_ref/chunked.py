@@ -294,11 +294,14 @@ def streamed(p, C: int = 64, block_tokens: Optional[int] = None, block_bytes: Op
     S = initial_state_kfirst(p).clone()                                     # [N, HV, K, V]
     o = torch.empty(Tt, HV, V, dtype=F64, device=p.device)
     buffers = BlockBuffers(p.device)
-    done = 0                                                                 # o[:done] written
+    done, shapes = 0, None                                                   # o[:done] written
     token = _RUN_BUFFERS.set(buffers)
     try:
         for t0, t1, parts in block_plan(p.seq_bounds(), C, tpb):
             o[done:t0] = 0                                                   # tokens of no block
+            if shapes != (t1 - t0, [b1 - b0 for _, b0, b1 in parts]):        # new shapes: new arrays
+                shapes = (t1 - t0, [b1 - b0 for _, b0, b1 in parts])
+                buffers.clear()
             ns = [n for n, _, _ in parts]
             if ns == list(range(ns[0], ns[-1] + 1)):                         # consecutive: a view of S
                 seqs = slice(ns[0], ns[-1] + 1)

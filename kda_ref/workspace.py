@@ -59,6 +59,11 @@ class BlockBuffers:
             x = self.arrays[name] = torch.empty(tuple(shape), dtype=self.dtype, device=self.device)
         return x
 
+    def clear(self) -> None:
+        """Drop every array (before a block of other shapes, so the old and the new set are never
+        held together)."""
+        self.arrays, self.grids = {}, {}
+
     def tile_grid(self, bounds, C: int, Ttot: int) -> TileGrid:
         """``tiles.tile_grid(bounds, C, Ttot)`` on this device, kept for the next block of the same
         bounds (its index tensors are only read)."""

@@ -132,3 +132,19 @@ def test_in_place_preprocessing_equals_the_plain_one_and_spares_the_callers_tens
     ref = x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6)
     assert torch.equal(l2norm(x), ref)
     assert torch.equal(l2norm(x.clone(), inplace=True, tmp=torch.empty_like(x)), ref)
+
+
+def test_a_block_of_other_shapes_starts_from_empty_buffers(monkeypatch):
+    """The arrays of the previous shapes are dropped before a block of other shapes is built, so a
+    run never holds two blocks' working sets at once."""
+    p = _problem(T=64 * 7 + 10)
+    held = []
+    real_prep = ch.prepare_tokens
+
+    def spy(p_, t0, t1, S0):
+        held.append(sum(x.numel() for x in ch._RUN_BUFFERS.get().arrays.values()))
+        return real_prep(p_, t0, t1, S0)
+
+    monkeypatch.setattr(ch, "prepare_tokens", spy)
+    ch.streamed(p, 64, block_tokens=128)
+    assert held[0] == 0 and held[1] == held[2] > 0 and held[3] == 0
