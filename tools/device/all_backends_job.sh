@@ -58,11 +58,12 @@ if want build || want moonshot; then
   BUILD_PID=$!
 fi
 VERIFY=(python3 -m pytest -q -p no:cacheprovider "${PLUGIN[@]}" -m verify tests/test_verify_matrix.py --dist loadgroup -rfEx)
-# one pytest run per RUNS entry, side by side: NAME|BACKENDS|SUITES|ROUTES(or -)|WORKERS
+# one pytest run per RUNS entry, side by side: NAME|BACKENDS|SUITES|ROUTES(or -)|WORKERS[|CASE GLOBS, comma-separated]
 IFS=';' read -r -a RUN_LIST <<< "$RUNS"
 for spec in "${RUN_LIST[@]}"; do
-  IFS='|' read -r name backends suites routes workers <<< "$spec"
+  IFS='|' read -r name backends suites routes workers cases <<< "$spec"
   R=(); [ "$routes" != "-" ] && R=(--kda-route "$routes")
+  IFS=',' read -r -a globs <<< "${cases:-}"; for g in "${globs[@]}"; do R+=(--kda-case "$g"); done
   case ",$suites," in *,fuzz,*) R+=(--kda-fuzz-n "$FUZZ_N");; esac
   { timeout "$(left)" "${VERIFY[@]}" -n "$workers" --kda-backend "$backends" --kda-suite "$suites" \
       "${R[@]}" --kda-report "$OUT/$name" > "$OUT/$name.txt" 2>&1; echo "=== $name: exit $? at +$(( $(date +%s) - T0 ))s"; } &
