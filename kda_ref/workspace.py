@@ -290,7 +290,7 @@ def workspace_prepared(pp: Prepared, C: int, inverse: str = "exact", buffers=Non
     L = KK.tril_(-1).mul_(torch.neg(beta)[..., None])                      # -β_i KK_ij, i > j
     mqk = QK.tril_(0)
     L, mqk = _heads_flat(L), _heads_flat(mqk)
-    inv = exact_inverse(L, buf) if inverse == "exact" else production_inverse(L, F64)
+    inv = exact_inverse(L, buffers) if inverse == "exact" else production_inverse(L, F64)
     return Workspace(C=C, HV=HV, grid=grid, ws_kd=_heads_flat(ws_kd), ws_qd=_heads_flat(ws_qd),
                      ws_kr=_heads_flat(ws_kr), ws_gt=_heads_flat(ws_gt), ws_inv=inv, ws_mqk=mqk,
                      ws_beta=_heads_flat(beta), L=L, v=_heads_flat(v), pivot=pivot)
