@@ -260,7 +260,8 @@ def prepare_tokens(p, t0: int, t1: int, S0: torch.Tensor) -> Prepared:
     q = _f64_head_major(p.q.reshape(Tt, p.H, p.K)[t0:t1], "in_q", buf)
     k = _f64_head_major(p.k.reshape(Tt, p.H, p.K)[t0:t1], "in_k", buf)
     if p.qk_l2norm:
-        tmp = torch.empty_like(q) if buf is None else buf.get("in_sq", (q.shape[1], q.shape[0], q.shape[2])).transpose(0, 1)
+        n, H, K = q.shape
+        tmp = torch.empty_like(q) if buf is None else buf.get("in_sq", (H, n, K)).transpose(0, 1)
         q, k = l2norm(q, inplace=True, tmp=tmp), l2norm(k, inplace=True, tmp=tmp)
     q, k = expand_gva(q, HV), expand_gva(k, HV)
     a = gate_activation(_f64_head_major(p.g.reshape(Tt, HV, p.K)[t0:t1], "in_g", buf), p.gate, p.A_log,

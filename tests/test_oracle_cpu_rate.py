@@ -106,7 +106,8 @@ def test_finite_check_fast_path_still_names_every_bad_value():
         for bad in (float("nan"), float("inf"), -float("inf")):
             y = x.clone()
             y[7] = bad
-            with pytest.raises(ProblemError, match=r"x: expected finite values, got 1 NaN/Inf \(first at index \(7,\)\)"):
+            want = r"x: expected finite values, got 1 NaN/Inf \(first at index \(7,\)\)"
+            with pytest.raises(ProblemError, match=want):
                 _finite("x", y)
     _finite("h", torch.full((100,), 60000.0, dtype=torch.float16))   # the sum overflows, every value is finite
     _finite("e", torch.empty(0))
