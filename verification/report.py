@@ -327,14 +327,18 @@ def error_vs_T_figure(records: list[dict]):
     return fig
 
 
-def plot_error_vs_T(records: list[dict], path: Path) -> Optional[Path]:
-    """Save error_vs_T_figure to ``path`` (None, and nothing written, when there is nothing to plot)."""
-    fig = error_vs_T_figure(records)
+def save_figure(fig, path: Path) -> Optional[Path]:
+    """Save a figure to ``path`` and close it; None (nothing written) for no figure."""
     if fig is None:
         return None
     fig.savefig(path)
     _plt().close(fig)
     return path
+
+
+def plot_error_vs_T(records: list[dict], path: Path) -> Optional[Path]:
+    """Save error_vs_T_figure to ``path`` (None, and nothing written, when there is nothing to plot)."""
+    return save_figure(error_vs_T_figure(records), path)
 
 
 def _cell_note(r: dict) -> str:
@@ -383,12 +387,7 @@ def worst_chunks_figure(records: list[dict], n: int = 6):
 
 def plot_worst_chunks(records: list[dict], path: Path, n: int = 6) -> Optional[Path]:
     """Save worst_chunks_figure to ``path`` (None, and nothing written, when there is nothing to plot)."""
-    fig = worst_chunks_figure(records, n)
-    if fig is None:
-        return None
-    fig.savefig(path)
-    _plt().close(fig)
-    return path
+    return save_figure(worst_chunks_figure(records, n), path)
 
 
 def _short_case(case_id: str, width: int = 48) -> str:
@@ -502,12 +501,7 @@ def margin_heatmap_figure(records: list[dict]):
 
 def plot_margin_heatmap(records: list[dict], path: Path) -> Optional[Path]:
     """Save margin_heatmap_figure to ``path`` (None, and nothing written, when there is nothing to plot)."""
-    fig = margin_heatmap_figure(records)
-    if fig is None:
-        return None
-    fig.savefig(path)
-    _plt().close(fig)
-    return path
+    return save_figure(margin_heatmap_figure(records), path)
 
 
 # ---- long context ------------------------------------------------------------------------
@@ -688,12 +682,7 @@ def long_context_figure(records: list[dict]):
 
 def plot_long_context(records: list[dict], path: Path) -> Optional[Path]:
     """Save long_context_figure to ``path`` (None, and nothing written, when there is nothing to plot)."""
-    fig = long_context_figure(records)
-    if fig is None:
-        return None
-    fig.savefig(path)
-    _plt().close(fig)
-    return path
+    return save_figure(long_context_figure(records), path)
 
 
 LONG_COLS = ("route", "gate", "H", "T small", "T large", "o err small", "o err large", "o growth",
