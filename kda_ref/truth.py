@@ -8,9 +8,10 @@
 By default the outputs come from the chunked form at C = 64, streamed (``kda_ref.chunked.streamed``):
 each sequence is walked in blocks of chunks with its float64 state carried between blocks, the
 inputs cast to float64 one block at a time, so memory is the inputs, o, the states and one block's
-working set.  Its arithmetic per chunk is that of the whole-problem chunked form
-(``method="chunked"``, which holds every chunk's workspace at once); the selfcheck holds both to the
-token recurrence (the definition) to 1e-12 relative.
+working set.  Per chunk it evaluates the formulas of the whole-problem chunked form
+(``method="chunked"``, which holds every chunk's workspace at once), some products fused with the
+sums they feed, so the two agree to rounding; the selfcheck holds both to the token recurrence
+(the definition) to 1e-12 relative.
 """
 from __future__ import annotations
 
