@@ -438,13 +438,13 @@ def emulate(problem: Problem, recipe="flashkda", keep_f64: bool = False, taps: b
         del pp, a_p, beta_p, beta_act
         w = _chunk_work(qt, kt, vt, at, bt, valid[:, sl], lens[:, sl], problem.scale_value, recipe, problem, hooks)
         del qt, kt, vt, at, bt
-        if recipe.acc_dtype != F64:   # every stored value is exact in fp32: halve the memory
-            w = {key: val.to(FP32) if val.is_floating_point() else val for key, val in w.items()}
+        if recipe.acc_dtype != F64:   # what the chunk steps read is held at fp32 (stored values are exact there)
+            w = {key: rnd(val, FP32) if val.is_floating_point() else val for key, val in w.items()}
         if taps:
             inv_all[:, sl] = w["inv"].to(FP32)
         o_t = torch.zeros(N, ng, HV, C, V, dtype=F64, device=dev)
         for j in range(ng):
-            ch = {key: (val[:, j].to(F64) if val.is_floating_point() else val[:, j]) for key, val in w.items()}
+            ch = {key: val[:, j] for key, val in w.items()}
             S, o_c = _step(S, ch, recipe, problem, problem.scale_value, hooks)
             o_t[:, j] = o_c
         del w
