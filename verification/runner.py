@@ -71,6 +71,25 @@ class TruthCache:
         self._problems: OrderedDict = OrderedDict()
         self._truths: OrderedDict = OrderedDict()
         self.computed: dict[str, int] = {}
+        self.lock_wait_s: dict[str, float] = {}
+        self._big = None            # verification.room.BigCaseLock, made on the first large case
+
+    def _enter(self, case) -> None:
+        """Before building ``case``: leaving a large case drops it, returns its memory to the
+        device and releases the big-case lock; a case over this worker's share of the device
+        (verification.room.is_big) first takes that lock (the seconds waited: lock_wait_s)."""
+        from verification.room import BigCaseLock, is_big
+        if self._big is not None and self._big.held and self._big.case_id != case.id:
+            self.forget_others(case.id)
+            _free_memory(self.device)
+            self._big.release()
+        if str(self.device).startswith("cuda") and is_big(case, self.device):
+            if self._big is None:
+                self._big = BigCaseLock(self.device)
+            if self._big.case_id != case.id:
+                self.forget_others(case.id)
+                _free_memory(self.device)
+            self.lock_wait_s[case.id] = self._big.hold(case.id)
 
     def _remember(self, store: OrderedDict, key, value):
         store[key] = value
@@ -95,6 +114,7 @@ class TruthCache:
         if case.id in self._problems:
             self._problems.move_to_end(case.id)
             return self._problems[case.id]
+        self._enter(case)
         self._make_room(self._problems, case.id)
         p = case.build(device=self.device)
         self._remember(self._problems, case.id, p)
@@ -380,6 +400,11 @@ def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: Base
     if not backend.available:
         rec.update(status="skipped", reason=f"backend unavailable: {backend.reason or 'no reason given'}")
         return rec
+    from verification.room import no_room
+    why = no_room(case, device)
+    if why is not None:                  # decided from the case's size: nothing of it is built
+        rec.update(status="skipped", reason=why)
+        return rec
     # the problem (cheap) decides applicability before any truth is computed
     try:
         problem = harness_call(lambda: truth_cache.problem(case), device)
@@ -387,6 +412,8 @@ def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: Base
         if is_out_of_memory(e):
             return _resource_errored(rec, e, f"case {case.id} build", device)
         return _errored(rec, e, f"case {case.id} build")
+    if truth_cache.lock_wait_s.get(case.id):
+        timings["lock_wait_s"] = truth_cache.lock_wait_s[case.id]
     rec["shape"] = _shape(problem)
     rec["shape_key"] = list(getattr(case, "shape_key", (problem.B, problem.T, problem.H)))
     rec["dtype"] = _tol_dtype(problem)
@@ -544,8 +571,9 @@ class IsolatedRunner:
         return path, oracle_s
 
     def run(self, lb: LoadedBackend, route, case, device: str) -> dict:
+        from verification.room import no_room
         rec0 = _base_record(lb, route, case, device)
-        if not lb.available:
+        if not lb.available or no_room(case, device) is not None:
             return run_cell(lb, route, case, self.truth_cache, self.baseline_cache, None, device)
         try:
             problem = self.truth_cache.problem(case)
