@@ -83,5 +83,7 @@ rm -f "$OUT"/*.pt
 keep=$(cd "$OUT" && ls -d *.txt *.json before-suites/results*.jsonl before-suites/report.md after-suites/results*.jsonl \
   after-suites/report.md aiter-fuzz/results*.jsonl aiter-fuzz/report.md 2>/dev/null | grep -v '^log.txt$')
 tar -czf "$OUT/results.tgz" -C "$OUT" $keep && (cd "$OUT" && rm -rf $keep before-suites after-suites aiter-fuzz)
+# over the 15 MB a result file may be: back in parts (cat results.tgz.part* > results.tgz)
+[ "$(stat -c %s "$OUT/results.tgz")" -gt 15000000 ] && split -b 15m -d "$OUT/results.tgz" "$OUT/results.tgz.part" && rm "$OUT/results.tgz"
 ls -l "$OUT"
 echo "=== done at +$(( $(date +%s) - T0 ))s"
