@@ -442,12 +442,16 @@ def emulate(problem: Problem, recipe="flashkda", keep_f64: bool = False, taps: b
             w = {key: rnd(val, FP32) if val.is_floating_point() else val for key, val in w.items()}
         if taps:
             inv_all[:, sl] = w["inv"].to(FP32)
-        o_t = torch.zeros(N, ng, HV, C, V, dtype=F64, device=dev)
+        Sb_all, X_all = None, None                 # per chunk position: what its output needs
         for j in range(ng):
-            ch = {key: val[:, j] for key, val in w.items()}
-            S, o_c = _step(S, ch, recipe, problem, problem.scale_value, hooks)
-            o_t[:, j] = o_c
-        del w
+            S, (Sb, X) = _carry(S, {key: val[:, j] for key, val in w.items()}, recipe, problem, hooks)
+            if Sb_all is None:
+                Sb_all = Sb.new_empty((N, ng) + tuple(Sb.shape[1:]))
+                X_all = X.new_empty((N, ng) + tuple(X.shape[1:]))
+            Sb_all[:, j] = Sb
+            X_all[:, j] = X
+        o_t = _outputs(w, Sb_all, X_all, recipe, problem, problem.scale_value)
+        del w, Sb_all, X_all
         rows = o_t.movedim(2, 3).reshape(N, ng * C, HV, V)
         for n, (bos, eos) in enumerate(bounds):
             t0, t1 = min(bos + sl.start * C, eos), min(bos + sl.stop * C, eos)
@@ -471,8 +475,10 @@ def _head_major_tiles(x: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
     return flat.transpose(0, 1).reshape((-1,) + tuple(x.shape[3:]))
 
 
-def _step(S, ch, recipe: Recipe, problem: Problem, scale: float, hooks: Hooks):
-    """One chunk of the sequential recurrence for every sequence and head at once."""
+def _carry(S, ch, recipe: Recipe, problem: Problem, hooks: Hooks):
+    """One chunk of the sequential recurrence for every sequence and head at once: (the next
+    state, what the chunk's output needs besides its tiles: (Sb, U) for flashkda and moonshot,
+    (Sb, v_new) for fla; ``_outputs`` computes o from them)."""
     vm = ch["valid"][..., None]
     zero = torch.zeros((), dtype=F64, device=S.device)
     gt = ch["gt"][..., :, None]                                     # [N,HV,K,1]
@@ -482,9 +488,8 @@ def _step(S, ch, recipe: Recipe, problem: Problem, scale: float, hooks: Hooks):
         tile = _dtype(recipe.tile_dtype, problem)
         Sb = rnd(S, op)
         v_new = torch.where(vm, rnd(ch["u"] - mm(rnd(ch["w"], op), Sb, acc), tile), zero)
-        o = rnd(scale * mm(rnd(ch["qg"], op), Sb, acc), acc) + mm(rnd(ch["mqk"], op), rnd(v_new, op), acc)
         S_new = hooks.state_update(S, gt, mm(rnd(ch["kg"], op).transpose(-1, -2), rnd(v_new, op), acc), recipe)
-        return S_new, rnd(o, acc)
+        return S_new, (Sb, v_new)
     beta = ch["beta"][..., None]
     Sb = rnd(S, recipe.operand_dtype)
     if recipe.form == "moonshot":
@@ -496,9 +501,21 @@ def _step(S, ch, recipe: Recipe, problem: Problem, scale: float, hooks: Hooks):
         tmp = mm(ch["kd"], Sb, acc)
         u = torch.where(vm, rnd(beta * (ch["v"] - tmp), acc), zero)
         U = mm(ch["inv"], rnd(u, recipe.u_dtype), acc)
-    o = rnd(mm(ch["qd"], Sb, acc) + mm(ch["mqk"], rnd(U, recipe.U_mqk_dtype), acc), acc)
     upd = mm(ch["kr"].transpose(-1, -2), rnd(U, recipe.U_kr_dtype), acc)
-    return hooks.state_update(S, gt, upd, recipe), o
+    return hooks.state_update(S, gt, upd, recipe), (Sb, U)
+
+
+def _outputs(w, Sb, X, recipe: Recipe, problem: Problem, scale: float):
+    """o of chunks from their tiles ``w`` and what ``_carry`` kept for them (Sb and U, or Sb and
+    v_new), for any leading shape (one chunk position, or a group of them at once):
+
+        flashkda, moonshot:  o = acc(qd.Sb + Mqk.U_mqk(U))
+        fla:                 o = acc(scale qg.op(Sb)) + Aqk.op(v_new)"""
+    acc = recipe.acc_dtype
+    if recipe.form == "fla":
+        op = _op_dtype(recipe, problem)
+        return rnd(rnd(scale * mm(rnd(w["qg"], op), Sb, acc), acc) + mm(rnd(w["mqk"], op), rnd(X, op), acc), acc)
+    return rnd(mm(w["qd"], Sb, acc) + mm(w["mqk"], rnd(X, recipe.U_mqk_dtype), acc), acc)
 
 
 def _finish(problem: Problem, o: torch.Tensor, final_kfirst: torch.Tensor, recipe: str) -> Outputs:
