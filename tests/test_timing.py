@@ -163,7 +163,7 @@ def test_breakdown_sums_and_other_across_xdist_workers():
     assert "2 xdist workers" in timing.format_lines(bd)[0]
 
 
-PARTS = ("oracle", "baseline", "compile", "kernel", "guards", "metrics")
+from verification.timing import CELL_PARTS as PARTS
 
 
 def _check_against_records(bd, records):

@@ -72,6 +72,7 @@ class TruthCache:
         self._truths: OrderedDict = OrderedDict()
         self.computed: dict[str, int] = {}
         self.lock_wait_s: dict[str, float] = {}
+        self.build_s: dict[str, float] = {}       # seconds each case's build took (its inputs drawn)
         self._big = None            # verification.room.BigCaseLock, made on the first large case
 
     def _enter(self, case) -> None:
@@ -110,13 +111,19 @@ class TruthCache:
             for k in [k for k in store if k != case_id]:
                 del store[k]
 
+    def has_problem(self, case_id) -> bool:
+        """Whether the Problem of ``case_id`` is held (the next ``problem`` call builds nothing)."""
+        return case_id in self._problems
+
     def problem(self, case):
         if case.id in self._problems:
             self._problems.move_to_end(case.id)
             return self._problems[case.id]
         self._enter(case)
         self._make_room(self._problems, case.id)
+        t0 = time.perf_counter()
         p = case.build(device=self.device)
+        self.build_s[case.id] = time.perf_counter() - t0
         self._remember(self._problems, case.id, p)
         return p
 
@@ -407,7 +414,9 @@ def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: Base
         return rec
     # the problem (cheap) decides applicability before any truth is computed
     try:
+        built_before = truth_cache.has_problem(case.id)
         problem = harness_call(lambda: truth_cache.problem(case), device)
+        timings.update(build_s=truth_cache.build_s.get(case.id, 0.0), build_cached=built_before)
     except Exception as e:  # noqa: BLE001 - a case that cannot build is the harness's error, recorded
         if is_out_of_memory(e):
             return _resource_errored(rec, e, f"case {case.id} build", device)

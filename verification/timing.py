@@ -1,6 +1,7 @@
 """Where a run's time went: wall time and the sums of the cells' timings.
 
 Parts (seconds):
+    build      cases built by this run: their inputs drawn (a cell whose problem came from the cache adds 0)
     oracle     float64 truths computed by this run (a cell whose truth came from the cache adds 0)
     baseline   emulated-recipe baselines computed by this run (cached ones add 0)
     compile    Triton compilation inside the kernel calls (verification/compile_time.py)
@@ -8,7 +9,7 @@ Parts (seconds):
     guards     the memory guards' allocations and checks
     metrics    metrics and verdicts
     report     writing the report (loading records, plots, rendering)
-    other      the rest: start-up, collection, case building, cache lookups, child processes, ...
+    other      the rest: start-up, collection, cache lookups, child processes, ...
 
 One process (``kda-verify run``, ``pytest -m verify``): other = wall - the parts.  Under
 pytest-xdist each worker sums its own cells and its own wall; the parts add over the workers
@@ -19,10 +20,10 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
-CELL_PARTS = ("oracle", "baseline", "compile", "kernel", "guards", "metrics")
+CELL_PARTS = ("build", "oracle", "baseline", "compile", "kernel", "guards", "metrics")
 PARTS = CELL_PARTS + ("report", "other")
 NOTES = {"kernel": "the kernel calls, compile excluded", "guards": "memory guards around the calls",
-         "metrics": "metrics and verdicts", "other": "start-up, collection, case building, caches, processes"}
+         "metrics": "metrics and verdicts", "other": "start-up, collection, caches, processes"}
 
 
 def _num(x) -> float:
@@ -44,10 +45,13 @@ def cell_sums(timings: Iterable[dict]) -> dict:
     accepted): each part in seconds, ``cells``, fresh ``oracle_runs`` / ``baseline_runs``,
     ``compiles`` and the compile modes seen (``compile_how``)."""
     s = {f"{p}_s": 0.0 for p in CELL_PARTS}
-    s.update(cells=0, oracle_runs=0, baseline_runs=0, compiles=0, compile_cache_hits=0, compile_how=[])
+    s.update(cells=0, build_runs=0, oracle_runs=0, baseline_runs=0, compiles=0, compile_cache_hits=0, compile_how=[])
     for t in timings:
         t = t or {}
         s["cells"] += 1
+        if t.get("build_s") is not None and not _yes(t.get("build_cached")):
+            s["build_s"] += _num(t["build_s"])
+            s["build_runs"] += 1
         if t.get("oracle_s") is not None and not _yes(t.get("oracle_cached")):
             s["oracle_s"] += _num(t["oracle_s"])
             s["oracle_runs"] += 1
@@ -97,7 +101,7 @@ def breakdown(sums: dict, wall_s: float, report_s: float = 0.0, workers: Optiona
         bd["workers"] = 0
         bd["busy_s"] = float(wall_s)
     bd["other_s"] = bd["busy_s"] - sum(bd[f"{p}_s"] for p in CELL_PARTS + ("report",))
-    for k in ("cells", "oracle_runs", "baseline_runs", "compiles", "compile_cache_hits"):
+    for k in ("cells", "build_runs", "oracle_runs", "baseline_runs", "compiles", "compile_cache_hits"):
         bd[k] = int(sums.get(k, 0))
     hows = list(sums.get("compile_how") or [])
     bd["compile_how"] = ("measured" if "measured" in hows else "interpreted" if "interpreted" in hows else
@@ -110,6 +114,8 @@ def _count(n: int, what: str) -> str:
 
 
 def part_note(bd: dict, part: str) -> str:
+    if part == "build":
+        return _count(bd.get("build_runs", 0), "case") + " built"
     if part == "oracle":
         return _count(bd["oracle_runs"], "truth") + " computed"
     if part == "baseline":
