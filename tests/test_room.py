@@ -26,7 +26,8 @@ def test_a_case_larger_than_the_device_is_skipped_before_it_is_built(monkeypatch
     built = []
     monkeypatch.setattr(type(c), "build", lambda self, device="cpu": built.append(1))
     why = room.no_room(c, "cpu")
-    assert why.startswith("device too small: one cell of this case needs about 72 GiB") and "has 24 GiB" in why
+    need = room.CELL_BYTES_PER_ELEMENT * 1048576 * 12 * 256 / 2 ** 30
+    assert why.startswith(f"device too small: one cell of this case needs about {need:.0f} GiB") and "has 24 GiB" in why
     from verification.runner import as_loaded, resolve_routes
     lb = as_loaded("emulator")
     route = resolve_routes(lb, ["flashkda"])[0]
@@ -37,7 +38,7 @@ def test_a_case_larger_than_the_device_is_skipped_before_it_is_built(monkeypatch
 
 
 def test_is_big_needs_more_than_one_worker_and_more_than_a_share(monkeypatch):
-    c = get_case("long/T1048576-H12-lb-5")                 # about 72 GiB
+    c = get_case("long/T1048576-H12-lb-5")                 # about 75 GiB
     monkeypatch.setattr(room, "_total", lambda device: 141 * 2 ** 30)
     assert not room.is_big(c, "cuda:0", workers=1)
     assert room.is_big(c, "cuda:0", workers=2)              # share 70.5 GiB

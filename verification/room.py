@@ -34,7 +34,7 @@ from typing import Optional
 
 import torch
 
-CELL_BYTES_PER_ELEMENT = 24
+CELL_BYTES_PER_ELEMENT = 25
 LOCK_DIR_ENV = "KDA_VERIFY_LOCK_DIR"
 GIB = 2 ** 30
 
