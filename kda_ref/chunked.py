@@ -18,7 +18,6 @@ states and one block's working set.
 """
 from __future__ import annotations
 
-import contextvars
 from typing import Optional
 
 import torch
@@ -231,11 +230,6 @@ def block_plan(bounds, C: int, tiles_per_block: int) -> list:
     return blocks
 
 
-# The BlockBuffers of the streamed run in progress (None outside one): prepare_tokens writes a
-# block's float64 inputs into them, so one set of arrays serves every block.
-_RUN_BUFFERS: contextvars.ContextVar = contextvars.ContextVar("kda_streamed_buffers", default=None)
-
-
 def _f64_head_major(x: torch.Tensor, name: str, buffers: Optional[BlockBuffers]) -> torch.Tensor:
     """``x [n, h, ...]`` cast to float64, as a ``[n, h, ...]`` view of an ``[h, n, ...]`` array
     (head-major: the workspace's tile layout is then a view, not a copy), taken from ``buffers``
@@ -247,15 +241,16 @@ def _f64_head_major(x: torch.Tensor, name: str, buffers: Optional[BlockBuffers])
     return out
 
 
-def prepare_tokens(p, t0: int, t1: int, S0: torch.Tensor) -> Prepared:
+def prepare_tokens(p, t0: int, t1: int, S0: torch.Tensor, buffers: Optional[BlockBuffers] = None) -> Prepared:
     """The Prepared inputs of packed tokens ``[t0, t1)`` of Problem ``p``, cast to float64 here
     (the same per-token operations as ``kda_ref.preprocess.prepare``, on the slice only), laid
     out head-major (``[t1 - t0, HV, .]`` views of ``[HV, t1 - t0, .]`` arrays; the elementwise
     steps run in place on them); bounds are left empty for the caller and ``S0`` is passed
-    through.  Inside ``streamed`` the arrays are that run's block buffers: the result is valid
-    until the next block is prepared."""
+    through.  With ``buffers`` (``streamed`` passes its run's) the arrays are taken from them, so
+    the result is valid until the next block is prepared into the same buffers; without, they are
+    its own."""
     from .preprocess import beta_activation, expand_gva, gate_activation, l2norm
-    buf = _RUN_BUFFERS.get()
+    buf = buffers
     HV, Tt = p.HV, p.B * p.T
     q = _f64_head_major(p.q.reshape(Tt, p.H, p.K)[t0:t1], "in_q", buf)
     k = _f64_head_major(p.k.reshape(Tt, p.H, p.K)[t0:t1], "in_k", buf)
@@ -296,26 +291,22 @@ def streamed(p, C: int = 64, block_tokens: Optional[int] = None, block_bytes: Op
     o = torch.empty(Tt, HV, V, dtype=F64, device=p.device)
     buffers = BlockBuffers(p.device)
     done, shapes = 0, None                                                   # o[:done] written
-    token = _RUN_BUFFERS.set(buffers)
-    try:
-        for t0, t1, parts in block_plan(p.seq_bounds(), C, tpb):
-            o[done:t0] = 0                                                   # tokens of no block
-            if shapes != (t1 - t0, [b1 - b0 for _, b0, b1 in parts]):        # new shapes: new arrays
-                shapes = (t1 - t0, [b1 - b0 for _, b0, b1 in parts])
-                buffers.clear()
-            ns = [n for n, _, _ in parts]
-            if ns == list(range(ns[0], ns[-1] + 1)):                         # consecutive: a view of S
-                seqs = slice(ns[0], ns[-1] + 1)
-            else:
-                seqs = torch.tensor(ns, dtype=torch.long, device=p.device)
-            pp = prepare_tokens(p, t0, t1, S[seqs])
-            pp.bounds = [(b0, b1) for _, b0, b1 in parts]
-            ws = workspace_prepared(pp, C, buffers=buffers)
-            _, S_blk = chunked_deferred(pp, ws, buffers, o_out=o[t0:t1])
-            S[seqs] = S_blk
-            done = t1
-            del pp, ws, S_blk
-    finally:
-        _RUN_BUFFERS.reset(token)
+    for t0, t1, parts in block_plan(p.seq_bounds(), C, tpb):
+        o[done:t0] = 0                                                   # tokens of no block
+        if shapes != (t1 - t0, [b1 - b0 for _, b0, b1 in parts]):        # new shapes: new arrays
+            shapes = (t1 - t0, [b1 - b0 for _, b0, b1 in parts])
+            buffers.clear()
+        ns = [n for n, _, _ in parts]
+        if ns == list(range(ns[0], ns[-1] + 1)):                         # consecutive: a view of S
+            seqs = slice(ns[0], ns[-1] + 1)
+        else:
+            seqs = torch.tensor(ns, dtype=torch.long, device=p.device)
+        pp = prepare_tokens(p, t0, t1, S[seqs], buffers)
+        pp.bounds = [(b0, b1) for _, b0, b1 in parts]
+        ws = workspace_prepared(pp, C, buffers=buffers)
+        _, S_blk = chunked_deferred(pp, ws, buffers, o_out=o[t0:t1])
+        S[seqs] = S_blk
+        done = t1
+        del pp, ws, S_blk
     o[done:] = 0
     return o, S

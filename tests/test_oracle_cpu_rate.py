@@ -77,9 +77,9 @@ def test_block_buffers_are_allocated_once_not_per_block(monkeypatch):
     seen_blocks = []
     real_prep = ch.prepare_tokens
 
-    def spy(p_, t0, t1, S0):
+    def spy(p_, t0, t1, S0, buffers=None):
         seen_blocks.append(len(made))
-        return real_prep(p_, t0, t1, S0)
+        return real_prep(p_, t0, t1, S0, buffers)
 
     monkeypatch.setattr(BlockBuffers, "get", counting_get)
     monkeypatch.setattr(ch, "prepare_tokens", spy)
@@ -142,9 +142,9 @@ def test_a_block_of_other_shapes_starts_from_empty_buffers(monkeypatch):
     held = []
     real_prep = ch.prepare_tokens
 
-    def spy(p_, t0, t1, S0):
-        held.append(sum(x.numel() for x in ch._RUN_BUFFERS.get().arrays.values()))
-        return real_prep(p_, t0, t1, S0)
+    def spy(p_, t0, t1, S0, buffers=None):
+        held.append(sum(x.numel() for x in buffers.arrays.values()))
+        return real_prep(p_, t0, t1, S0, buffers)
 
     monkeypatch.setattr(ch, "prepare_tokens", spy)
     ch.streamed(p, 64, block_tokens=128)

@@ -39,8 +39,8 @@ def test_selfcheck_fails_when_the_streamed_carry_is_lost(monkeypatch, capsys):
     from kda_ref.preprocess import initial_state_kfirst
     real = ch.prepare_tokens
 
-    def forget(p, t0, t1, S0):
-        return real(p, t0, t1, initial_state_kfirst(p)[: S0.shape[0]])
+    def forget(p, t0, t1, S0, buffers=None):
+        return real(p, t0, t1, initial_state_kfirst(p)[: S0.shape[0]], buffers)
 
     monkeypatch.setattr(ch, "prepare_tokens", forget)
     rc = main(["selfcheck", "--quick", "--json"])

@@ -111,10 +111,10 @@ def test_a_state_not_carried_between_blocks_is_caught(monkeypatch):
     ref = truth(p, method="chunked")
     real = ch.prepare_tokens
 
-    def forget(p_, t0, t1, S0):
+    def forget(p_, t0, t1, S0, buffers=None):
         from kda_ref.preprocess import initial_state_kfirst
         seq_first = initial_state_kfirst(p_)[: S0.shape[0]]
-        return real(p_, t0, t1, seq_first)
+        return real(p_, t0, t1, seq_first, buffers)
 
     monkeypatch.setattr(ch, "prepare_tokens", forget)
     assert _agree(truth(p, block_tokens=64), ref) > 1e-3
@@ -138,9 +138,9 @@ def test_streamed_casts_inputs_block_by_block(monkeypatch):
     seen = []
     real = ch.prepare_tokens
 
-    def spy(p_, t0, t1, S0):
+    def spy(p_, t0, t1, S0, buffers=None):
         seen.append(t1 - t0)
-        return real(p_, t0, t1, S0)
+        return real(p_, t0, t1, S0, buffers)
 
     monkeypatch.setattr(ch, "prepare_tokens", spy)
     streamed(p, 32, block_tokens=64)
