@@ -363,29 +363,26 @@ def _group_size(N, NC, HV, C, K) -> int:
     return max(1, min(NC, (1 << 27) // per_chunk))
 
 
-def _group_inputs(problem: Problem, bounds, c0: int, c1: int, C: int):
-    """The prepared float64 inputs of chunk positions [c0, c1) of every sequence, packed
-    (``kda_ref.chunked.prepare_tokens`` on each sequence's piece, concatenated), and the pieces'
-    bounds in that packing: sequence n contributes tokens [bos + c0 C, min(bos + c1 C, eos)),
-    possibly none."""
+def _group_pieces(bounds, c0: int, c1: int, C: int) -> list:
+    """The packed token range [t0, t1) of chunk positions [c0, c1) of each sequence
+    ``(bos, eos)``: [bos + c0 C, min(bos + c1 C, eos)), empty where the sequence is shorter."""
+    return [(min(bos + c0 * C, eos), min(bos + c1 * C, eos)) for bos, eos in bounds]
+
+
+def _group_inputs(problem: Problem, pieces: list):
+    """The prepared float64 inputs of a group's ``pieces`` (``_group_pieces``), packed
+    (``kda_ref.chunked.prepare_tokens`` on each non-empty piece, concatenated), and the pieces'
+    bounds in that packing."""
     from kda_ref.chunked import prepare_tokens
-    pieces, sub_bounds, pos = [], [], 0
-    for bos, eos in bounds:
-        t0, t1 = min(bos + c0 * C, eos), min(bos + c1 * C, eos)
-        if t1 > t0:
-            pieces.append(prepare_tokens(problem, t0, t1, None))
+    prepared = [prepare_tokens(problem, t0, t1, None) for t0, t1 in pieces if t1 > t0]
+    sub_bounds, pos = [], 0
+    for t0, t1 in pieces:
         sub_bounds.append((pos, pos + t1 - t0))
         pos += t1 - t0
-    if len(pieces) == 1:
-        return pieces[0], sub_bounds
-    cat = {n: torch.cat([getattr(x, n) for x in pieces]) for n in ("q", "k", "v", "a", "beta")}
-    return replace(pieces[0], **cat), sub_bounds
-
-
-def _raw_beta(problem: Problem, bounds, c0: int, c1: int, C: int) -> torch.Tensor:
-    """The raw beta [tokens, HV] of chunk positions [c0, c1), packed as ``_group_inputs``."""
-    b = problem.beta.reshape(problem.B * problem.T, problem.HV)
-    return torch.cat([b[min(bos + c0 * C, eos):min(bos + c1 * C, eos)] for bos, eos in bounds])
+    if len(prepared) == 1:
+        return prepared[0], sub_bounds
+    cat = {n: torch.cat([getattr(x, n) for x in prepared]) for n in ("q", "k", "v", "a", "beta")}
+    return replace(prepared[0], **cat), sub_bounds
 
 
 def emulate(problem: Problem, recipe="flashkda", keep_f64: bool = False, taps: bool = False, *,
@@ -423,10 +420,12 @@ def emulate(problem: Problem, recipe="flashkda", keep_f64: bool = False, taps: b
     for c0 in range(0, NC, g):
         sl = slice(c0, min(c0 + g, NC))
         ng = sl.stop - sl.start
-        pp, sub = _group_inputs(problem, bounds, sl.start, sl.stop, C)
+        pieces = _group_pieces(bounds, sl.start, sl.stop, C)
+        pp, sub = _group_inputs(problem, pieces)
         beta_act = pp.beta
         if recipe.beta_raw_dtype not in (None, F64):   # the kernel takes the raw beta in this dtype only
-            braw = rnd(_raw_beta(problem, bounds, sl.start, sl.stop, C).to(F64), recipe.beta_raw_dtype)
+            raw = problem.beta.reshape(Ttot, HV)
+            braw = rnd(torch.cat([raw[t0:t1] for t0, t1 in pieces]).to(F64), recipe.beta_raw_dtype)
             beta_act = beta_activation(braw, problem.beta_kind)
         beta_p = rnd(beta_act, recipe.acc_dtype)
         a_p = rnd(pp.a, recipe.acc_dtype)
@@ -442,19 +441,15 @@ def emulate(problem: Problem, recipe="flashkda", keep_f64: bool = False, taps: b
             w = {key: rnd(val, FP32) if val.is_floating_point() else val for key, val in w.items()}
         if taps:
             inv_all[:, sl] = w["inv"].to(FP32)
-        Sb_all, X_all = None, None                 # per chunk position: what its output needs
+        Sb_all = S.new_empty(N, ng, HV, K, V)     # per chunk position: what its output needs
+        X_all = S.new_empty(N, ng, HV, C, V)       # (U, or fla's v_new)
         for j in range(ng):
             S, (Sb, X) = _carry(S, {key: val[:, j] for key, val in w.items()}, recipe, problem, hooks)
-            if Sb_all is None:
-                Sb_all = Sb.new_empty((N, ng) + tuple(Sb.shape[1:]))
-                X_all = X.new_empty((N, ng) + tuple(X.shape[1:]))
-            Sb_all[:, j] = Sb
-            X_all[:, j] = X
+            Sb_all[:, j], X_all[:, j] = Sb, X
         o_t = _outputs(w, Sb_all, X_all, recipe, problem, problem.scale_value)
         del w, Sb_all, X_all
         rows = o_t.movedim(2, 3).reshape(N, ng * C, HV, V)
-        for n, (bos, eos) in enumerate(bounds):
-            t0, t1 = min(bos + sl.start * C, eos), min(bos + sl.stop * C, eos)
+        for n, (t0, t1) in enumerate(pieces):
             if t1 > t0:
                 o[t0:t1] = rows[n, : t1 - t0]
         del o_t, rows
@@ -510,7 +505,7 @@ def _outputs(w, Sb, X, recipe: Recipe, problem: Problem, scale: float):
     v_new), for any leading shape (one chunk position, or a group of them at once):
 
         flashkda, moonshot:  o = acc(qd.Sb + Mqk.U_mqk(U))
-        fla:                 o = acc(scale qg.op(Sb)) + Aqk.op(v_new)"""
+        fla:                 o = acc(acc(scale qg.op(Sb)) + Aqk.op(v_new))"""
     acc = recipe.acc_dtype
     if recipe.form == "fla":
         op = _op_dtype(recipe, problem)
