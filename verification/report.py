@@ -90,11 +90,19 @@ def route_label(rec: dict) -> str:
     return f"{rec.get('backend')}:{rec.get('route')}"
 
 
+def _tensor_err(r: dict, name: str) -> tuple[float, float]:
+    """(err, baseline err) of tensor ``name`` of a record: the verdict's, else the metrics' rel-L2
+    (NaN where absent)."""
+    t = (r.get("tensors") or {}).get(name) or {}
+    e = as_float(t["err"]) if "err" in t else as_float(((r.get("metrics") or {}).get(name) or {}).get("rel_l2"))
+    b = as_float(t.get("baseline_err"))
+    if not _finite_pos(b):
+        b = as_float(((r.get("baseline") or {}).get(name) or {}).get("rel_l2"))
+    return e, b
+
+
 def o_err(rec: dict) -> float:
-    t = (rec.get("tensors") or {}).get("o") or {}
-    if "err" in t:
-        return as_float(t["err"])
-    return as_float(((rec.get("metrics") or {}).get("o") or {}).get("rel_l2"))
+    return _tensor_err(rec, "o")[0]
 
 
 def summarize(records: list[dict]) -> dict:
@@ -214,15 +222,12 @@ def _error_series(records: list[dict]) -> tuple[dict, dict, dict, set]:
         T = shape.get("T")
         if not T or r.get("status") in UNJUDGED:
             continue
-        e = o_err(r)
+        e, b = _tensor_err(r, "o")
         if _finite_pos(e):
             series.setdefault(route_label(r), []).append((T, e, r.get("status")))
             recipes[route_label(r)] = r.get("recipe")
             if r.get("self_judged"):
                 self_judged.add(route_label(r))
-            b = as_float(((r.get("tensors") or {}).get("o") or {}).get("baseline_err"))
-            if not _finite_pos(b):
-                b = as_float(((r.get("baseline") or {}).get("o") or {}).get("rel_l2"))
             if _finite_pos(b):
                 base.setdefault(route_label(r), []).append((T, b))
     return series, base, recipes, self_judged
@@ -511,17 +516,6 @@ LONG_MARKERS = {"dense": "o", "dense-other-H": "D", "varlen": "s", "key-cos": "^
 LONG_KIND_NOTE = {"dense": "dense (line)", "dense-other-H": "dense, another H", "varlen": "varlen pack (all tokens)",
                   "key-cos": "key-cos 0.85-0.97"}
 GATE_STYLES = ("-", "--", ":", "-.")                 # by gate, strongest (most negative lb) first
-
-
-def _tensor_err(r: dict, name: str) -> tuple[float, float]:
-    """(err, baseline err) of tensor ``name`` of a record: the verdict's, else the metrics' rel-L2
-    (NaN where absent)."""
-    t = (r.get("tensors") or {}).get(name) or {}
-    e = as_float(t["err"]) if "err" in t else as_float(((r.get("metrics") or {}).get(name) or {}).get("rel_l2"))
-    b = as_float(t.get("baseline_err"))
-    if not _finite_pos(b):
-        b = as_float(((r.get("baseline") or {}).get(name) or {}).get("rel_l2"))
-    return e, b
 
 
 def _state_name(r: dict) -> Optional[str]:
