@@ -250,19 +250,18 @@ def prepare_tokens(p, t0: int, t1: int, S0: torch.Tensor, buffers: Optional[Bloc
     the result is valid until the next block is prepared into the same buffers; without, they are
     its own."""
     from .preprocess import beta_activation, expand_gva, gate_activation, l2norm
-    buf = buffers
     HV, Tt = p.HV, p.B * p.T
-    q = _f64_head_major(p.q.reshape(Tt, p.H, p.K)[t0:t1], "in_q", buf)
-    k = _f64_head_major(p.k.reshape(Tt, p.H, p.K)[t0:t1], "in_k", buf)
+    q = _f64_head_major(p.q.reshape(Tt, p.H, p.K)[t0:t1], "in_q", buffers)
+    k = _f64_head_major(p.k.reshape(Tt, p.H, p.K)[t0:t1], "in_k", buffers)
     if p.qk_l2norm:
         n, H, K = q.shape
-        tmp = torch.empty_like(q) if buf is None else buf.get("in_sq", (H, n, K)).transpose(0, 1)
+        tmp = torch.empty_like(q) if buffers is None else buffers.get("in_sq", (H, n, K)).transpose(0, 1)
         q, k = l2norm(q, inplace=True, tmp=tmp), l2norm(k, inplace=True, tmp=tmp)
     q, k = expand_gva(q, HV), expand_gva(k, HV)
-    a = gate_activation(_f64_head_major(p.g.reshape(Tt, HV, p.K)[t0:t1], "in_g", buf), p.gate, p.A_log,
+    a = gate_activation(_f64_head_major(p.g.reshape(Tt, HV, p.K)[t0:t1], "in_g", buffers), p.gate, p.A_log,
                         p.dt_bias, p.lower_bound, inplace=True)
-    beta = beta_activation(_f64_head_major(p.beta.reshape(Tt, HV)[t0:t1], "in_beta", buf), p.beta_kind)
-    v = _f64_head_major(p.v.reshape(Tt, HV, p.V)[t0:t1], "in_v", buf)
+    beta = beta_activation(_f64_head_major(p.beta.reshape(Tt, HV)[t0:t1], "in_beta", buffers), p.beta_kind)
+    v = _f64_head_major(p.v.reshape(Tt, HV, p.V)[t0:t1], "in_v", buffers)
     return Prepared(q=q, k=k, v=v, a=a, beta=beta, scale=p.scale_value, bounds=[], S0=S0)
 
 
@@ -292,12 +291,13 @@ def streamed(p, C: int = 64, block_tokens: Optional[int] = None, block_bytes: Op
     buffers = BlockBuffers(p.device)
     done, shapes = 0, None                                                   # o[:done] written
     for t0, t1, parts in block_plan(p.seq_bounds(), C, tpb):
-        o[done:t0] = 0                                                   # tokens of no block
-        if shapes != (t1 - t0, [b1 - b0 for _, b0, b1 in parts]):        # new shapes: new arrays
-            shapes = (t1 - t0, [b1 - b0 for _, b0, b1 in parts])
+        o[done:t0] = 0                                               # tokens of no block
+        block_shapes = (t1 - t0, [b1 - b0 for _, b0, b1 in parts])
+        if block_shapes != shapes:                                   # new shapes: new arrays
+            shapes = block_shapes
             buffers.clear()
         ns = [n for n, _, _ in parts]
-        if ns == list(range(ns[0], ns[-1] + 1)):                         # consecutive: a view of S
+        if ns == list(range(ns[0], ns[-1] + 1)):                     # consecutive: a view of S
             seqs = slice(ns[0], ns[-1] + 1)
         else:
             seqs = torch.tensor(ns, dtype=torch.long, device=p.device)

@@ -270,10 +270,7 @@ def workspace_prepared(pp: Prepared, C: int, inverse: str = "exact", buffers=Non
         raise ValueError(f"inverse: expected exact|production, got {inverse!r}")
     buf = buffers if buffers is not None else BlockBuffers(pp.k.device)
     Ttot, HV, K = pp.k.shape
-    if buffers is not None:
-        grid = buffers.tile_grid(pp.bounds, C, Ttot)
-    else:
-        grid = tile_grid(pp.bounds, C, Ttot, device=pp.k.device)
+    grid = buf.tile_grid(pp.bounds, C, Ttot)
     valid = None if grid.full else grid.row_mask                            # [tiles, C]; None: all rows
     q, k, v = grid.gather(pp.q), grid.gather(pp.k), grid.gather(pp.v)      # [HV, tiles, C, .]
     a = grid.gather(pp.a)
