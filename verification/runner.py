@@ -80,16 +80,16 @@ class TruthCache:
         device and releases the big-case lock; a case over this worker's share of the device
         (verification.room.is_big) first takes that lock (the seconds waited: lock_wait_s)."""
         from verification.room import BigCaseLock, is_big
-        if self._big is not None and self._big.held and self._big.case_id != case.id:
+        leaving = self._big is not None and self._big.held and self._big.case_id != case.id
+        big = str(self.device).startswith("cuda") and is_big(case, self.device)
+        if leaving or big:                  # the memory of other cases goes back to the device first
             self.forget_others(case.id)
             _free_memory(self.device)
+        if leaving:
             self._big.release()
-        if str(self.device).startswith("cuda") and is_big(case, self.device):
+        if big:
             if self._big is None:
                 self._big = BigCaseLock(self.device)
-            if self._big.case_id != case.id:
-                self.forget_others(case.id)
-                _free_memory(self.device)
             self.lock_wait_s[case.id] = self._big.hold(case.id)
 
     def _remember(self, store: OrderedDict, key, value):
