@@ -78,8 +78,7 @@ def test_truth_cache_takes_the_lock_for_a_big_case_and_lets_go_on_the_next(monke
     monkeypatch.setattr(type(big), "build", lambda self, device="cpu": f"problem {self.id}")
     assert tc.problem(big) == f"problem {big.id}"
     assert tc._big.held and tc._big.case_id == big.id and big.id in tc.lock_wait_s
-    other = room.BigCaseLock("cuda:0")                   # another worker's attempt would block now
-    import fcntl
+    import fcntl                                         # another worker's attempt would block now
     fd = os.open(room.lock_path("cuda:0"), os.O_RDWR)
     with pytest.raises(OSError):
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -88,4 +87,3 @@ def test_truth_cache_takes_the_lock_for_a_big_case_and_lets_go_on_the_next(monke
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)       # now free
     fcntl.flock(fd, fcntl.LOCK_UN)
     os.close(fd)
-    del other
