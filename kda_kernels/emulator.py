@@ -397,7 +397,10 @@ def emulate(problem: Problem, recipe="flashkda", keep_f64: bool = False, taps: b
     Streamed over groups of chunk positions (``_group_size``): each group's inputs are cast to
     float64 and preprocessed on their own (``_group_inputs``), so memory is the inputs, o in its
     output dtype, the states and one group's working set, at any T.  ``hooks.tiles`` lays out
-    one group's pieces (chunk positions [c0, c1) of each sequence, packed)."""
+    one group's pieces (chunk positions [c0, c1) of each sequence still running at c0, packed):
+    a group ends where a sequence does and holds only the sequences running through it, so a
+    varlen pack of one long sequence and many short ones costs the long one's chunks, not N
+    times them."""
     validate(problem)
     if isinstance(recipe, str):
         if recipe not in RECIPES:
@@ -415,12 +418,16 @@ def emulate(problem: Problem, recipe="flashkda", keep_f64: bool = False, taps: b
     S = rnd(initial_state_kfirst(problem), recipe.state_dtype)
     out_dt, state_dt = (F64, F64) if keep_f64 else (problem.v.dtype, FP32)
     o = torch.zeros(Ttot, HV, V, dtype=out_dt, device=dev)
-    g = _group_size(N, NC, HV, C, K)
     inv_all = torch.zeros(N, NC, HV, C, C, dtype=FP32, device=dev) if taps else None
-    for c0 in range(0, NC, g):
-        sl = slice(c0, min(c0 + g, NC))
-        ng = sl.stop - sl.start
-        pieces = _group_pieces(bounds, sl.start, sl.stop, C)
+    chunks_of = [-(-n // C) for n in lens_list]
+    c0 = 0
+    while c0 < NC:
+        act = [n for n in range(N) if chunks_of[n] > c0]        # the sequences still running at c0
+        sel = slice(None) if len(act) == N else torch.tensor(act, device=dev)
+        ng = min(_group_size(len(act), NC - c0, HV, C, K), min(chunks_of[n] for n in act) - c0)
+        sl = slice(c0, c0 + ng)
+        c0 += ng
+        pieces = _group_pieces([bounds[n] for n in act], sl.start, sl.stop, C)
         pp, sub = _group_inputs(problem, pieces)
         beta_act = pp.beta
         if recipe.beta_raw_dtype not in (None, F64):   # the kernel takes the raw beta in this dtype only
@@ -435,20 +442,22 @@ def emulate(problem: Problem, recipe="flashkda", keep_f64: bool = False, taps: b
         at = hooks.tiles(a_p, sub, ng, C)
         bt = hooks.tiles(beta_p[..., None], sub, ng, C)[..., 0]
         del pp, a_p, beta_p, beta_act
-        w = _chunk_work(qt, kt, vt, at, bt, valid[:, sl], lens[:, sl], problem.scale_value, recipe, problem, hooks)
+        w = _chunk_work(qt, kt, vt, at, bt, valid[sel, sl], lens[sel, sl], problem.scale_value, recipe, problem, hooks)
         del qt, kt, vt, at, bt
         if recipe.acc_dtype != F64:   # what the chunk steps read is held at fp32 (stored values are exact there)
             w = {key: rnd(val, FP32) if val.is_floating_point() else val for key, val in w.items()}
         if taps:
-            inv_all[:, sl] = w["inv"].to(FP32)
-        Sb_all = S.new_empty(N, ng, HV, K, V)     # per chunk position: what its output needs
-        X_all = S.new_empty(N, ng, HV, C, V)       # (U, or fla's v_new)
+            inv_all[sel, sl] = w["inv"].to(FP32)
+        Sg = S[sel]
+        Sb_all = S.new_empty(len(act), ng, HV, K, V)     # per chunk position: what its output needs
+        X_all = S.new_empty(len(act), ng, HV, C, V)      # (U, or fla's v_new)
         for j in range(ng):
-            S, (Sb, X) = _carry(S, {key: val[:, j] for key, val in w.items()}, recipe, problem, hooks)
+            Sg, (Sb, X) = _carry(Sg, {key: val[:, j] for key, val in w.items()}, recipe, problem, hooks)
             Sb_all[:, j], X_all[:, j] = Sb, X
+        S[sel] = Sg
         o_t = _outputs(w, Sb_all, X_all, recipe, problem, problem.scale_value)
-        del w, Sb_all, X_all
-        rows = o_t.movedim(2, 3).reshape(N, ng * C, HV, V)
+        del w, Sb_all, X_all, Sg
+        rows = o_t.movedim(2, 3).reshape(len(act), ng * C, HV, V)
         for n, (t0, t1) in enumerate(pieces):
             if t1 > t0:
                 o[t0:t1] = rows[n, : t1 - t0]

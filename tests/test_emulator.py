@@ -200,3 +200,25 @@ def test_moonshot_mqk_is_the_dot_of_its_stored_tiles():
     # the H200 run of flash_kda 0.0.1+1ce47ea on this case: o rel_l2 0.01932 (the recipe as it
     # was, rounding scale q 2^G and k 2^-G once each, gave 0.00424, and the kernel failed against it)
     assert abs(rel_l2(o, truth(p).o) - 0.01932) < 5e-5
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_a_pack_is_each_sequence_emulated_alone(recipe, monkeypatch):
+    """Sequences of very different lengths (a group holds only those still running) give, bit for
+    bit, what each gives alone; and the chunk steps after the short ones end run on one sequence."""
+    from kda_kernels import emulator
+    from kda_kernels.controls import sequence_problem
+    from verification.cases import _case
+    p = _case("t", "pack", lens=[3, 700, 64, 1, 0, 65, 129], H=2, lb=-0.05, state="kv").build()
+    widths = []
+    real_carry = emulator._carry
+    monkeypatch.setattr(emulator, "_carry", lambda S, *a, **k: (widths.append(S.shape[0]), real_carry(S, *a, **k))[1])
+    out = emulate(p, recipe)
+    assert widths.count(1) == -(-700 // RECIPES[recipe].chunk) - -(-129 // RECIPES[recipe].chunk)
+    S0 = p.initial_state.to(torch.float64)
+    for n, (bos, eos) in enumerate(p.seq_bounds()):
+        if eos == bos:
+            continue
+        alone = emulate(sequence_problem(p, n, S0[n]), recipe)
+        assert torch.equal(alone.o[0], out.o.reshape(-1, p.HV, p.V)[bos:eos]), n
+        assert torch.equal(alone.final_state[0], out.final_state[n]), n
