@@ -41,7 +41,8 @@ def _old_slice_sums(d: torch.Tensor, r: torch.Tensor, problem, tensor: str) -> O
     """Squared error and squared reference of every slice of one output, float64 on d's device.
 
     d = x - ref and r = ref, both float64 and shaped as the output:
-    o [B,T,HV,V] -> "seq_head" [N, HV] (sequence n, head h; count = len_n * V elements),
+    o [B,T,HV,V] -> "seq_head" [N, HV] (sequence n, head h; count = len_n * V elements,
+                    tokens = len_n),
                     "seq_block" (sequence n, its tokens t0..t1 in ``sequence_blocks``, all heads) and
                     "seq_start" (sequence n's first START_ROWS tokens, all heads; sequences
                     longer than that);
@@ -78,6 +79,7 @@ def _old_slice_sums(d: torch.Tensor, r: torch.Tensor, problem, tensor: str) -> O
         se, sr = vals[2 * nh + 2 * nb:2 * nh + 2 * nb + ns], vals[2 * nh + 2 * nb + ns:]
         out["seq_head"] = {"err_sq": es, "ref_sq": rs,
                            "count": [lens[n] * V for n in range(N) for _ in range(HV)],
+                           "tokens": [lens[n] for n in range(N) for _ in range(HV)],
                            "labels": [(n, h) for n in range(N) for h in range(HV)]}
         out["seq_block"] = {"err_sq": eb, "ref_sq": rb, "count": [(t1 - t0) * HV * V for _, t0, t1 in blocks],
                             "labels": [[n, t0, t1 - 1] for n, t0, t1 in blocks]}

@@ -213,24 +213,30 @@ def test_a_short_last_block_joins_the_block_before_it():
 
 def test_a_few_token_slice_gets_the_allowance_of_its_token_count():
     """A 4-token slice at 2.5x its baseline passes (kernel and recipe differ by up to ~2.3x there
-    by rounding alone), at 3.5x it fails; a (sequence, head) slice at 2.5x fails."""
+    by rounding alone), at 3.5x it fails; so does one head of a 2-token sequence (o's seq_head
+    slice carries its tokens); a (sequence, head) slice of a state at 2.5x fails."""
     from types import SimpleNamespace
     from verification.verdict import judge_slices, slice_allowance
     assert slice_allowance("seq_start", [0, 0, 3]) == 1.5
     assert slice_allowance("seq_block", [1, 16, 31]) == 1.25
     assert slice_allowance("seq_head", [0, 1]) == 1.0
+    assert slice_allowance("seq_head", [0, 1], tokens=4) == 1.5
     tol = SimpleNamespace(m=2.0, floor=0.0, key="t")
 
-    def sl(kind, label, ratio):
+    def sl(kind, label, ratio, tokens):
         part = {"err_sq": [ratio ** 2 * 1e-6], "ref_sq": [1.0], "count": [512], "labels": [label]}
+        if tokens:
+            part["tokens"] = [tokens]
         base = {"err_sq": [1e-6], "ref_sq": [1.0], "count": [512], "labels": [label]}
         return {"slices": {kind: part}}, {"rel_l2": 1e-3, "slices": {kind: base}}
 
-    for kind, label, ratio, want in (("seq_start", [0, 0, 3], 2.5, "pass"), ("seq_start", [0, 0, 3], 3.5, "fail"),
-                                     ("seq_head", [0, 0], 2.5, "fail"), ("seq_head", [0, 0], 1.9, "pass")):
-        met, base = sl(kind, label, ratio)
+    for kind, label, ratio, tokens, want in (
+            ("seq_start", [0, 0, 3], 2.5, None, "pass"), ("seq_start", [0, 0, 3], 3.5, None, "fail"),
+            ("seq_head", [0, 0], 2.5, 2, "pass"), ("seq_head", [0, 0], 3.5, 2, "fail"),
+            ("seq_head", [0, 0], 2.5, None, "fail"), ("seq_head", [0, 0], 1.9, None, "pass")):
+        met, base = sl(kind, label, ratio, tokens)
         status, reason, worst = judge_slices("o", met, base, tol)
         assert status == want, (kind, ratio, reason)
-        assert worst["allowance"] == slice_allowance(kind, label)
+        assert worst["allowance"] == slice_allowance(kind, label, tokens)
         if want == "fail" and kind == "seq_start":
             assert "2*1.5*max(" in reason

@@ -25,8 +25,9 @@ against the same slice of the baseline:
 
     slice err s = sqrt(err_sq / max(ref_sq, (NEGLIGIBLE_SLICE * rms(ref))^2 * count))
     threshold   = m * a * max(s_baseline, SLICE_FLOOR_SHARE * baseline_err of the whole tensor) + floor
-    a           = 1 + 1 / sqrt(tokens) for a slice of o over a token range (the first 4 tokens:
-                  1.5; a 16-token block: 1.25), else 1     (``slice_allowance``)
+    a           = 1 + 1 / sqrt(tokens) for a slice of o over a token range or over one head of
+                  a sequence (the first 4 tokens: 1.5; a 16-token block: 1.25; one head of a
+                  2-token sequence: 1.71), else 1     (``slice_allowance``)
 
 A slice whose reference is negligible against the tensor's (rms below NEGLIGIBLE_SLICE of the
 tensor's) is measured on the tensor's scale, so a near-zero slice raises no false alarm; the
@@ -199,12 +200,16 @@ def _slice_label(kind: str, label) -> str:
     return f"{a} {label[0]} {b} {label[1]}"
 
 
-def slice_allowance(kind: str, label) -> float:
+def slice_allowance(kind: str, label, tokens: Optional[int] = None) -> float:
     """The factor a >= 1 on a slice's baseline (module docstring): 1 + 1/sqrt(tokens) for a slice
-    of o over a token range (``seq_start``, ``seq_block``: label [sequence, first, last]), else 1."""
+    of o over a token range (``seq_start``, ``seq_block``: label [sequence, first, last]) or over
+    one head of a sequence of ``tokens`` tokens (o's ``seq_head``, which carries ``tokens``);
+    else 1 (a state's slice, or a record written before slices carried their tokens)."""
     if kind in ("seq_block", "seq_start"):
-        return 1.0 + 1.0 / math.sqrt(max(1, int(label[2]) - int(label[1]) + 1))
-    return 1.0
+        tokens = int(label[2]) - int(label[1]) + 1
+    if tokens is None:
+        return 1.0
+    return 1.0 + 1.0 / math.sqrt(max(1, int(tokens)))
 
 
 def slice_errors(sl: dict) -> list:
@@ -230,8 +235,9 @@ def judge_slices(name: str, met: dict, base: Optional[dict], tol) -> tuple[str, 
         errs = slice_errors(part)
         bpart = bsl.get(kind)
         berrs = slice_errors(bpart) if bpart and len(bpart["err_sq"]) == len(errs) else [0.0] * len(errs)
+        tokens = part.get("tokens")
         for i, (e, b) in enumerate(zip(errs, berrs)):
-            a = slice_allowance(kind, part["labels"][i])
+            a = slice_allowance(kind, part["labels"][i], tokens[i] if tokens else None)
             thr = tol.m * a * max(b, SLICE_FLOOR_SHARE * whole) + tol.floor
             margin = e / thr if thr > 0 else (0.0 if e == 0 else math.inf)
             if worst is None or margin > worst["margin"]:
