@@ -113,3 +113,32 @@ def test_a_run_with_a_resource_error_and_no_failure_exits_2():
     assert s.exit_code == 1
     s.records = [{"status": "pass"}]
     assert s.exit_code == 0
+
+
+def _kernel_cell(monkeypatch, fail_times: int):
+    """The emulator's flashkda route on one smoke case, its run out of memory ``fail_times`` times."""
+    from kda_kernels.emulator import EmulatorBackend
+    counter = {"n": 0}
+    monkeypatch.undo()                      # the real run, not an earlier call's planted one
+    real = EmulatorBackend.run
+
+    def run(self, problem, route):
+        counter["n"] += 1
+        if counter["n"] <= fail_times:
+            raise _oom()
+        return real(self, problem, route)
+
+    monkeypatch.setattr(EmulatorBackend, "run", run)
+    lb = runner.load("emulator")
+    route = runner.resolve_routes(lb, ["flashkda"])[0]
+    return run_cell(lb, route, get_case(CASE), TruthCache("cpu"), BaselineCache(), load_tolerances(), "cpu"), counter["n"]
+
+
+def test_a_kernel_out_of_memory_is_retried_once_and_then_an_error_naming_it(monkeypatch):
+    rec, _ = _kernel_cell(monkeypatch, 1)
+    assert rec["status"] in JUDGED and rec["timings"]["kernel_oom_retried"] == 1, rec.get("reason")
+    rec, calls = _kernel_cell(monkeypatch, 10 ** 6)
+    assert calls == 2 and rec["status"] == "error"
+    assert "out of memory twice" in rec["reason"] and "OutOfMemoryError" in rec["reason"]
+    rec, _ = _kernel_cell(monkeypatch, 0)
+    assert rec["status"] in JUDGED and "kernel_oom_retried" not in rec["timings"]

@@ -348,6 +348,16 @@ def _free_memory(device) -> None:
         torch.cuda.empty_cache()
 
 
+def _memory_note(device) -> str:
+    """The device's free and total memory and what this process holds, for an out-of-memory reason."""
+    if torch.device(device).type != "cuda" or not torch.cuda.is_available():
+        return f"on {device}"
+    free, total = torch.cuda.mem_get_info(torch.device(device))
+    held = torch.cuda.memory_allocated(torch.device(device))
+    return (f"{free / 2 ** 30:.1f} GiB free of {total / 2 ** 30:.1f} GiB on {device}, "
+            f"{held / 2 ** 30:.1f} GiB held by this process")
+
+
 def harness_call(fn, device, before_retry=None):
     """``fn()``; if it runs out of memory, ``before_retry()`` (e.g. dropping other cases' cached
     truths) runs, the CUDA cache is emptied and ``fn()`` runs once more (a second out-of-memory
@@ -457,27 +467,39 @@ def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: Base
     c0, n0, h0 = clock.seconds, clock.compiles, clock.cache_hits
     timings["compile_how"] = clock.how
     failure = None
-    try:
-        run_problem = _fresh_state(problem)
-        _sync(device)
-        t0 = time.perf_counter()
-        guard = None
-        if guards_default(device) if guards is None else guards:
-            from verification.guards import guarded_run
-            outputs, guard = guarded_run(backend.backend, run_problem, route)
-        else:
-            outputs = backend.backend.run(run_problem, route)
-        _sync(device)
-        kernel_s = time.perf_counter() - t0
-        if guard is not None:          # the call alone; the guards' allocations and checks apart
-            timings["guards_s"] = kernel_s - guard.kernel_s
-            kernel_s = guard.kernel_s
-    except Exception as e:  # noqa: BLE001 - the kernel failing is a result, not a harness crash
-        failure = e
+    for attempt in (1, 2):      # a kernel out of memory is retried once, the harness's other cases dropped
+        try:
+            run_problem = _fresh_state(problem)
+            _sync(device)
+            t0 = time.perf_counter()
+            guard = None
+            if guards_default(device) if guards is None else guards:
+                from verification.guards import guarded_run
+                outputs, guard = guarded_run(backend.backend, run_problem, route)
+            else:
+                outputs = backend.backend.run(run_problem, route)
+            _sync(device)
+            kernel_s = time.perf_counter() - t0
+            if guard is not None:          # the call alone; the guards' allocations and checks apart
+                timings["guards_s"] = kernel_s - guard.kernel_s
+                kernel_s = guard.kernel_s
+            break
+        except Exception as e:  # noqa: BLE001 - the kernel failing is a result, not a harness crash
+            if attempt == 2 or not is_out_of_memory(e):
+                failure = e
+                break
+        run_problem = outputs = None          # the first attempt's memory (its traceback is gone)
+        timings["kernel_oom_retried"] = 1
+        truth_cache.forget_others(case.id)
+        _free_memory(device)
     timings.update(compile_s=clock.seconds - c0, compiles=clock.compiles - n0,   # whether it ran or raised
                    compile_cache_hits=clock.cache_hits - h0)
     if failure is not None:
-        rec = _errored(rec, failure, f"{backend.name} {route.name} run")
+        where = f"{backend.name} {route.name} run"
+        if is_out_of_memory(failure):   # an error, not a resource-error: it may be the kernel's own demand
+            where += (f" (out of memory twice, the second time with the harness's other cases dropped; "
+                      f"{_memory_note(device)})")
+        rec = _errored(rec, failure, where)
         return mark_out_of_contract(rec, contract) if contract else rec
     timings["kernel_s"] = max(0.0, kernel_s - timings["compile_s"])
     rec["info"] = jsonable(getattr(outputs, "info", {}) or {})
