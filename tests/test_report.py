@@ -86,6 +86,37 @@ def test_per_worker_results_merge_last_record_wins(tmp_path, records):
     assert merged[0]["status"] == "fail"
 
 
+def test_the_latest_record_of_a_cell_wins_by_its_time_not_by_file_order(tmp_path, records):
+    append_record(tmp_path / "results-gw0.jsonl", {**records[0], "status": "pass", "time_utc": "2026-12-02T03:00:05Z"})
+    append_record(tmp_path / "results-gw1.jsonl", {**records[0], "status": "fail", "time_utc": "2026-12-02T03:00:01Z"})
+    assert load_results(tmp_path)[0]["status"] == "pass"
+
+
+def test_report_merges_several_directories_into_out(tmp_path, records, capsys):
+    """A suite run in parts: every cell once in OUT/results.jsonl, the later run's record of a
+    cell run twice, both invocations' provenance in OUT/run.json, the report of the merge."""
+    from verification.cli import main
+    a, b, out = tmp_path / "a", tmp_path / "b", tmp_path / "out"
+    for d, recs, t in ((a, records[:2], "2026-12-02T01:00:00Z"), (b, records[1:3], "2026-12-02T02:00:00Z")):
+        d.mkdir()
+        for r in recs:
+            append_record(d / "results-gw0.jsonl", {**r, "time_utc": t, "reason": f"from {d.name}"})
+        (d / "run.json").write_text(json.dumps({"runs": [{"git": {"commit": d.name}}]}))
+    assert main(["report", str(a), str(b), "--out", str(out)]) == 0
+    assert "merged 3 cells of 2 directories" in capsys.readouterr().out
+    merged = load_results(out)
+    assert [r["key"] for r in merged] == [r["key"] for r in records[:3]]
+    assert [r["reason"] for r in merged] == ["from a", "from b", "from b"]
+    assert [r["git"]["commit"] for r in json.loads((out / "run.json").read_text())["runs"]] == ["a", "b"]
+    assert (out / "report.md").exists() and not (a / "report.md").exists()
+    for argv, said in ((["report", str(a), str(b)], "--out: expected a directory for the merge of 2"),
+                       (["report", str(a), str(b), "--out", str(a)], "--out: expected a directory other than"),
+                       (["report", str(a), str(b), "--out", str(out)], "--out: expected a directory without results")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert said in err and err.count("\n") == 1, err
+
+
 def test_partial_last_line_is_ignored(tmp_path, records):
     append_record(tmp_path / "results.jsonl", records[0])
     with open(tmp_path / "results.jsonl", "a") as f:

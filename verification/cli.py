@@ -76,7 +76,8 @@ def _one_line(e: BaseException) -> str:
 
 
 def _internal(name: str, args, e: Exception) -> int:
-    out = getattr(args, "out", None) or getattr(args, "dir", None)
+    dirs = getattr(args, "dirs", None) or [None]            # report's DIRs: the first holds it
+    out = getattr(args, "out", None) or getattr(args, "dir", None) or dirs[0]
     try:
         where = save_traceback(e, args.command, out_dir=out)
     except OSError as e2:

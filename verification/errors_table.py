@@ -404,6 +404,12 @@ def rows() -> list[Row]:
         Row("a backend without passes", "debug --backend emulator", lambda: cli(
             ["debug", "--backend", "emulator", "--route", "flashkda", "--case", "smoke/dense-T64-lb-5", "--pass", "all"])),
         Row("`report DIR` not a directory", "report runs/none", lambda: cli(["report", "runs/none"])),
+        Row("`report` of several DIRs without `--out` (or with one of them, or one holding results)",
+            "report runs/a runs/b", _report_merge(["report", "runs/a", "runs/b"]),
+            alike=(("--out: expected a directory other than the DIRs merged",
+                    _report_merge(["report", "runs/a", "runs/b", "--out", "runs/a"])),
+                   ("--out: expected a directory without results files",
+                    _report_merge(["report", "runs/a", "runs/b", "--out", "runs/c"])))),
         Row("a bad option of the pytest plugin: one failing item `verify[options]` with the message of the "
             "matching `run` flag", "pytest -m verify --kda-suite nope",
             lambda: pytest_verify(["--kda-backend", "emulator", "--kda-suite", "nope"]),
@@ -412,6 +418,17 @@ def rows() -> list[Row]:
             _invariance_varlen),
         Row("a split outside the sequence", "invariance.split_carry(backend, route, p, 80)", _invariance_split),
     ]
+
+
+def _report_merge(argv: list[str]) -> Callable[[], str]:
+    """``cli(argv)`` with runs/a, runs/b and runs/c results directories of one cell each."""
+    def produce():
+        from verification.record import RESULTS_FILE, append_record
+        for d in ("runs/a", "runs/b", "runs/c"):
+            os.makedirs(d, exist_ok=True)
+            append_record(Path(d) / RESULTS_FILE, {"key": "emulator|flashkda|smoke/dense-T64-lb-5", "status": "pass"})
+        return cli(argv)
+    return produce
 
 
 # ----------------------------------------------------------------------------- the table

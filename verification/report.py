@@ -1,7 +1,8 @@
 """The report of a results directory: report.md, report.html, report.json and plots/*.png.
 
-Input: DIR/results.jsonl (and DIR/results-*.jsonl, one per pytest-xdist worker; merged,
-the last record of a key wins) and DIR/run.json (provenance).  Output:
+Input: DIR/results.jsonl (and DIR/results-*.jsonl, one per pytest-xdist worker; merged, the
+latest record of a key wins: ``load_results``, which also merges several directories) and
+DIR/run.json (provenance).  Output:
 
     report.md      the headline, then SECTIONS in order: failing cells (worst tensor, worst
                    slice, reason, repro), known failures, out-of-contract cells, skipped cells by
@@ -57,14 +58,31 @@ def results_files(out_dir) -> list[Path]:
     return files
 
 
-def load_results(out_dir) -> list[dict]:
-    """Every cell of a results directory, merged over the per-worker files; one record per key
-    (the last written wins), in first-seen order."""
+def load_results(*dirs) -> list[dict]:
+    """Every cell of one or more results directories, merged over their per-worker files; one
+    record per key, the latest by its ``time_utc`` (of two written in the same second, or without
+    one, the last read: directories in the order given, each directory's files in
+    ``results_files`` order), in first-seen order."""
     merged: dict[str, dict] = {}
-    for f in results_files(out_dir):
-        for rec in read_records(f):
-            merged[rec["key"]] = rec
+    for d in dirs:
+        for f in results_files(d):
+            for rec in read_records(f):
+                old = merged.get(rec["key"])
+                if old is None or str(rec.get("time_utc") or "") >= str(old.get("time_utc") or ""):
+                    merged[rec["key"]] = rec
     return list(merged.values())
+
+
+def merge_provenance(dirs, out_dir) -> None:
+    """OUT/run.json holding every invocation of ``dirs``' run.json files, in the order given."""
+    runs = []
+    for d in dirs:
+        p = Path(d) / RUN_FILE
+        try:
+            runs += json.loads(p.read_text()).get("runs", []) if p.exists() else []
+        except (json.JSONDecodeError, AttributeError):
+            continue
+    (Path(out_dir) / RUN_FILE).write_text(json.dumps({"runs": runs}, indent=1, allow_nan=False))
 
 
 def load_provenance(out_dir) -> dict:
