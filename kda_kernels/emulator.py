@@ -410,7 +410,8 @@ def emulate(problem: Problem, recipe="flashkda", keep_f64: bool = False, taps: b
     bounds = problem.seq_bounds()
     Ttot, HV, K, V, N = problem.B * problem.T, problem.HV, problem.K, problem.V, problem.N
     lens_list = [e - b for b, e in bounds]
-    NC = max([-(-n // C) for n in lens_list] + [0])
+    chunks_of = [-(-n // C) for n in lens_list]                 # chunks per sequence
+    NC = max(chunks_of + [0])
     dev = problem.device
     seq_len = torch.tensor(lens_list, device=dev, dtype=torch.int64)
     lens = (seq_len[:, None] - torch.arange(NC, device=dev)[None, :] * C).clamp(0, C)   # [N, NC]
@@ -419,7 +420,6 @@ def emulate(problem: Problem, recipe="flashkda", keep_f64: bool = False, taps: b
     out_dt, state_dt = (F64, F64) if keep_f64 else (problem.v.dtype, FP32)
     o = torch.zeros(Ttot, HV, V, dtype=out_dt, device=dev)
     inv_all = torch.zeros(N, NC, HV, C, C, dtype=FP32, device=dev) if taps else None
-    chunks_of = [-(-n // C) for n in lens_list]
     c0 = 0
     while c0 < NC:
         act = [n for n in range(N) if chunks_of[n] > c0]        # the sequences still running at c0

@@ -466,32 +466,33 @@ def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: Base
     clock.forget_pending()
     c0, n0, h0 = clock.seconds, clock.compiles, clock.cache_hits
     timings["compile_how"] = clock.how
-    failure = None
-    for attempt in (1, 2):      # a kernel out of memory is retried once, the harness's other cases dropped
-        try:
-            run_problem = _fresh_state(problem)
-            _sync(device)
-            t0 = time.perf_counter()
-            guard = None
-            if guards_default(device) if guards is None else guards:
-                from verification.guards import guarded_run
-                outputs, guard = guarded_run(backend.backend, run_problem, route)
-            else:
-                outputs = backend.backend.run(run_problem, route)
-            _sync(device)
-            kernel_s = time.perf_counter() - t0
-            if guard is not None:          # the call alone; the guards' allocations and checks apart
-                timings["guards_s"] = kernel_s - guard.kernel_s
-                kernel_s = guard.kernel_s
-            break
-        except Exception as e:  # noqa: BLE001 - the kernel failing is a result, not a harness crash
-            if attempt == 2 or not is_out_of_memory(e):
-                failure = e
-                break
-        run_problem = outputs = None          # the first attempt's memory (its traceback is gone)
+
+    def kernel_call():
+        run_problem = _fresh_state(problem)
+        _sync(device)
+        t0 = time.perf_counter()
+        guard = None
+        if guards_default(device) if guards is None else guards:
+            from verification.guards import guarded_run
+            outputs, guard = guarded_run(backend.backend, run_problem, route)
+        else:
+            outputs = backend.backend.run(run_problem, route)
+        _sync(device)
+        kernel_s = time.perf_counter() - t0
+        if guard is not None:          # the call alone; the guards' allocations and checks apart
+            timings["guards_s"] = kernel_s - guard.kernel_s
+            kernel_s = guard.kernel_s
+        return outputs, kernel_s, guard
+
+    def before_kernel_retry():         # a kernel out of memory is retried once, the harness's other cases dropped
         timings["kernel_oom_retried"] = 1
         truth_cache.forget_others(case.id)
-        _free_memory(device)
+
+    failure = None
+    try:
+        outputs, kernel_s, guard = harness_call(kernel_call, device, before_retry=before_kernel_retry)
+    except Exception as e:  # noqa: BLE001 - the kernel failing is a result, not a harness crash
+        failure = e
     timings.update(compile_s=clock.seconds - c0, compiles=clock.compiles - n0,   # whether it ran or raised
                    compile_cache_hits=clock.cache_hits - h0)
     if failure is not None:

@@ -47,9 +47,10 @@ def run(args) -> int:
     if not records:
         raise UsageError(f"DIR: expected at least one cell in the results files of {', '.join(args.dirs)}, got none")
     if args.out is not None:
-        if results_files(out):
+        held = results_files(out)
+        if held:
             raise UsageError(f"--out: expected a directory without results files, got {args.out!r}, which holds "
-                             f"{results_files(out)[0].name}")
+                             f"{held[0].name}")
         (out / RESULTS_FILE).write_text("".join(record_line(rec) + "\n" for rec in records), encoding="utf-8")
         merge_provenance(args.dirs, out)
         print(f"merged {len(records)} cells of {len(args.dirs)} directories into {out / RESULTS_FILE}")
