@@ -30,6 +30,7 @@ eps = 2^-53 for float64 evaluations, 2^-24 (unit roundoff of float32) for float3
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -46,18 +47,25 @@ SUPPORTED_C = (16, 32, 64)
 
 class BlockBuffers:
     """Float64 arrays reused from one block of work to the next: ``get(name, shape)`` returns the
-    array kept under ``name`` when its shape is ``shape`` (contents left as the last user wrote
-    them), else a new one kept under that name.  Every block but the last of a streamed run has
-    the same shapes, so its working arrays are allocated once, not once per block."""
+    array kept under ``name`` viewed as ``shape`` when it holds as many elements (contents left as
+    the last user wrote them), else a new one kept under that name.  Every block but the last of a
+    streamed run has the same shapes, so its working arrays are allocated once, not once per block;
+    and two temporaries whose lives do not overlap can share one array by taking the same name,
+    whatever their shapes."""
 
     def __init__(self, device=None, dtype=F64):
         self.device, self.dtype, self.arrays, self.grids = device, dtype, {}, {}
 
     def get(self, name: str, shape) -> torch.Tensor:
+        shape = tuple(shape)
         x = self.arrays.get(name)
-        if x is None or x.shape != tuple(shape):
-            x = self.arrays[name] = torch.empty(tuple(shape), dtype=self.dtype, device=self.device)
-        return x
+        if x is None or x.numel() != math.prod(shape):
+            x = self.arrays[name] = torch.empty(shape, dtype=self.dtype, device=self.device)
+        return x if x.shape == shape else x.view(shape)
+
+    def bytes(self) -> int:
+        """The bytes of every array kept."""
+        return sum(x.numel() * x.element_size() for x in self.arrays.values())
 
     def clear(self) -> None:
         """Drop every array (before a block of other shapes, so the old and the new set are never
@@ -129,33 +137,40 @@ def decayed_gram_pairwise(x: torch.Tensor, k: torch.Tensor, G: torch.Tensor, inc
     return out
 
 
-def _pivot_grams(q, k, G, pivot, valid, scale, buffers=None, all_valid=None, sq=None):
-    """(KK, QK) [HV, tiles, C, C]: Σ_d k̂_i k̂_j 2^{G_i-G_j} and scale Σ_d q̂_i k̂_j 2^{G_i-G_j},
-    through the pivot row; unmasked (callers take the triangles).  ``buffers`` (a BlockBuffers)
-    holds the temporaries and the results; ``all_valid`` (every row valid, known on the host)
-    skips the row mask; ``sq`` is ``scale * q`` when the caller has it."""
+def _pivot_grams(q, k, G, pivot, valid, scale, buffers=None, all_valid=None, sq=None, kr_out=None):
+    """(KK, QK, kr) with KK, QK [HV, tiles, C, C]: Σ_d k̂_i k̂_j 2^{G_i-G_j} and scale Σ_d q̂_i k̂_j
+    2^{G_i-G_j}, through the pivot row; unmasked (callers take the triangles).  ``buffers`` (a
+    BlockBuffers) holds the temporaries (in its arrays "scratch_a" and "scratch_b") and the
+    results; ``all_valid`` (every row valid, known on the host) skips the row mask; ``sq`` is
+    ``scale * q`` when the caller has it (it is overwritten).  ``kr_out`` (an array of k's shape):
+    when every (head, tile) is within the pivot's range, ws_kr = k̂_i 2^{G_last - G_i} is written
+    there as (k̂_i 2^{-Ĝ_i}) 2^{G_last - G_p}, from the factor the grams use, and returned;
+    otherwise kr is None (the caller evaluates it directly)."""
     HV, tiles, C, K = k.shape
     buf = buffers if buffers is not None else BlockBuffers(k.device)
     Gp = torch.gather(G, 2, pivot.view(1, tiles, 1, 1).expand(HV, tiles, 1, K))     # [HV,tiles,1,K]
-    Gh = torch.sub(G, Gp, out=buf.get("pg_Gh", G.shape))                            # Ĝ = G - G_p
+    Gh = torch.sub(G, Gp, out=buf.get("scratch_a", G.shape))                        # Ĝ = G - G_p
     if not all_valid:
         Gh.masked_fill_(~valid[None, :, :, None], 0.0)
-    span = torch.abs(Gh, out=buf.get("pg_abs", G.shape)).amax(dim=(2, 3))            # [HV, tiles]
+    span = torch.maximum(Gh.amax(dim=(2, 3)), Gh.amin(dim=(2, 3)).neg_())           # max |Ĝ|, [HV, tiles]
     safe = span <= PIVOT_SAFE_LOG2
     all_safe = bool(safe.all())
     Gs = Gh if all_safe else torch.where(safe[:, :, None, None], Gh, torch.zeros_like(Gh))
-    up = torch.exp2(Gs, out=buf.get("pg_up", G.shape))
-    ki = torch.neg(Gs, out=buf.get("pg_ki", G.shape)).exp2_().mul_(k)                 # k 2^{-Ĝ}
-    kp = torch.mul(k, up, out=buf.get("pg_kp", G.shape))                               # k 2^{Ĝ}
-    qp = up.mul_(scale * q if sq is None else sq)                                       # scale q 2^{Ĝ}
+    up = torch.exp2(Gs, out=buf.get("scratch_b", G.shape))                          # 2^{Ĝ}
+    ki = torch.div(k, up, out=buf.get("scratch_a", G.shape))                        # k 2^{-Ĝ} (over Ĝ)
+    qp = (scale * q if sq is None else sq).mul_(up)                                  # scale q 2^{Ĝ}
+    kp = up.mul_(k)                                                                  # k 2^{Ĝ}
     kiT = ki.transpose(-1, -2)
     KK = torch.matmul(kp, kiT, out=buf.get("pg_KK", (HV, tiles, C, C)))
     QK = torch.matmul(qp, kiT, out=buf.get("pg_QK", (HV, tiles, C, C)))
+    kr = None
     if not all_safe:
         bad = ~safe
         KK[bad] = decayed_gram_pairwise(k[bad], k[bad], G[bad], include_diag=False)
         QK[bad] = decayed_gram_pairwise(scale * q[bad], k[bad], G[bad], include_diag=True)
-    return KK, QK
+    elif kr_out is not None:
+        kr = torch.mul(ki, torch.exp2(G[:, :, -1:, :] - Gp), out=kr_out)
+    return KK, QK, kr
 
 
 def exact_inverse(L: torch.Tensor, buffers=None) -> torch.Tensor:
@@ -251,9 +266,9 @@ def _log2_cumsum_rows(a: torch.Tensor, buf: BlockBuffers) -> torch.Tensor:
     G = buf.get("ws_G", a.shape)
     if a.device.type != "cpu":
         return torch.cumsum(a, dim=2, out=G).mul_(LOG2E)
-    at = buf.get("ws_aT", (HV, tiles, K, C))
+    at = buf.get("scratch_a", (HV, tiles, K, C))
     at.copy_(a.transpose(-1, -2))
-    gt = torch.cumsum(at, dim=-1, out=buf.get("ws_GT", (HV, tiles, K, C)))
+    gt = at.cumsum_(dim=-1)
     return torch.mul(gt.transpose(-1, -2), LOG2E, out=G)
 
 
@@ -279,14 +294,16 @@ def workspace_prepared(pp: Prepared, C: int, inverse: str = "exact", buffers=Non
     G = _log2_cumsum_rows(a, buf)                                           # chunk_log2_cumsum_tiles
     G_last = G[:, :, -1:, :]                                                # tail a = 0 -> G_{Lc-1}
     # tail rows: q = k = 0 and G = G_last, so every product below is 0 there without a mask
-    eG = torch.exp2(G, out=buf.get("ws_eG", shp))
+    eG = torch.exp2(G, out=buf.get("scratch_b", shp))                      # scratch: dead after qd
     ws_kd = torch.mul(k, eG, out=buf.get("ws_kd", shp))
     sq = torch.mul(q, pp.scale, out=buf.get("ws_sq", shp))                 # scale q
     ws_qd = torch.mul(sq, eG, out=buf.get("ws_qd", shp))
-    ws_kr = torch.sub(G_last, G, out=buf.get("ws_kr", shp)).exp2_().mul_(k)
     ws_gt = torch.exp2(G_last[:, :, 0, :])
     pivot = torch.clamp(grid.tile_len - 1, max=C // 2)
-    KK, QK = _pivot_grams(q, k, G, pivot, valid, pp.scale, buffers=buf, all_valid=grid.full, sq=sq)
+    KK, QK, ws_kr = _pivot_grams(q, k, G, pivot, valid, pp.scale, buffers=buf, all_valid=grid.full, sq=sq,
+                                 kr_out=buf.get("ws_kr", shp))
+    if ws_kr is None:
+        ws_kr = torch.sub(G_last, G, out=buf.get("ws_kr", shp)).exp2_().mul_(k)
     L = KK.tril_(-1).mul_(torch.neg(beta)[..., None])                      # -β_i KK_ij, i > j
     mqk = QK.tril_(0)
     L, mqk = _heads_flat(L), _heads_flat(mqk)

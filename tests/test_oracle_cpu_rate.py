@@ -71,7 +71,7 @@ def test_block_buffers_are_allocated_once_not_per_block(monkeypatch):
     def counting_get(self, name, shape):
         before = self.arrays.get(name)
         x = real_get(self, name, shape)
-        made.append(x is not before)
+        made.append(self.arrays[name] is not before)      # a new array kept (a view of the kept one is not)
         return x
 
     seen_blocks = []
@@ -87,6 +87,15 @@ def test_block_buffers_are_allocated_once_not_per_block(monkeypatch):
     assert len(seen_blocks) == 4                      # 128, 128, 128, 74 tokens
     first, last = seen_blocks[1], seen_blocks[3]
     assert any(made[:first]) and not any(made[first:last])
+
+
+def test_block_buffers_share_one_array_under_one_name_whatever_the_shape():
+    buf = BlockBuffers()
+    a = buf.get("x", (2, 3))
+    b = buf.get("x", (3, 2))                          # as many elements: a view of the same array
+    assert b.shape == (3, 2) and b.data_ptr() == a.data_ptr() and buf.bytes() == 6 * 8
+    c = buf.get("x", (4,))                            # other size: a new array under that name
+    assert c.shape == (4,) and buf.bytes() == 4 * 8 and buf.arrays["x"] is c
 
 
 def test_prepare_tokens_outside_a_streamed_run_returns_its_own_arrays():
