@@ -16,8 +16,8 @@ two separate pytest runs on one GPU, or xdist workers spread over several GPUs),
 pytest-xdist's ``PYTEST_XDIST_WORKER_COUNT`` (set in every worker), else 1.
 
 BLOCK_SHARE = 1/64: on a 140 GiB H200 with one worker a block may hold 2.2 GiB; the streamed
-truth's measured working set is about 0.7 of its estimate, so truth((1, 1048576, 12)) peaks at
-the inputs + o (float64, 12 GiB) + about 1.4 GiB, and runs no slower than with 8 GiB blocks.
+truth's working set is about its estimate, so truth((1, 1048576, 12)) peaks at the inputs + o
+(float64, 12 GiB) + about 2.2 GiB, and runs no slower than with 8 GiB blocks.
 Caps: 8 GiB on CUDA; 32 MiB on the CPU (about a last-level cache: the workspace's elementwise
 passes then run from cache, which is faster there than larger blocks).
 """

@@ -95,57 +95,83 @@ def chunked_from_workspace(pp: Prepared, ws: Workspace, return_chunk_states: boo
     return o, final, st.contiguous()
 
 
-def _one_sequence_steps(S0, kd, kr, gt, inv, beta, vt, S_in, U_all, buf):
+def outputs_in_loop(device) -> bool:
+    """Where a lone sequence's outputs o = qd S + mqk U are evaluated: in the sequential loop, each
+    while its S and U are still in cache (the CPU, where the loop is bound by memory traffic), or
+    after it, for all tiles in two batched products from the kept states and deltas (CUDA, where
+    every operation of the loop is a kernel launch and fewer of them per step win)."""
+    return torch.device(device).type == "cpu"
+
+
+def _one_sequence_steps(S0, kd, qd, kr, gt, inv, mqk, beta, vt, buf, o_out=None, S_in=None, U_all=None):
     """The chunk steps of one sequence's consecutive tiles 0..n-1 of a block, per value head:
-    ``S_in [HV, n, K, V]`` receives each tile's incoming state (``S_in[:, 0] = S0``) and
-    ``U_all [HV, n, C, V]`` its deltas; returns the state after tile n-1.  The arithmetic of
-    ``chunk_step`` without its output, each product fused with the sum it feeds
-    (``baddbmm``: v - kd S, and diag(gt) S + kr^T U), written into reused arrays."""
+
+        w = β (v - kd S);   U = inv w;   S' = diag(gt) S + kr^T U;   o = qd S + mqk U
+
+    With ``o_out [rows, HV, V]`` the outputs are taken in the loop (tile t covers rows
+    ``[t C, t C + C)``; the last tile may be partial); otherwise ``S_in [HV, n, K, V]`` receives
+    each tile's incoming state and ``U_all [HV, n, C, V]`` its deltas, for the outputs after the
+    loop.  Returns the state after tile n-1 (an array of ``buf``).  The arithmetic of
+    ``chunk_step``, each product fused with the sum it feeds (``baddbmm``), written into reused
+    arrays."""
     HV, n, C, K = kd.shape
     V = vt.shape[-1]
-    S_in[:, 0] = S0
-    w = buf.get("step_cv", (HV, C, V))
-    S_out = buf.get("step_state", (HV, K, V))
+    w = buf.get("step_w", (HV, C, V))
+    if o_out is not None:                          # two state arrays in turn; one U, one o
+        Sa, Sb = buf.get("step_state", (HV, K, V)), buf.get("step_state_next", (HV, K, V))
+        states = [Sa if t % 2 == 0 else Sb for t in range(n + 1)]
+        U_t = [buf.get("step_u", (HV, C, V))] * n
+        o_t, qd_t, mqk_t = buf.get("step_o", (HV, C, V)), qd.unbind(1), mqk.unbind(1)
+    else:                                          # every incoming state and U kept
+        states = list(S_in.unbind(1)) + [buf.get("step_state", (HV, K, V))]
+        U_t = U_all.unbind(1)
+    states[0].copy_(S0)
     kd_t, kr_t, inv_t, v_t = kd.unbind(1), kr.transpose(-1, -2).unbind(1), inv.unbind(1), vt.unbind(1)
     beta_t, gt_t = beta[..., None].unbind(1), gt[..., None].unbind(1)
-    S_t, U_t = S_in.unbind(1), U_all.unbind(1)
     for t in range(n):
-        S = S_t[t]
-        torch.baddbmm(v_t[t], kd_t[t], S, alpha=-1, out=w)           # v - kd S
+        S, S_next, U = states[t], states[t + 1], U_t[t]
+        torch.baddbmm(v_t[t], kd_t[t], S, alpha=-1, out=w)            # v - kd S
         w.mul_(beta_t[t])                                              # beta (v - kd S)
-        torch.bmm(inv_t[t], w, out=U_t[t])                             # U = inv (beta (v - kd S))
-        S_next = S_t[t + 1] if t + 1 < n else S_out
+        torch.bmm(inv_t[t], w, out=U)                                  # U = inv (beta (v - kd S))
+        if o_out is not None:
+            torch.bmm(qd_t[t], S, out=o_t)                             # qd S
+            o_t.baddbmm_(mqk_t[t], U)                                  # + mqk U
+            rows = o_out[t * C:(t + 1) * C]
+            rows.copy_(o_t[:, :rows.shape[0]].transpose(0, 1))
         torch.mul(gt_t[t], S, out=S_next)                              # diag(gt) S
-        S_next.baddbmm_(kr_t[t], U_t[t])                               # + kr^T U
-    return S_out
+        S_next.baddbmm_(kr_t[t], U)                                    # + kr^T U
+    return states[n]
 
 
 def chunked_deferred(pp: Prepared, ws: Workspace, buffers: Optional[BlockBuffers] = None,
                      o_out: Optional[torch.Tensor] = None):
     """(o [Ttot, HV, V], final state [N, HV, K, V] K-first): the chunk steps of
-    ``chunked_from_workspace``, with the outputs taken after the sequential loop.  The loop runs
-    only what the next state needs (``chunk_step`` without its output, on the rows whose
-    sequence has a chunk at that position; a lone sequence's tiles as views, not gathered, its
-    steps written into reused arrays) and keeps each chunk's incoming state S_c and deltas U_c;
-    then, for all tiles at once,
-
-        o_c = ws_qd S_c + ws_mqk U_c
-
-    Extra memory: S_c [HV, tiles, K, V] and U_c [HV, tiles, C, V] (from ``buffers`` when given).
+    ``chunked_from_workspace``, the sequential loop running only what the next state needs
+    (``chunk_step`` without its output, on the rows whose sequence has a chunk at that position;
+    a lone sequence's tiles as views, not gathered, its steps written into reused arrays).  The
+    outputs ``o_c = ws_qd S_c + ws_mqk U_c`` of a lone sequence on the CPU are taken in the loop
+    (``outputs_in_loop``); otherwise each chunk's incoming state S_c and deltas U_c are kept
+    (extra memory S_c [HV, tiles, K, V] and U_c [HV, tiles, C, V], from ``buffers`` when given)
+    and the outputs of all tiles taken at once after the loop.
     ``o_out [Ttot, HV, V]``: o is written there (and returned).  With ``buffers`` the returned
     state may be an array of ``buffers``: copy it out before the next block."""
     kd, qd, kr, gt = (ws.heads(n) for n in ("ws_kd", "ws_qd", "ws_kr", "ws_gt"))
     inv, mqk, beta, vt = ws.heads("ws_inv"), ws.heads("ws_mqk"), ws.heads("ws_beta"), ws.heads("v")
     HV, V, K = ws.HV, pp.v.shape[-1], pp.k.shape[-1]
     buf = buffers if buffers is not None else BlockBuffers(pp.v.device)
+    M = ws.grid.N
+    lone = M == 1 and ws.tiles > 0                 # one sequence: its tiles are 0..tiles-1, views only
+    if lone and outputs_in_loop(pp.v.device):
+        o = o_out if o_out is not None else pp.v.new_zeros(ws.grid.Ttot, HV, V)
+        return o, _one_sequence_steps(pp.S0[0], kd, qd, kr, gt, inv, mqk, beta, vt, buf, o_out=o)[None]
     S_in = buf.get("S_in", (HV, ws.tiles, K, V))
     U_all = buf.get("U_all", (HV, ws.tiles, ws.C, V))
-    M = ws.grid.N
-    grid = ws.grid.seq_grid().cpu() if M > 1 else None
-    if M == 1 and ws.tiles > 0:                    # one sequence: its tiles are 0..tiles-1, views only
-        S = _one_sequence_steps(pp.S0[0], kd, kr, gt, inv, beta, vt, S_in, U_all, buf)[:, None]
+    if lone:
+        S = _one_sequence_steps(pp.S0[0], kd, qd, kr, gt, inv, mqk, beta, vt, buf, S_in=S_in, U_all=U_all)[:, None]
+        grid = None
     else:
         S = pp.S0.transpose(0, 1).contiguous()                         # [HV, N, K, V]
+        grid = ws.grid.seq_grid().cpu()
     for j in range(grid.shape[1] if grid is not None else 0):
         col = grid[:, j]
         rows = torch.nonzero(col >= 0).flatten()
@@ -185,12 +211,14 @@ def chunked(pp: Prepared, C: int = 64, inverse: str = "exact"):
 
 
 # ----------------------------------------------------------------------------- streamed
-# Bytes of float64 working set per (tile, value head) of one block: the workspace fields and the
-# temporaries of building it (about 20 C x K and 8 C x C arrays), the tile-layout values and deltas,
-# and each chunk's incoming state (K x V, kept for the outputs of chunked_deferred).
+# Bytes of float64 working set per (tile, value head) of one block (the arrays of its BlockBuffers):
+# the float64 inputs q, k, g and the l2norm temporary (4 C x K) and v (C x V); the workspace fields
+# ws_kd, ws_qd, ws_kr with G, scale q and the two scratch arrays (7 C x K); the grams, I - L and its
+# inverse (4 C x C); and, where a block holds several sequences, each chunk's incoming state
+# (K x V), its deltas and its outputs (2 C x V) for the batched outputs of chunked_deferred.
 def block_bytes_per_tile_head(C: int, K: int, V: int) -> int:
     """Float64 bytes one (tile, value head) of a streamed block holds at its peak."""
-    return 8 * (20 * C * K + 8 * C * C + 4 * C * V + K * V)
+    return 8 * (11 * C * K + 3 * C * V + 4 * C * C + K * V)
 
 
 def default_block_bytes(device) -> int:
@@ -287,11 +315,12 @@ def streamed(p, C: int = 64, block_tokens: Optional[int] = None, block_bytes: Op
         budget = default_block_bytes(p.device) if block_bytes is None else int(block_bytes)
         tpb = max(1, budget // (HV * block_bytes_per_tile_head(C, K, V)))
     S = initial_state_kfirst(p).clone()                                     # [N, HV, K, V]
-    o = torch.empty(Tt, HV, V, dtype=F64, device=p.device)
+    # zeros: the tokens of no block (past a sequence's end) stay 0, and the pages of o are first
+    # touched here by one parallel fill, not one chunk at a time by the steps' writes
+    o = torch.zeros(Tt, HV, V, dtype=F64, device=p.device)
     buffers = BlockBuffers(p.device)
-    done, shapes = 0, None                                                   # o[:done] written
+    shapes = None
     for t0, t1, parts in block_plan(p.seq_bounds(), C, tpb):
-        o[done:t0] = 0                                               # tokens of no block
         block_shapes = (t1 - t0, [b1 - b0 for _, b0, b1 in parts])
         if block_shapes != shapes:                                   # new shapes: new arrays
             shapes = block_shapes
@@ -306,7 +335,5 @@ def streamed(p, C: int = 64, block_tokens: Optional[int] = None, block_bytes: Op
         ws = workspace_prepared(pp, C, buffers=buffers)
         _, S_blk = chunked_deferred(pp, ws, buffers, o_out=o[t0:t1])
         S[seqs] = S_blk
-        done = t1
         del pp, ws, S_blk
-    o[done:] = 0
     return o, S

@@ -54,8 +54,8 @@ def test_a_wrong_lone_sequence_step_is_caught(monkeypatch):
     ref = truth(p, method="chunked")
     real = ch._one_sequence_steps
 
-    def off(*args):
-        return real(*args) * (1 + 1e-9)
+    def off(*args, **kwargs):
+        return real(*args, **kwargs) * (1 + 1e-9)
 
     monkeypatch.setattr(ch, "_one_sequence_steps", off)
     assert _agree(truth(p, block_tokens=128), ref) > 1e-11
@@ -158,3 +158,15 @@ def test_a_block_of_other_shapes_starts_from_empty_buffers(monkeypatch):
     monkeypatch.setattr(ch, "prepare_tokens", spy)
     ch.streamed(p, 64, block_tokens=128)
     assert held[0] == 0 and held[1] == held[2] > 0 and held[3] == 0
+
+
+def test_outputs_after_the_loop_equal_the_outputs_in_it(monkeypatch):
+    """The lone-sequence outputs taken in the loop (the CPU's choice) and after it from the kept
+    states and deltas (CUDA's) agree, and both agree with the whole-problem chunked form."""
+    p = _problem(T=64 * 5 + 23)                         # the last tile partial
+    ref = truth(p, method="chunked")
+    assert ch.outputs_in_loop(torch.device("cpu")) and not ch.outputs_in_loop(torch.device("cuda"))
+    in_loop = truth(p, block_tokens=128)
+    monkeypatch.setattr(ch, "outputs_in_loop", lambda device: False)
+    after = truth(p, block_tokens=128)
+    assert _agree(in_loop, after) <= TOL and _agree(in_loop, ref) <= TOL and _agree(after, ref) <= TOL
