@@ -214,8 +214,9 @@ def chunked(pp: Prepared, C: int = 64, inverse: str = "exact"):
 # Bytes of float64 working set per (tile, value head) of one block (the arrays of its BlockBuffers):
 # the float64 inputs q, k, g and the l2norm temporary (4 C x K) and v (C x V); the workspace fields
 # ws_kd, ws_qd, ws_kr with G, scale q and the two scratch arrays (7 C x K); the grams, I - L and its
-# inverse (4 C x C); and, where a block holds several sequences, each chunk's incoming state
-# (K x V), its deltas and its outputs (2 C x V) for the batched outputs of chunked_deferred.
+# inverse (4 C x C); and, where the outputs are taken after the loop (a block of several sequences,
+# or any block on CUDA: ``outputs_in_loop``), each chunk's incoming state (K x V), its deltas and its
+# outputs (2 C x V) for the batched outputs of chunked_deferred.
 def block_bytes_per_tile_head(C: int, K: int, V: int) -> int:
     """Float64 bytes one (tile, value head) of a streamed block holds at its peak."""
     return 8 * (11 * C * K + 3 * C * V + 4 * C * C + K * V)
