@@ -225,3 +225,15 @@ def load_records(path: Path, *, strict: bool = False) -> list[Record]:
 def read_records(path: Path, *, strict: bool = False) -> list[dict]:
     """``load_records`` in the dict form (what report, calibrate, check, shrink and the plugin use)."""
     return [r.to_dict() for r in load_records(path, strict=strict)]
+
+
+def read_runs(out_dir) -> list:
+    """The invocations recorded in DIR/run.json (``{"runs": [...]}``, one entry per invocation),
+    oldest first; [] when there is no run.json or it is not readable as that."""
+    p = Path(out_dir) / RUN_FILE
+    if not p.exists():
+        return []
+    try:
+        return json.loads(p.read_text()).get("runs", [])
+    except (json.JSONDecodeError, AttributeError):
+        return []

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from .record import FAILING, JUDGED, RESULTS_FILE, RUN_FILE, STATUSES, read_records
+from .record import FAILING, JUDGED, RESULTS_FILE, RUN_FILE, STATUSES, read_records, read_runs
 from .record import decode_number as as_float
 from .record import encode as jsonable
 from .runner import verified_headline
@@ -75,25 +75,13 @@ def load_results(*dirs) -> list[dict]:
 
 def merge_provenance(dirs, out_dir) -> None:
     """OUT/run.json holding every invocation of ``dirs``' run.json files, in the order given."""
-    runs = []
-    for d in dirs:
-        p = Path(d) / RUN_FILE
-        try:
-            runs += json.loads(p.read_text()).get("runs", []) if p.exists() else []
-        except (json.JSONDecodeError, AttributeError):
-            continue
+    runs = [run for d in dirs for run in read_runs(d)]
     (Path(out_dir) / RUN_FILE).write_text(json.dumps({"runs": runs}, indent=1, allow_nan=False))
 
 
 def load_provenance(out_dir) -> dict:
     """The provenance of the latest run into DIR (run.json holds one entry per invocation)."""
-    p = Path(out_dir) / RUN_FILE
-    if not p.exists():
-        return {}
-    try:
-        runs = json.loads(p.read_text()).get("runs", [])
-    except (json.JSONDecodeError, AttributeError):
-        return {}
+    runs = read_runs(out_dir)
     if not runs:
         return {}
     prov = dict(runs[-1])

@@ -41,7 +41,7 @@ import torch
 
 from verification.record import (FAILING, HEADLINE_ORDER, JUDGED, RESOURCE_ERROR, RESULTS_FILE,  # noqa: F401
                                  RUN_FILE, STATUSES, append_record, cell_key, read_records,
-                                 repair_partial_line)
+                                 read_runs, repair_partial_line)
 from verification.baselines import BaselineCache, recipe_baselines  # noqa: F401 - BaselineCache: the old path
 from verification.devices import default_device  # noqa: F401 - the old path
 from verification.record import decode_number as as_float  # noqa: F401 - the old names
@@ -932,12 +932,7 @@ def run_matrix(backends: Iterable, cases: list, out_dir=None, *, routes: Optiona
         prov.setdefault("backends", {lb.name: {"spec": lb.spec, "version": lb.version, "available": lb.available,
                                                "reason": lb.reason} for lb in loaded})
         prov.setdefault("cases", {c.id: {"suite": c.suite, "seed": c.seed} for c in cases})
-        runs = []
-        if (out / RUN_FILE).exists() and resume:
-            try:
-                runs = json.loads((out / RUN_FILE).read_text()).get("runs", [])
-            except (json.JSONDecodeError, AttributeError):
-                runs = []
+        runs = read_runs(out) if resume else []
         runs.append(jsonable(prov))
         (out / RUN_FILE).write_text(json.dumps({"runs": runs}, indent=1, allow_nan=False))
     todo = [(lb, r, c) for lb, r, c in cells if cell_key(lb.name, r.name, c.id) not in done_keys]
