@@ -143,9 +143,9 @@ def _pivot_grams(q, k, G, pivot, valid, scale, buffers=None, all_valid=None, sq=
     BlockBuffers) holds the temporaries (in its arrays "scratch_a" and "scratch_b") and the
     results; ``all_valid`` (every row valid, known on the host) skips the row mask; ``sq`` is
     ``scale * q`` when the caller has it (it is overwritten).  ``kr_out`` (an array of k's shape):
-    when every (head, tile) is within the pivot's range, ws_kr = k̂_i 2^{G_last - G_i} is written
-    there as (k̂_i 2^{-Ĝ_i}) 2^{G_last - G_p}, from the factor the grams use, and returned;
-    otherwise kr is None (the caller evaluates it directly)."""
+    ws_kr = k̂_i 2^{G_last - G_i} is written there and returned, as (k̂_i 2^{-Ĝ_i}) 2^{G_last - G_p}
+    from the factor the grams use when every (head, tile) is within the pivot's range, else
+    directly; without ``kr_out`` kr is None."""
     HV, tiles, C, K = k.shape
     buf = buffers if buffers is not None else BlockBuffers(k.device)
     Gp = torch.gather(G, 2, pivot.view(1, tiles, 1, 1).expand(HV, tiles, 1, K))     # [HV,tiles,1,K]
@@ -163,13 +163,15 @@ def _pivot_grams(q, k, G, pivot, valid, scale, buffers=None, all_valid=None, sq=
     kiT = ki.transpose(-1, -2)
     KK = torch.matmul(kp, kiT, out=buf.get("pg_KK", (HV, tiles, C, C)))
     QK = torch.matmul(qp, kiT, out=buf.get("pg_QK", (HV, tiles, C, C)))
-    kr = None
     if not all_safe:
         bad = ~safe
         KK[bad] = decayed_gram_pairwise(k[bad], k[bad], G[bad], include_diag=False)
         QK[bad] = decayed_gram_pairwise(scale * q[bad], k[bad], G[bad], include_diag=True)
-    elif kr_out is not None:
-        kr = torch.mul(ki, torch.exp2(G[:, :, -1:, :] - Gp), out=kr_out)
+    kr = None
+    if kr_out is not None:
+        G_last = G[:, :, -1:, :]
+        kr = (torch.mul(ki, torch.exp2(G_last - Gp), out=kr_out) if all_safe
+              else torch.sub(G_last, G, out=kr_out).exp2_().mul_(k))
     return KK, QK, kr
 
 
@@ -302,8 +304,6 @@ def workspace_prepared(pp: Prepared, C: int, inverse: str = "exact", buffers=Non
     pivot = torch.clamp(grid.tile_len - 1, max=C // 2)
     KK, QK, ws_kr = _pivot_grams(q, k, G, pivot, valid, pp.scale, buffers=buf, all_valid=grid.full, sq=sq,
                                  kr_out=buf.get("ws_kr", shp))
-    if ws_kr is None:
-        ws_kr = torch.sub(G_last, G, out=buf.get("ws_kr", shp)).exp2_().mul_(k)
     L = KK.tril_(-1).mul_(torch.neg(beta)[..., None])                      # -β_i KK_ij, i > j
     mqk = QK.tril_(0)
     L, mqk = _heads_flat(L), _heads_flat(mqk)
