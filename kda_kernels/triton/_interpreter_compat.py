@@ -1,4 +1,4 @@
-"""Two fixes to Triton 3.6's CPU interpreter (TRITON_INTERPRET=1); compiled kernels are untouched.
+"""Four fixes to Triton's CPU interpreter (TRITON_INTERPRET=1, 3.3 to 3.9); compiled kernels are untouched.
 
 1. Loop bounds: the interpreter holds every scalar as a 1-element array and turns it into a
    loop bound with ``int(array)``, which NumPy 2.3+ rejects for arrays of ndim > 0, so
@@ -9,6 +9,11 @@
 3. fp32 -> bf16 casts: the interpreter truncates the mantissa; GPUs round to nearest even
    (cvt.rn.bf16.f32).  The patched cast rounds to nearest even, so the interpreter's errors
    are the GPU's and not twice as large.
+4. Comparisons (Triton 3.9): the interpreter tags a comparison's boolean result with its operands'
+   dtype (``n != 0`` for an int32 ``n`` is an int32 handle holding bools) although the language
+   types it int1.  Splatting such a scalar against a block then widens it to int32, and a load or
+   store masked by it fails with ``mask has unsupported dtype``.  The patched comparisons return
+   int1 handles, as the language (and the compiled kernel) types them.
 
 Nothing is patched at import: the launcher (``launch.launch``) calls ``install(force=True)`` before
 the first launch of an interpreted kernel, and code that runs other projects' kernels under the
@@ -79,4 +84,17 @@ def install(force: bool = False) -> None:
         return original_cast(self, src, dst_type)
 
     builder_cls.cast_impl = cast_impl
+
+    def boolean_result(compare):
+        def patched_compare(self, lhs, rhs):
+            out = compare(self, lhs, rhs)
+            return interpreter.TensorHandle(np.asarray(out.data, dtype=np.bool_), tl_int1)
+        return patched_compare
+
+    import triton.language as tl_lang
+
+    tl_int1 = tl_lang.int1
+    for name in dir(builder_cls):
+        if name.startswith(("create_icmp", "create_fcmp")):
+            setattr(builder_cls, name, boolean_result(getattr(builder_cls, name)))
     interpreter._kda_index_compat = True
