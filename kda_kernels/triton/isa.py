@@ -172,6 +172,17 @@ def _tool(name: str) -> Optional[str]:
     return path if os.path.exists(path) else None
 
 
+def _ptxas(arch_num: int) -> Optional[str]:
+    """The ptxas Triton itself assembles ``sm_<arch_num>`` PTX with: Triton 3.9 emits PTX 9.4, which
+    only its ``ptxas-blackwell`` (CUDA 13) reads at sm90, not the bundled ``ptxas`` (CUDA 12.9)."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+        path = get_ptxas(arch_num).path
+    except Exception:  # noqa: BLE001 - an older layout: the bundled binary
+        return _tool("ptxas")
+    return path if path and os.path.exists(path) else _tool("ptxas")
+
+
 def _cuda_stats(kernel, arch_num: int) -> dict:
     ptx = kernel.asm.get("ptx", "")
     out = {"matrix": {"wgmma (PTX)": len(re.findall(r"\bwgmma\.mma_async", ptx)),
@@ -187,12 +198,12 @@ def _cuda_stats(kernel, arch_num: int) -> dict:
             out["matrix"]["HGMMA (SASS)"] = len(re.findall(r"\bHGMMA\b", sass))
             out["matrix"]["HMMA (SASS)"] = len(re.findall(r"\bHMMA\b", sass))
             out["instructions"] = len(re.findall(r"/\*[0-9a-f]{4,}\*/\s+\S", sass))   # static SASS size
-        if ptx and _tool("ptxas"):
+        if ptx and _ptxas(arch_num):
             ppath = os.path.join(d, "k.ptx")
             with open(ppath, "w") as f:
                 f.write(ptx)
             sm = f"sm_{arch_num}a" if arch_num in (90, 100) else f"sm_{arch_num}"
-            res = subprocess.run([_tool("ptxas"), "-v", f"--gpu-name={sm}", ppath, "-o", os.path.join(d, "v.cubin")],
+            res = subprocess.run([_ptxas(arch_num), "-v", f"--gpu-name={sm}", ppath, "-o", os.path.join(d, "v.cubin")],
                                  capture_output=True, text=True, timeout=300)
             log = res.stdout + res.stderr
             m = re.search(r"Used (\d+) registers", log)
