@@ -14,6 +14,7 @@ import sys
 
 from kda_ref.problem import ProblemError  # noqa: F401 - re-exported (old imports)
 
+from .environment import check_triton
 from .errors import (EXIT_CODES_HELP, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_USAGE, Interrupted,  # noqa: F401
                      UsageError, bad_input_errors, save_traceback)
 
@@ -50,6 +51,7 @@ def main(argv=None) -> int:
         return 2
     name = f"kda-verify {args.command}"
     try:
+        check_triton()
         return int(args._run(args) or 0)
     except bad_input_errors() as e:
         print(f"{name}: error: {_one_line(e)}", file=sys.stderr)

@@ -129,6 +129,12 @@ def pytest_configure(config):
         for f in [d / "results.jsonl", *d.glob("results-*.jsonl")]:
             f.unlink(missing_ok=True)
     if _selects_verify(config):
+        from verification.environment import check_triton
+        from verification.errors import UsageError
+        try:
+            check_triton()
+        except UsageError as e:             # a Triton outside the supported range: one line, exit 2
+            pytest.exit(f"kda-verify: error: {e}", returncode=2)
         # --kda-backend triton on a machine without CUDA: Triton's interpreter, as kda-verify run sets it up
         from verification.selection import setup_interpreter
         note = setup_interpreter(_split(config.getoption("--kda-backend")), config.getoption("--kda-device") or "cpu")
