@@ -158,9 +158,19 @@ def test_ci_runs_the_readmes_install_test_and_main_lines_exactly_in_a_fresh_venv
     # before the install line only what a user making a fresh environment runs (and CI's own clock)
     before = [ln for ln in lines[:at[0]] if not ln.startswith(("step ", "step()", "start=", "set -euo", "cd ",
                                                                   "trap "))]
-    assert before == ['venv="$(mktemp -d)/venv"', 'python3 -m venv "$venv"', '. "$venv/bin/activate"'], before
-    # no pinned torch / triton install of CI's own anywhere
-    assert not any(re.search(r"pip3? install .*(torch|triton)", ln) for ln in lines), lines
+    assert before == ['venv="$(mktemp -d)/venv"', 'python3 -m venv "$venv"', '. "$venv/bin/activate"',
+                      _readme_cpu_torch_line()], before
+    # no pinned torch / triton install of CI's own anywhere: only the README's CPU-only torch line
+    assert [ln for ln in lines if re.search(r"pip3? install .*(torch|triton)", ln)] == [_readme_cpu_torch_line()]
+
+
+def _readme_cpu_torch_line() -> str:
+    """The README's one line that installs torch's CPU-only build before the install line."""
+    text = (ROOT / "README.md").read_text()
+    block = text.split("install torch's CPU-only build first", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    (line,) = [ln.strip() for ln in block.splitlines() if ln.strip()]
+    assert line == "pip install torch --index-url https://download.pytorch.org/whl/cpu"
+    return line
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the matrix runs the compiled kernels")
