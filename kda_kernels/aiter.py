@@ -173,17 +173,18 @@ class _CallCounter:
 class AiterBackend:
     name = "aiter"
 
-    def __init__(self, module=None, chunk_kda=None, chunk_fwd=None):
+    def __init__(self, module=None, chunk_kda=None, chunk_fwd=None, chunk_kda_why: str = ""):
         """``module``: an already-imported flash_kda module; ``chunk_kda`` / ``chunk_fwd``: the
         chunk_kda host module and the kimi_delta_attn forward module (tests pass recording fakes
-        or modules imported under the interpreter; None imports them when a chunk_kda route asks)."""
+        or modules imported under the interpreter; None imports them when a chunk_kda route asks,
+        unless ``module`` is given: then chunk_kda is absent, ``chunk_kda_why`` saying why)."""
         self._mod = module
         self._layout = None
         self._why = None
         if module is not None:
             self._layout = getattr(module, "__aiter_layout__", "given")
         self._ck, self._ck_fwd = chunk_kda, chunk_fwd
-        self._ck_why = None if chunk_kda is None and module is None else ""
+        self._ck_why = None if chunk_kda is None and module is None else (chunk_kda_why if chunk_kda is None else "")
 
     # ----- discovery -----------------------------------------------------------------
     def _load(self):
