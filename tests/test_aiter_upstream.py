@@ -1,0 +1,120 @@
+"""The aiter adapter against upstream ROCm/aiter's own KDA kernels, in Triton's CPU interpreter:
+the renamed FlashKDA (``_triton_kernels/kimi_delta_attn/flash_kda.py``, routes ``triton:*``) and
+``attention/chunk_kda.py``'s Triton fallback (route ``chunk_kda:triton``, which on the stand-in
+arch gfx942 runs ``chunk_kimi_delta_attn`` -> ``flash_kda_fwd``), each cell judged as
+``pytest -m verify`` judges it (float64 oracle, the route's recipe baseline, tolerances.yaml).
+
+The tree: ``$KDA_AITER_UPSTREAM`` or ``.vendor/aiter-upstream`` (an upstream aiter/ tree, never
+committed; the tests skip with the reason when it is absent).  It is imported through
+tools/aiter_interpret.py's loader (stand-in arch_info, fast_launch and driver; the project's
+interpreter fixes), which puts everything back afterwards.  Like every interpreter test these
+skip on a GPU machine unless TRITON_INTERPRET=1.
+"""
+import importlib.util
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from kda_kernels.base import Route
+from verification.cases import build_problem
+
+ROOT = Path(__file__).resolve().parents[1]
+UPSTREAM = Path(os.environ.get("KDA_AITER_UPSTREAM") or ROOT / ".vendor" / "aiter-upstream")
+
+warnings.filterwarnings("ignore", category=RuntimeWarning)  # inf in the masked upper triangle
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("aiter_interpret", ROOT / "tools" / "aiter_interpret.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def up():
+    if not (UPSTREAM / "aiter").is_dir():
+        pytest.skip(f"no upstream aiter tree in {UPSTREAM} (set KDA_AITER_UPSTREAM; never committed)")
+    if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the interpreter tests run on machines without a GPU (or with TRITON_INTERPRET=1)")
+    tool = _tool()
+    if tool.tree_layout(UPSTREAM) != "kimi_delta_attn":
+        pytest.skip(f"{UPSTREAM} holds no kimi_delta_attn FlashKDA (not an upstream tree)")
+    with tool.loaded(UPSTREAM) as mods:
+        import triton.language as tl
+        if type(tl.standard.sum).__name__ != "InterpretedFunction":
+            pytest.skip("Triton was imported in this process before TRITON_INTERPRET=1 was set, so its own "
+                        "functions are compiled ones; run this module in a fresh process")
+        yield tool.backend_of(mods), mods
+
+
+def _judge(b, p, name):
+    """(Outputs, Verdict) of route ``name`` on ``p``, as the verify matrix judges a cell."""
+    from kda_ref.truth import truth
+    from verification.tolerances import load_tolerances
+    from verification.verdict import baseline_metrics, judge
+    route = {r.name: r for r in b.routes()}[name]
+    assert b.accepts(p, route) == (True, ""), b.accepts(p, route)
+    tr = truth(p)
+    out = b.run(p, route)
+    v = judge("aiter", route, p, out, tr, baseline_metrics(p, route.recipe, tr), load_tolerances(None))
+    return out, v
+
+
+def test_upstream_routes_on_a_machine_without_an_amd_gpu(up):
+    b, mods = up
+    assert mods["chunk_kda"] is not None, mods["chunk_kda_why"]
+    v = b.version()
+    assert "kimi_delta_attn layout" in v and "chunk_kda on gfx942" in v, v
+    p = build_problem(dict(B=1, T=40, H=1), 0)
+    ok, why = b.accepts(p, Route("chunk_kda:gluon"))
+    assert not ok and "gfx1250 / gfx950 only" in why and "gfx942" in why
+    ok, why = b.accepts(p, Route("gluon:seg:cps=1"))
+    assert not ok and "gfx950" in why
+    assert b.accepts(p, Route("chunk_kda:triton")) == (True, "")
+
+
+CELLS = {   # name -> (route, case parameters, seed)
+    "chunk_kda-dense-batch-kv": ("chunk_kda:triton", dict(B=2, T=40, H=1, state="kv"), 1),
+    "chunk_kda-varlen-1-token-vk": ("chunk_kda:triton", dict(lens=[1, 37, 70], H=1, state="vk", lb=-1.0), 2),
+    "chunk_kda-paged-padded": ("chunk_kda:triton", dict(lens=[40, 70], H=1, state="paged", paged_new=[1],
+                                                        slot_pad=64), 3),
+    "flash_kda-unseg-varlen-1-token": ("triton:unseg", dict(lens=[1, 37, 70], H=1, state="vk"), 2),
+    "flash_kda-seg-paged-padded": ("triton:seg:cps=1", dict(lens=[40, 70], H=1, state="paged", paged_new=[1],
+                                                            slot_pad=64, lb=-1.0), 3),
+}
+
+
+@pytest.mark.parametrize("cell", list(CELLS))
+def test_upstream_route_passes_the_verdict(up, cell):
+    b, _ = up
+    name, params, seed = CELLS[cell]
+    p = build_problem(params, seed)
+    out, v = _judge(b, p, name)
+    print(f"{cell}: {v.status} {v.reason} | ran {out.info['route_ran']}")
+    assert v.status == "pass", v.reason
+    ran = out.info["route_ran"]
+    assert "K1x1" in ran and "K2x" in ran and "gluon" not in ran, ran
+    assert ("scanx1" in ran) == (name == "triton:seg:cps=1"), ran
+    if p.paged:   # unreferenced slots and the slot padding bit for bit as before (NaN kept)
+        sc = out.state_cache
+        assert sc.stride() == p.state_cache.stride()
+        unused = torch.ones(sc.shape[0], dtype=torch.bool)
+        unused[p.state_indices.long()] = False
+        assert torch.equal(sc[unused].view(torch.int32), p.state_cache[unused].view(torch.int32))
+        flat = sc.new_empty(0).set_(sc.untyped_storage(), 0, (sc.untyped_storage().nbytes() // 4,), (1,))
+        assert bool(flat.view(sc.shape[0], -1)[:, 128 * 128:].isnan().all())
+
+
+def test_chunk_kda_fallback_equals_flash_kda_v_first_bit_for_bit(up):
+    """chunk_kda's fallback is flash_kda_fwd with state_v_first on: the same bits as the FlashKDA
+    route with aiter's own segmentation heuristic (triton:seg) on the V-first problem."""
+    b, _ = up
+    p = build_problem(dict(lens=[33, 64], H=1, state="vk", lb=-0.5), 5)
+    by = {r.name: r for r in b.routes()}
+    a = b.run(p, by["chunk_kda:triton"])
+    f = b.run(p, by["triton:seg"])
+    assert torch.equal(a.o, f.o) and torch.equal(a.final_state, f.final_state)
