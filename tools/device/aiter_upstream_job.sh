@@ -23,7 +23,7 @@ OUT=${OUT:?OUT: expected the output directory in the environment, got none}
 TREE=${1:-.vendor/aiter-upstream}
 ROUTES=${ROUTES:-chunk_kda:triton,triton:unseg,triton:seg,triton:seg:cps=1,triton:seg:cps=4,chunk_kda:gluon,gluon:seg:cps=1}
 FUZZ_ROUTES=${FUZZ_ROUTES:-chunk_kda:triton,triton:unseg} FUZZ_N=${FUZZ_N:-500} JOBS=${JOBS:-8}
-SUITES=${SUITES:-smoke,default,stress,k3-prefill} T_MATRIX=${T_MATRIX:-480} DRY=${DRY:-0}
+SUITES=${SUITES:-smoke,default,stress,k3-prefill} T_MATRIX=${T_MATRIX:-360} DRY=${DRY:-0}
 [ -d "$TREE/aiter" ] || { echo "aiter_upstream_job.sh: TREE: expected a directory holding aiter/, got '$TREE'"; exit 2; }
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/log.txt") 2>&1
@@ -48,8 +48,8 @@ $PY -c "import importlib.metadata as m, sys; sys.exit(0 if any(e.name == 'kda_ve
   || PLUGIN=(-p verification.pytest_plugin)
 for f in ASSEMBLY.json COMMIT README.txt; do [ -f "$TREE/$f" ] && { echo "--- $TREE/$f"; cat "$TREE/$f"; }; done
 
-step backends 60 $PY -m verification.cli backends
-step probe 120 $PY -c '
+step backends 40 $PY -m verification.cli backends
+step probe 90 $PY -c '
 import torch, traceback
 from kda_kernels.aiter import AiterBackend
 from verification.cases import get_case
