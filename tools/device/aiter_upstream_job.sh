@@ -14,7 +14,7 @@
 # TREE: the directory holding aiter/ (default .vendor/aiter-upstream).  Needs a CUDA torch and
 # pytest-xdist.  Env: ROUTES (chunk_kda:triton, the four Triton FlashKDA routes, and chunk_kda:gluon
 # and gluon:seg:cps=1, which are not applicable off gfx1250 / gfx950 and say so), FUZZ_ROUTES
-# (chunk_kda:triton,triton:unseg), FUZZ_N (500), JOBS (8, pytest -n), SUITES, T_MATRIX (480 s).
+# (chunk_kda:triton,triton:unseg), FUZZ_N (500), JOBS (8, pytest -n), SUITES, T_MATRIX (360 s: the whole job then fits one 600 s call).
 # DRY=1 prints the steps and runs setup only.  DIR gets log.txt, matrix.tgz, fuzz.tgz (results,
 # reports, tails).
 set -u -o pipefail
