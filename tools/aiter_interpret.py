@@ -115,15 +115,17 @@ def loaded(tree: Path):
             mod = importlib.import_module(FLASH_KDA[layout])
             ck = fwd = None
             why = "the tree has no aiter/ops/triton/attention/chunk_kda.py"
-            if layout == "kimi_delta_attn" and (tree / "aiter/ops/triton/attention/chunk_kda.py").is_file():
+            if (tree / "aiter/ops/triton/attention/chunk_kda.py").is_file():
+                from kda_kernels.aiter import CHUNK_FWD, CHUNK_KDA
                 try:
-                    from kda_kernels.aiter import CHUNK_FWD, CHUNK_KDA
-                    ck = importlib.import_module(CHUNK_KDA)
-                    importlib.import_module("aiter.ops.triton.kimi_delta_attn")   # what its fallback imports
-                    fwd = importlib.import_module(CHUNK_FWD)
-                    why = ""
+                    ck, why = importlib.import_module(CHUNK_KDA), ""
                 except Exception as e:  # noqa: BLE001 - reported as the chunk_kda routes' reason
-                    ck, why = None, f"{type(e).__name__}: {e}"
+                    why = f"{CHUNK_KDA}: {type(e).__name__}: {e}"
+                try:   # what its Triton fallback imports; without it the fallback route says so
+                    importlib.import_module("aiter.ops.triton.kimi_delta_attn")
+                    fwd = importlib.import_module(CHUNK_FWD)
+                except Exception:  # noqa: BLE001
+                    fwd = None
         finally:
             torch.cuda.get_device_properties, driver._active = saved
         mod.__aiter_layout__ = layout
