@@ -120,3 +120,84 @@ def test_chunk_kda_fallback_equals_flash_kda_v_first_bit_for_bit(up):
     a = b.run(p, by["chunk_kda:triton"])
     f = b.run(p, by["triton:seg"])
     assert torch.equal(a.o, f.o) and torch.equal(a.final_state, f.final_state)
+
+
+# ----- chunk_kda's host with the Triton kernels of the tree's base ------------------------------
+# A tree may hold chunk_kda.py without the kimi_delta_attn package its Triton fallback imports
+# (chunk_kda and its Gluon kernels over the 2026-08 base).  The real chunk_kda host then runs with
+# a stand-in chunk_kimi_delta_attn that checks what chunk_kda passes it and calls the base's own
+# Triton flash_kda_fwd (the 2026-08 chunk_delta_attn FlashKDA: the same K1 / K2 / scan kernels,
+# without out= or a paged cache) - the adapter's mapping, chunk_kda's packing and V-first states,
+# and real FlashKDA numerics judged by the verdict, on dense problems.
+@pytest.fixture(scope="module")
+def host_only():
+    if not (UPSTREAM / "aiter/ops/triton/attention/chunk_kda.py").is_file():
+        pytest.skip(f"no aiter/ops/triton/attention/chunk_kda.py in {UPSTREAM}")
+    if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the interpreter tests run on machines without a GPU (or with TRITON_INTERPRET=1)")
+    tool = _tool()
+    if tool.tree_layout(UPSTREAM) == "kimi_delta_attn":
+        pytest.skip("the tree has the kimi_delta_attn fallback: the tests above run it")
+    with tool.loaded(UPSTREAM) as mods:
+        import sys
+        import types
+
+        import triton.language as tl
+        if type(tl.standard.sum).__name__ != "InterpretedFunction":
+            pytest.skip("Triton was imported in this process before TRITON_INTERPRET=1 was set")
+        if mods["chunk_kda"] is None:
+            pytest.fail(f"chunk_kda did not import: {mods['chunk_kda_why']}")
+        flash, calls = mods["flash_kda"], []
+        fwd = types.SimpleNamespace(AITER_FDA_ENABLE=False)
+
+        def chunk_kimi_delta_attn(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_state=None,
+                                  output_final_state=False, use_qk_l2norm_in_kernel=False,
+                                  use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, safe_gate=False,
+                                  lower_bound=None, state_v_first=False, cu_seqlens=None, out=None,
+                                  state_cache=None, state_indices=None, has_initial_state=None):
+            calls.append(dict(fda=fwd.AITER_FDA_ENABLE, flags=(use_qk_l2norm_in_kernel, use_gate_in_kernel,
+                                                                  use_beta_sigmoid_in_kernel, safe_gate,
+                                                                  state_v_first), out=out, paged=state_cache))
+            o, final = flash.flash_kda_fwd(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias,
+                                           scale=scale, lower_bound=lower_bound, initial_state=initial_state,
+                                           output_final_state=output_final_state, state_v_first=state_v_first,
+                                           cu_seqlens=cu_seqlens)
+            out.copy_(o)
+            return out, final
+        wrapper = types.ModuleType("aiter.ops.triton.kimi_delta_attn")
+        wrapper.chunk_kimi_delta_attn = chunk_kimi_delta_attn
+        saved = sys.modules.get(wrapper.__name__)
+        sys.modules[wrapper.__name__] = wrapper
+        saved_layout = flash.__aiter_layout__
+        flash.__aiter_layout__ = "kimi_delta_attn"   # the stand-in calls this module's flash_kda_fwd
+        try:
+            from kda_kernels.aiter import AiterBackend
+            yield AiterBackend(module=flash, chunk_kda=mods["chunk_kda"], chunk_fwd=fwd), calls, fwd
+        finally:
+            flash.__aiter_layout__ = saved_layout
+            if saved is None:
+                sys.modules.pop(wrapper.__name__, None)
+            else:
+                sys.modules[wrapper.__name__] = saved
+
+
+HOST_CELLS = {   # name -> (case parameters, seed)
+    "dense-batch-kv": (dict(B=2, T=40, H=1, state="kv"), 1),
+    "varlen-1-token-vk": (dict(lens=[1, 37, 70], H=1, state="vk", lb=-1.0), 2),
+    "dense-no-state-lb-5": (dict(B=1, T=64, H=2), 0),
+}
+
+
+@pytest.mark.parametrize("cell", list(HOST_CELLS))
+def test_chunk_kda_host_over_the_base_flashkda_passes_the_verdict(host_only, cell):
+    b, calls, fwd = host_only
+    params, seed = HOST_CELLS[cell]
+    p = build_problem(params, seed)
+    out, v = _judge(b, p, "chunk_kda:triton")
+    print(f"{cell}: {v.status} {v.reason} | ran {out.info['route_ran']}")
+    c = calls[-1]
+    assert c["fda"] is True and fwd.AITER_FDA_ENABLE is False       # switched on for the call only
+    assert c["flags"] == (True, True, True, True, True) and c["paged"] is None
+    assert out.o.data_ptr() == c["out"].data_ptr()
+    assert "K1x1" in out.info["route_ran"] and "K2x" in out.info["route_ran"]
+    assert v.status == "pass", v.reason
