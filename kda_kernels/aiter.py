@@ -305,8 +305,10 @@ class AiterBackend:
             return False, (f"not applicable: on {arch} aiter's chunk_kda takes its Gluon path (route "
                            f"chunk_kda:gluon); its Triton fallback runs on other archs only")
         if self._ck_fwd is None or not hasattr(self._ck_fwd, "AITER_FDA_ENABLE"):
-            return False, (f"not applicable: chunk_kda's Triton fallback dispatches through {CHUNK_FWD}, "
-                           f"which this tree lacks or which has no AITER_FDA_ENABLE switch")
+            return False, ("not applicable: chunk_kda's Triton fallback calls chunk_kimi_delta_attn(out=, "
+                           "state_cache=, ...), which needs upstream's kimi_delta_attn forward "
+                           f"({CHUNK_FWD} with its AITER_FDA_ENABLE switch); this tree lacks it (the 2026-08 "
+                           "chunk_kimi_delta_attn takes neither out nor state_cache)")
         if self._load() is None or self._layout == "chunk_delta_attn":
             return False, ("not applicable: chunk_kda's Triton fallback calls the kimi_delta_attn flash_kda_fwd, "
                            f"not importable here ({self._why or self._layout + ' layout only'})")

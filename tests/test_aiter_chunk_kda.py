@@ -116,6 +116,16 @@ def test_without_chunk_kda_its_routes_are_not_applicable():
     assert not ok and "no chunk_kda" in why
 
 
+def test_a_tree_without_upstreams_kimi_forward_has_no_fallback_route():
+    """chunk_kda.py beside the 2026-08 kimi_delta_attn wrapper (no out=, no state_cache=): its
+    fallback would raise TypeError on every call, so the route is not applicable, in words."""
+    flash = _flash_stand_in()
+    ck = _chunk_kda_stand_in("sm90", flash, types.SimpleNamespace(AITER_FDA_ENABLE=True))
+    b = AiterBackend(module=flash, chunk_kda=ck, chunk_fwd=None)
+    ok, why = b.route_exists(route("chunk_kda:triton"))
+    assert not ok and "kimi_delta_attn forward" in why and "neither out nor state_cache" in why
+
+
 def test_routes_and_recipes():
     b, *_ = _backend()
     by = {r.name: r for r in b.routes()}
