@@ -226,8 +226,12 @@ class AiterBackend:
 
     @staticmethod
     def _chunk_kda_arch(ck) -> str:
-        """The arch chunk_kda dispatches on: its own ``_ARCH`` (read at import), else the GPU's."""
-        return str(getattr(ck, "_ARCH", None) or current_arch())
+        """The arch chunk_kda dispatches on: its own ``_ARCH`` (read at import; on a CUDA device
+        aiter's arch_info gives Triton's int capability, 90, named here sm90), else the GPU's."""
+        arch = getattr(ck, "_ARCH", None)
+        if isinstance(arch, int):
+            return f"sm{arch}"
+        return str(arch or current_arch())
 
     def available(self) -> tuple[bool, str]:
         if self._load() is None:

@@ -110,6 +110,14 @@ def test_the_arch_chunk_kda_dispatches_on_decides_the_route():
     assert not ok and "gfx950" in why and "chunk_kda:gluon" in why
 
 
+def test_an_int_arch_from_cuda_is_named_as_an_sm():
+    b, ck, *_ = _backend("sm90")
+    ck._ARCH = 90                      # aiter's arch_info on a CUDA device: Triton's int capability
+    ok, why = b.route_exists(route("chunk_kda:gluon"))
+    assert not ok and "this GPU is sm90" in why
+    assert b.route_exists(route("chunk_kda:triton")) == (True, "")
+
+
 def test_without_chunk_kda_its_routes_are_not_applicable():
     b = AiterBackend(module=_flash_stand_in())
     ok, why = b.route_exists(route("chunk_kda:triton"))
