@@ -585,7 +585,7 @@ class AiterBackend:
         if o is not None and o.data_ptr() != kw["out"].data_ptr():
             raise RuntimeError("aiter chunk_kda(out=...) returned o in another buffer than out")
         o = kw["out"].reshape(p.v.shape)
-        pinned = {k: v for k, v in counts.items() if k.endswith(":config")}
+        pinned = {k: v for k, v in counts.items() if k.endswith(":config") and counts.get(k[:-len(":config")])}
         if pinned:
             ran += "; pinned " + ", ".join(f"{k}={v}" for k, v in pinned.items())
         info = {"route_ran": ran, "layout": "chunk_kda on " + self._chunk_kda_arch(self._ck)}

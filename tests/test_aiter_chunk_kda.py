@@ -234,6 +234,21 @@ def test_the_gluon_route_counts_prepare_and_walk():
     assert isinstance(ck.prepare.chunk_kda_prepare_kernel, _Kernel)
 
 
+def test_the_record_names_only_pinned_configs_of_kernels_that_ran(monkeypatch):
+    """On the Gluon route FlashKDA's autotuned kernels are pinned (and counted) but never launch:
+    their pinned config is no part of what ran."""
+    import contextlib
+    b, *_ = _backend("gfx1250")
+
+    @contextlib.contextmanager
+    def pinned(r, counts):
+        counts["K2:config"] = "{'BW': 32}"
+        yield
+    monkeypatch.setattr(b, "_pinned", pinned)
+    out = b.run(build_problem(dict(B=1, T=40, H=1), 0), route("chunk_kda:gluon"))
+    assert out.info["route_ran"] == "gluon:preparex1, gluon:walkx1"
+
+
 @pytest.mark.parametrize("launches, why", [(("prepare",), "expected one Gluon prepare and the walk"),
                                            (("prepare", "walk", "K1"), "expected one Gluon prepare")])
 def test_gluon_launches_that_contradict_the_route_are_refused(launches, why):
