@@ -127,8 +127,9 @@ def test_chunk_kda_fallback_equals_flash_kda_v_first_bit_for_bit(up):
 # (chunk_kda and its Gluon kernels over the 2026-08 base).  The real chunk_kda host then runs with
 # a stand-in chunk_kimi_delta_attn that checks what chunk_kda passes it and calls the base's own
 # Triton flash_kda_fwd (the 2026-08 chunk_delta_attn FlashKDA: the same K1 / K2 / scan kernels,
-# without out= or a paged cache) - the adapter's mapping, chunk_kda's packing and V-first states,
-# and real FlashKDA numerics judged by the verdict, on dense problems.
+# without out= or a paged cache, which the stand-in gathers before and scatters after) - the
+# adapter's mapping, chunk_kda's packing and V-first states, and real FlashKDA numerics judged by
+# the verdict.
 @pytest.fixture(scope="module")
 def host_only():
     if not (UPSTREAM / "aiter/ops/triton/attention/chunk_kda.py").is_file():
@@ -158,11 +159,20 @@ def host_only():
             calls.append(dict(fda=fwd.AITER_FDA_ENABLE, flags=(use_qk_l2norm_in_kernel, use_gate_in_kernel,
                                                                   use_beta_sigmoid_in_kernel, safe_gate,
                                                                   state_v_first), out=out, paged=state_cache))
+            paged = state_cache is not None
+            if paged:   # the base kernel has no paged cache: gathered before, scattered after
+                assert initial_state is None and not output_final_state and state_indices.dtype == torch.int32
+                rows = state_indices.long()
+                initial_state = torch.where(has_initial_state[:, None, None, None], state_cache[rows],
+                                            torch.zeros(())).contiguous()
             o, final = flash.flash_kda_fwd(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias,
                                            scale=scale, lower_bound=lower_bound, initial_state=initial_state,
-                                           output_final_state=output_final_state, state_v_first=state_v_first,
-                                           cu_seqlens=cu_seqlens)
+                                           output_final_state=output_final_state or paged,
+                                           state_v_first=state_v_first, cu_seqlens=cu_seqlens)
             out.copy_(o)
+            if paged:
+                state_cache[rows] = final
+                return out, None
             return out, final
         wrapper = types.ModuleType("aiter.ops.triton.kimi_delta_attn")
         wrapper.chunk_kimi_delta_attn = chunk_kimi_delta_attn
@@ -185,6 +195,7 @@ HOST_CELLS = {   # name -> (case parameters, seed)
     "dense-batch-kv": (dict(B=2, T=40, H=1, state="kv"), 1),
     "varlen-1-token-vk": (dict(lens=[1, 37, 70], H=1, state="vk", lb=-1.0), 2),
     "dense-no-state-lb-5": (dict(B=1, T=64, H=2), 0),
+    "paged-padded": (dict(lens=[40, 70], H=1, state="paged", paged_new=[1], slot_pad=64), 3),
 }
 
 
@@ -197,7 +208,13 @@ def test_chunk_kda_host_over_the_base_flashkda_passes_the_verdict(host_only, cel
     print(f"{cell}: {v.status} {v.reason} | ran {out.info['route_ran']}")
     c = calls[-1]
     assert c["fda"] is True and fwd.AITER_FDA_ENABLE is False       # switched on for the call only
-    assert c["flags"] == (True, True, True, True, True) and c["paged"] is None
+    assert c["flags"] == (True, True, True, True, True) and (c["paged"] is not None) == p.paged
     assert out.o.data_ptr() == c["out"].data_ptr()
     assert "K1x1" in out.info["route_ran"] and "K2x" in out.info["route_ran"]
     assert v.status == "pass", v.reason
+    if p.paged:   # the cache chunk_kda wrote is the one returned; other slots and the padding as before
+        sc = out.state_cache
+        assert c["paged"].data_ptr() == sc.data_ptr() and sc.stride() == p.state_cache.stride()
+        unused = torch.ones(sc.shape[0], dtype=torch.bool)
+        unused[p.state_indices.long()] = False
+        assert torch.equal(sc[unused].view(torch.int32), p.state_cache[unused].view(torch.int32))
