@@ -173,6 +173,7 @@ def _run(a, mods) -> int:
     import warnings
 
     from kda_kernels.aiter import parse_route
+    from kda_kernels.base import Route
     from kda_kernels.emulator import RECIPES
     from kda_ref.truth import truth
     from verification.cases import get_case
@@ -214,7 +215,7 @@ def _run(a, mods) -> int:
                     recipes[r] = baseline_metrics(p, r, tr)
             return recipes
         for rname in routes:
-            route = by_name[rname]
+            route = by_name.get(rname) or Route(rname, recipe="flashkda")   # e.g. seg:cps=N not listed
             if route.recipe not in recipes:
                 recipes[route.recipe] = baseline_metrics(p, route.recipe, tr)
             base = recipes[route.recipe]
