@@ -15,6 +15,16 @@ A paged problem's cache is handed to aiter as a copy with its own strides (slot 
 kept), which aiter writes in place; where flash_kda_fwd takes ``out=``, o is always written into
 a buffer the adapter allocates, and a result that is not that buffer is refused.
 
+chunk_kda (``aiter.ops.triton.attention.chunk_kda.chunk_kda``, the newest tree): chunked KDA prefill
+at C = 64 as two Gluon kernels (prepare, then the walk; gfx950 adds a scan) on gfx1250 / gfx950, and on
+any other arch a Triton fallback, ``kimi_delta_attn.chunk_kimi_delta_attn(..., state_v_first=True)``,
+which dispatches to the kimi_delta_attn ``flash_kda_fwd`` (C = 32).  Routes ``chunk_kda:gluon`` and
+``chunk_kda:triton``; which one a GPU has is decided by the module's own ``_ARCH``, so the other is
+"not applicable" with the reason.  Its states are V-first fp32 [N, H, V, K] (a K-first Problem's
+state is transposed in and out), its tokens one packed [1, T, H, 128] batch with cu_seqlens (a
+dense [B, T] Problem goes in as B sequences of T tokens).  The fused gated RMSNorm output
+(``out_gate``, ``norm_weight``) has no route: the Problem carries no gate or weight for it.
+
 Routes: ``<kernels>:<segmentation>[:prefetch=on|off]`` with kernels in triton | gluon |
 gluon-k1 | gluon-k2 (AITER_FDA_USE_GLUON = 0 / 1 / k1 / k2) and segmentation in unseg |
 seg | seg:cps=N (``chunks_per_seg`` = 0, None, N).  Gluon kernels exist only on gfx950
@@ -64,35 +74,60 @@ TRITON_KERNELS = {"K1": "_flash_kda_prepare_kernel", "K2": "_flash_kda_segment_k
                   "scan": "_flash_kda_seg_scan_kernel"}
 # the newest layout launches each Triton kernel through a fast_launch wrapper of it
 FAST_LAUNCHERS = {"K1": "_prepare_fast", "K2": "_segment_fast", "scan": "_seg_scan_fast"}
-# the newest layout's gfx950 Gluon launchers: (module, attribute, count key, called directly)
+# the gfx950 Gluon launchers of the fork layout (chunk_delta_attn) and of upstream's renamed one
+# (kimi_delta_attn, which adds a Gluon pass C): (module, attribute, count key, called directly)
 _GLUON_PKG = "aiter.ops.triton._gluon_kernels.gfx950.chunk_delta_attn."
+_GLUON_PKG_KDA = "aiter.ops.triton._gluon_kernels.gfx950.kimi_delta_attn."
 GLUON_LAUNCHERS = ((_GLUON_PKG + "flash_kda_k1", "gluon_k1_prepare", "gluon:K1", True),
-                   (_GLUON_PKG + "flash_kda_k2", "k2_ab_fused_fast", "gluon:K2", False))
+                   (_GLUON_PKG + "flash_kda_k2", "k2_ab_fused_fast", "gluon:K2", False),
+                   (_GLUON_PKG_KDA + "flash_kda_k1", "gluon_k1_prepare", "gluon:K1", True),
+                   (_GLUON_PKG_KDA + "flash_kda_k2", "k2_ab_fused_fast", "gluon:K2", False),
+                   (_GLUON_PKG_KDA + "flash_kda_k2", "k2_c_fast", "gluon:K2C", False))
+GLUON_K2_KEYS = ("gluon:K2", "gluon:K2C")
 FLAGS = ("AITER_FDA_ENABLE", "AITER_FDA_USE_GLUON_K1", "AITER_FDA_USE_GLUON_K2", "AITER_FDA_SCAN_PREFETCH",
          "CHUNK_DELTA_ATTN_USE_FLASH_KDA")
 PINNED_BW = 32  # the K2 tile width each route pins where aiter would autotune among several
 # Which config an autotuned aiter kernel is pinned to (kda_kernels._autotune_pin says why aiter's
 # rule is not the fla one): the first with BW == PINNED_BW in aiter's order, else aiter's first.
 PIN_RULE = _autotune_pin.first_matching(BW=PINNED_BW)
+# chunk_kda (the newest tree): its host module, the kimi_delta_attn forward whose FlashKDA switch
+# its Triton fallback goes through, the archs it runs Gluon on, and the Gluon kernels it launches
+# as (attribute of chunk_kda holding the module, kernel attribute, count key)
+CHUNK_KDA = "aiter.ops.triton.attention.chunk_kda"
+CHUNK_FWD = "aiter.ops.triton._triton_kernels.kimi_delta_attn.chunk_fwd"
+CHUNK_KDA_ARCHS = ("gfx1250", "gfx950")
+CHUNK_KDA_GLUON_KERNELS = (("prepare", "chunk_kda_prepare_kernel", "gluon:prepare"),
+                           ("walk", "chunk_kda_walk_kernel", "gluon:walk"),
+                           ("walk", "chunk_kda_scan_kernel", "gluon:walk_scan"))
+# route -> (kernels, emulator recipe of its baseline).  The fallback is aiter's Triton FlashKDA
+# (flashkda).  The Gluon prepare/walk pair chunks at 64 with 16-row bands and an fp32 inverse by
+# doubling and block substitution: of the recipes here the fla one (C = 64, 16-row anchors, fp32
+# inverse) is the closest; a recipe of its own replaces it once one exists.
+CHUNK_KDA_ROUTES = {"chunk_kda:gluon": ("gluon", "fla"), "chunk_kda:triton": ("triton", "flashkda")}
 _ROUTE_RE = re.compile(r"^(triton|gluon|gluon-k1|gluon-k2):(unseg|seg(?::cps=(\d+))?)(?::prefetch=(on|off))?$")
 
 
 def parse_route(name: str) -> dict:
-    """'gluon-k2:seg:cps=4:prefetch=on' -> kernels, chunks_per_seg (0 = unsegmented, None =
-    aiter's heuristic), prefetch (None = leave the library default)."""
+    """'gluon-k2:seg:cps=4:prefetch=on' -> entry "flash_kda", kernels, chunks_per_seg (0 =
+    unsegmented, None = aiter's heuristic), prefetch (None = leave the library default);
+    'chunk_kda:gluon' / 'chunk_kda:triton' -> entry "chunk_kda", kernels gluon / triton (segments
+    and prefetch as the library decides)."""
+    if name in CHUNK_KDA_ROUTES:
+        return dict(entry="chunk_kda", kernels=CHUNK_KDA_ROUTES[name][0], chunks_per_seg=None, prefetch=None)
     m = _ROUTE_RE.match(name)
     if not m:
         raise ValueError(f"--route: expected <triton|gluon|gluon-k1|gluon-k2>:<unseg|seg|seg:cps=N>"
-                         f"[:prefetch=on|off] for aiter, got {name!r}")
+                         f"[:prefetch=on|off] or {' or '.join(CHUNK_KDA_ROUTES)} for aiter, got {name!r}")
     kernels, seg, cps, pf = m.groups()
-    return dict(kernels=kernels, chunks_per_seg=0 if seg == "unseg" else (int(cps) if cps else None),
+    return dict(entry="flash_kda", kernels=kernels,
+                chunks_per_seg=0 if seg == "unseg" else (int(cps) if cps else None),
                 prefetch=None if pf is None else pf == "on")
 
 
 def route_names() -> list[str]:
     names = [f"{k}:{s}" for k in KERNEL_SETS for s in SEGMENTATIONS]
     names += [f"triton:{s}:prefetch={p}" for s in ("seg", "seg:cps=4") for p in ("on", "off")]
-    return names
+    return names + list(CHUNK_KDA_ROUTES)
 
 
 def current_arch() -> str:
@@ -138,13 +173,18 @@ class _CallCounter:
 class AiterBackend:
     name = "aiter"
 
-    def __init__(self, module=None):
-        """``module``: an already-imported flash_kda module (tests pass a recording fake)."""
+    def __init__(self, module=None, chunk_kda=None, chunk_fwd=None, chunk_kda_why: str = ""):
+        """``module``: an already-imported flash_kda module; ``chunk_kda`` / ``chunk_fwd``: the
+        chunk_kda host module and the kimi_delta_attn forward module (tests pass recording fakes
+        or modules imported under the interpreter; None imports them when a chunk_kda route asks,
+        unless ``module`` is given: then chunk_kda is absent, ``chunk_kda_why`` saying why)."""
         self._mod = module
         self._layout = None
         self._why = None
         if module is not None:
             self._layout = getattr(module, "__aiter_layout__", "given")
+        self._ck, self._ck_fwd = chunk_kda, chunk_fwd
+        self._ck_why = None if chunk_kda is None and module is None else (chunk_kda_why if chunk_kda is None else "")
 
     # ----- discovery -----------------------------------------------------------------
     def _load(self):
@@ -163,6 +203,36 @@ class AiterBackend:
                      + " | ".join(errors))
         return None
 
+    def _load_chunk_kda(self):
+        """The chunk_kda host module, or None (``self._ck_why`` says why).  With a given flash_kda
+        module and no given chunk_kda one, chunk_kda counts as absent (a recording fake of
+        flash_kda_fwd alone)."""
+        if self._ck is not None or self._ck_why:
+            return self._ck
+        if self._ck_why == "":
+            self._ck_why = "aiter's chunk_kda was not given to this adapter"
+            return None
+        os.environ.setdefault("AITER_TRITON_ONLY", "1")
+        try:
+            self._ck = importlib.import_module(CHUNK_KDA)
+        except Exception as e:  # ModuleNotFoundError (an older tree), or its arch probe failing
+            self._ck_why = f"{CHUNK_KDA}: {type(e).__name__}: {e}"
+            return None
+        try:
+            self._ck_fwd = importlib.import_module(CHUNK_FWD)
+        except Exception:      # the fallback route then says it cannot set the FlashKDA switch
+            self._ck_fwd = None
+        return self._ck
+
+    @staticmethod
+    def _chunk_kda_arch(ck) -> str:
+        """The arch chunk_kda dispatches on: its own ``_ARCH`` (read at import; on a CUDA device
+        aiter's arch_info gives Triton's int capability, 90, named here sm90), else the GPU's."""
+        arch = getattr(ck, "_ARCH", None)
+        if isinstance(arch, int):
+            return f"sm{arch}"
+        return str(arch or current_arch())
+
     def available(self) -> tuple[bool, str]:
         if self._load() is None:
             return False, self._why
@@ -178,6 +248,9 @@ class AiterBackend:
         feats += [f for f in FLAGS if hasattr(mod, f)]
         if any(hasattr(mod, a) for a in FAST_LAUNCHERS.values()):
             feats.append("fast_launch")
+        ck = self._load_chunk_kda()
+        if ck is not None:
+            feats.append(f"chunk_kda on {self._chunk_kda_arch(ck)}")
         return f"aiter flash_kda ({self._layout} layout{', ' + ', '.join(feats) if feats else ''})"
 
     def _supports(self, arg: str) -> bool:
@@ -190,7 +263,14 @@ class AiterBackend:
         out = []
         for name in route_names():
             r = parse_route(name)
-            out.append(Route(name, recipe="flashkda", flags=tuple(sorted(r.items(), key=lambda kv: kv[0])),
+            flags = tuple(sorted(r.items(), key=lambda kv: kv[0]))
+            if r["entry"] == "chunk_kda":
+                kernels, recipe = CHUNK_KDA_ROUTES[name]
+                what = ("the Gluon prepare and walk (gfx1250 / gfx950)" if kernels == "gluon" else
+                        "the Triton fallback (chunk_kimi_delta_attn -> flash_kda_fwd) on other archs")
+                out.append(Route(name, recipe=recipe, flags=flags, description=f"chunk_kda: {what}"))
+                continue
+            out.append(Route(name, recipe="flashkda", flags=flags,
                              description=f"AITER_FDA_USE_GLUON={r['kernels']}, chunks_per_seg={r['chunks_per_seg']}"))
         return out
 
@@ -198,6 +278,8 @@ class AiterBackend:
     def route_exists(self, route: Route) -> tuple[bool, str]:
         """Whether this route exists with this aiter version on this GPU, and why not."""
         r = parse_route(route.name)
+        if r["entry"] == "chunk_kda":
+            return self._chunk_kda_route_exists(r)
         mod = self._load()
         if r["kernels"] != "triton":
             if mod is not None and not hasattr(mod, "AITER_FDA_USE_GLUON_K1"):
@@ -212,10 +294,73 @@ class AiterBackend:
                            "(AITER_FDA_SCAN_PREFETCH is absent from the module)")
         return True, ""
 
+    def _chunk_kda_route_exists(self, r: dict) -> tuple[bool, str]:
+        ck = self._load_chunk_kda()
+        if ck is None:
+            return False, f"not applicable: this aiter tree has no chunk_kda ({self._ck_why})"
+        arch = self._chunk_kda_arch(ck)
+        if r["kernels"] == "gluon":
+            if arch not in CHUNK_KDA_ARCHS:
+                return False, (f"not applicable: aiter's chunk_kda runs its Gluon prepare and walk on "
+                               f"{' / '.join(CHUNK_KDA_ARCHS)} only; this GPU is {arch}, where chunk_kda takes "
+                               f"its Triton fallback (route chunk_kda:triton)")
+            return True, ""
+        if arch in CHUNK_KDA_ARCHS:
+            return False, (f"not applicable: on {arch} aiter's chunk_kda takes its Gluon path (route "
+                           f"chunk_kda:gluon); its Triton fallback runs on other archs only")
+        if self._ck_fwd is None or not hasattr(self._ck_fwd, "AITER_FDA_ENABLE"):
+            return False, ("not applicable: chunk_kda's Triton fallback calls chunk_kimi_delta_attn(out=, "
+                           "state_cache=, ...), which needs upstream's kimi_delta_attn forward "
+                           f"({CHUNK_FWD} with its AITER_FDA_ENABLE switch); this tree lacks it (the 2026-08 "
+                           "chunk_kimi_delta_attn takes neither out nor state_cache)")
+        if self._load() is None or self._layout == "chunk_delta_attn":
+            return False, ("not applicable: chunk_kda's Triton fallback calls the kimi_delta_attn flash_kda_fwd, "
+                           f"not importable here ({self._why or self._layout + ' layout only'})")
+        return True, ""
+
+    def _chunk_kda_accepts(self, p: Problem, r: dict) -> tuple[bool, str]:
+        """chunk_kda's own limits: K = V = 128 (HEAD_DIM), one head count (no GVA), the fused gate
+        lower_bound * sigmoid(exp(A_log) (g + dt_bias)), beta sigmoid and q/k l2norm in the kernel,
+        bf16 q, k, v; lower_bound in [-5.5, 0) (chunk_kda_prepare asserts it), and on the Triton
+        fallback in [-5, 0) (chunk_kimi_delta_attn raises outside its safe range); a paged cache
+        fp32 with dense [H, V, K] slots (stride(0) may be padded)."""
+        gluon = r["kernels"] == "gluon"
+        if p.K != 128 or p.V != 128:
+            return False, f"not applicable: chunk_kda is specialised to K = V = 128, got K={p.K} V={p.V}"
+        if p.HV != p.H:
+            return False, f"not applicable: chunk_kda takes one head count for q, k and v (H={p.H}, HV={p.HV})"
+        if p.gate != "lower_bound" or p.A_log is None:
+            return False, ("not applicable: chunk_kda computes the gate lower_bound * sigmoid(exp(A_log) * "
+                           f"(g + dt_bias)) itself; got gate {p.gate!r}" + ("" if p.A_log is not None else " without A_log"))
+        if p.beta_kind != "sigmoid" or not p.qk_l2norm:
+            return False, "not applicable: chunk_kda applies beta sigmoid and the q/k l2norm in the kernel"
+        if any(t.dtype != torch.bfloat16 for t in (p.q, p.k, p.v)):
+            return False, (f"not applicable: chunk_kda takes bf16 q, k, v, got {p.q.dtype} / {p.k.dtype} / "
+                           f"{p.v.dtype}")
+        lo = -5.5 if gluon else -5.0
+        if not lo <= float(p.lower_bound) < 0:
+            who = ("chunk_kda_prepare asserts" if gluon else
+                   "the Triton fallback's chunk_kimi_delta_attn raises outside its safe range:")
+            return False, f"not applicable: {who} lower_bound in [{lo}, 0), got {p.lower_bound}"
+        if p.paged:
+            sc = p.state_cache
+            if sc.dtype != torch.float32:
+                return False, f"not applicable: chunk_kda's paged state_cache is fp32, got {sc.dtype}"
+            if sc.stride(-1) != 1 or sc.stride(2) != p.K or sc.stride(1) != p.V * p.K:
+                return False, (f"not applicable: chunk_kda's paged state_cache needs dense [H, V, K] slots "
+                               f"(only stride(0) may be padded), got strides {tuple(sc.stride())}")
+        if not gluon and p.N * p.H > 65535:
+            return False, (f"not applicable: N*H = {p.N * p.H} exceeds the CUDA grid-y limit 65535 of the "
+                           "fallback's flash_kda scan")
+        return True, ""
+
     def accepts(self, p: Problem, route: Route) -> tuple[bool, str]:
         ok, why = self.route_exists(route)
         if not ok:
             return ok, why
+        r = parse_route(route.name)
+        if r["entry"] == "chunk_kda":
+            return self._chunk_kda_accepts(p, r)
         if p.K != 128 or p.V != 128:
             return False, f"not applicable: FlashKDA needs K = V = 128, got K={p.K} V={p.V}"
         if p.HV != p.H:
@@ -326,22 +471,139 @@ class AiterBackend:
             raise RuntimeError(f"aiter route {r['kernels']} launched Gluon kernels: {counts}")
         if wants_gluon and not gluon:
             raise RuntimeError(f"aiter route {r['kernels']} launched no Gluon kernel: {counts}")
+        gluon_k1, gluon_k2 = KERNEL_SETS[r["kernels"]]
+        gk1, gk2 = counts.get("gluon:K1", 0), sum(counts.get(k, 0) for k in GLUON_K2_KEYS)
+        if gk1 and not gluon_k1:
+            raise RuntimeError(f"aiter route {r['kernels']} asks for the Triton K1 but the Gluon K1 launched: {counts}")
+        if gk2 and not gluon_k2:
+            raise RuntimeError(f"aiter route {r['kernels']} asks for the Triton K2 but a Gluon K2 launched: {counts}")
         scans = counts.get("scan", 0)
         if segmented_expected is True and not scans:
             raise RuntimeError(f"aiter route asked for segmentation but no scan launched: {counts}")
         if segmented_expected is False and scans:
             raise RuntimeError(f"aiter route asked for no segmentation but the scan launched: {counts}")
-        k1 = counts.get("K1", 0) or (gluon if r["kernels"] in ("gluon", "gluon-k1") else 0)
-        for name, n in (("K1", k1), ("K2", counts.get("K2", 0))):
+        k1 = counts.get("K1", 0) or (gluon if gluon_k1 else 0)
+        k2 = counts.get("K2", 0) or gk2
+        for name, n in (("K1", k1), ("K2", k2)):
             if not n:
                 raise RuntimeError(f"aiter route {r['kernels']}: counted no {name} launch ({counts or 'none at all'}); "
                                    "this aiter version launches through objects the adapter does not wrap")
         return ", ".join(f"{k}x{v}" for k, v in sorted(counts.items())) or "no launches counted"
 
+    # ----- chunk_kda ---------------------------------------------------------------------
+    def chunk_kda_arguments(self, p: Problem) -> dict:
+        """Keyword arguments of chunk_kda for one Problem.
+
+        Tokens as one packed batch [1, B*T, H, 128] with cu_seqlens (int64 [N+1]; a dense [B, T]
+        Problem is B sequences of T tokens); A_log [H] and dt_bias [H*K] fp32 (zeros when the
+        Problem has none: g + 0 is g); states V-first fp32 [N, H, V, K] (a K-first initial state
+        transposed); o written into an ``out`` buffer the adapter allocates; a paged cache a
+        private copy with the Problem's strides (slot padding kept), which chunk_kda writes in place."""
+        B, T, H, K = p.q.shape
+        dev = p.q.device
+
+        def packed(t):
+            return t.reshape(1, B * T, *t.shape[2:]).contiguous()
+        if p.cu_seqlens is not None:
+            cu = p.cu_seqlens.to(device=dev, dtype=torch.int64).clone()
+        else:
+            cu = torch.arange(B + 1, device=dev, dtype=torch.int64) * T
+        dt = (torch.zeros(H * K, device=dev, dtype=torch.float32) if p.dt_bias is None
+              else p.dt_bias.reshape(-1).to(torch.float32).contiguous())
+        kw = dict(q=packed(p.q), k=packed(p.k), v=packed(p.v), g=packed(p.g), beta=packed(p.beta),
+                  A_log=p.A_log.reshape(-1).to(torch.float32).contiguous(), dt_bias=dt,
+                  lower_bound=float(p.lower_bound), cu_seqlens=cu, scale=p.scale_value,
+                  output_final_state=bool(p.output_final_state) and not p.paged)
+        if p.initial_state is not None:
+            h0 = p.initial_state.to(torch.float32)
+            kw["initial_state"] = (h0.transpose(-1, -2) if p.state_layout == "kv" else h0).contiguous()
+        if p.paged:
+            from .base import copy_with_padding
+            kw.update(state_cache=copy_with_padding(p.state_cache),
+                      state_indices=p.state_indices.to(device=dev, dtype=torch.int32).contiguous(),
+                      has_initial_state=p.has_initial_state.to(device=dev).bool().contiguous())
+        kw["out"] = torch.empty_like(kw["v"])
+        return kw
+
+    @contextlib.contextmanager
+    def _chunk_kda_counted(self, counts: dict):
+        """Count launches of chunk_kda's Gluon kernels (where its module holds them); restore after."""
+        saved = []
+        for holder, attr, key in CHUNK_KDA_GLUON_KERNELS:
+            owner = getattr(self._ck, holder, None)
+            if owner is not None and hasattr(owner, attr):
+                saved.append((owner, attr, getattr(owner, attr)))
+                setattr(owner, attr, _LaunchCounter(getattr(owner, attr), counts, key))
+        try:
+            yield
+        finally:
+            for owner, attr, value in reversed(saved):
+                setattr(owner, attr, value)
+
+    @contextlib.contextmanager
+    def _flash_kda_enabled(self):
+        """chunk_kimi_delta_attn's FlashKDA switch on for the call (the fallback route is the FlashKDA
+        path; with it off aiter would run its C = 64 pipeline, which takes no out= or state_cache)."""
+        fwd = self._ck_fwd
+        before = fwd.AITER_FDA_ENABLE
+        fwd.AITER_FDA_ENABLE = True
+        try:
+            yield
+        finally:
+            fwd.AITER_FDA_ENABLE = before
+
+    @staticmethod
+    def confirm_chunk_kda(r: dict, counts: dict) -> str:
+        """Describe what chunk_kda launched; raise if it contradicts the route: the Gluon route runs
+        one prepare and at least one walk and no Triton FlashKDA kernel; the fallback route is
+        checked as the FlashKDA route triton:seg (K1 and K2, no Gluon kernel)."""
+        launched = {k: v for k, v in counts.items() if not k.endswith(":config")}
+        if r["kernels"] == "gluon":
+            triton = {k: v for k, v in launched.items() if not k.startswith("gluon:")}
+            if triton or launched.get("gluon:prepare", 0) != 1 or not launched.get("gluon:walk", 0):
+                raise RuntimeError(f"aiter route chunk_kda:gluon: expected one Gluon prepare and the walk, "
+                                   f"counted {launched or 'none at all'}")
+            return ", ".join(f"{k}x{v}" for k, v in sorted(launched.items()))
+        return AiterBackend.confirm(dict(r, kernels="triton"), counts, None)
+
+    def _run_chunk_kda(self, p: Problem, r: dict) -> Outputs:
+        if self._load_chunk_kda() is None:
+            raise RuntimeError(self._ck_why)
+        kw = self.chunk_kda_arguments(p)
+        counts: dict = {}
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(self._chunk_kda_counted(counts))
+            if r["kernels"] == "triton":
+                if self._load() is None:
+                    raise RuntimeError(self._why)
+                stack.enter_context(self._flash_kda_enabled())
+            if self._load() is not None:    # FlashKDA's launches counted on the Gluon route too (none may run)
+                stack.enter_context(self._pinned(dict(r, kernels="triton"), counts))
+            stack.enter_context(torch.inference_mode())
+            o, final = self._ck.chunk_kda(**kw)
+        ran = self.confirm_chunk_kda(r, counts)
+        if o is not None and o.data_ptr() != kw["out"].data_ptr():
+            raise RuntimeError("aiter chunk_kda(out=...) returned o in another buffer than out")
+        o = kw["out"].reshape(p.v.shape)
+        pinned = {k: v for k, v in counts.items() if k.endswith(":config") and counts.get(k[:-len(":config")])}
+        if pinned:
+            ran += "; pinned " + ", ".join(f"{k}={v}" for k, v in pinned.items())
+        info = {"route_ran": ran, "layout": "chunk_kda on " + self._chunk_kda_arch(self._ck)}
+        if p.paged:
+            return Outputs(o=o, state_cache=kw["state_cache"], info=info)
+        if not p.output_final_state:
+            return Outputs(o=o, info=info)
+        if final is None:
+            raise RuntimeError("aiter chunk_kda(output_final_state=True) returned no final state")
+        final = final.transpose(-1, -2) if p.state_layout == "kv" else final
+        return Outputs(o=o, final_state=final, info=info)
+
     def run(self, p: Problem, route: Route) -> Outputs:
+        r = parse_route(route.name)
+        if r["entry"] == "chunk_kda":
+            return self._run_chunk_kda(p, r)
         if self._load() is None:
             raise RuntimeError(self._why)
-        r = parse_route(route.name)
         kw = self.call_arguments(p, r)
         n_chunks_max = max([-(-(e - b) // 32) for b, e in p.seq_bounds()] + [0])
         cps = r["chunks_per_seg"]

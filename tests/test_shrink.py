@@ -387,6 +387,36 @@ def test_repro_calls_aiter_with_the_adapters_arguments(case_id, tmp_path):
         assert (ns["FLAGS"]["gluon_k1"], ns["FLAGS"]["gluon_k2"]) == (k1, k2)
 
 
+@pytest.mark.parametrize("case_id", CALL_CASES + ["smoke/paged-lb-5"])
+def test_repro_calls_aiter_chunk_kda_with_the_adapters_arguments(case_id, tmp_path, monkeypatch):
+    """A chunk_kda route's repro calls chunk_kda (not flash_kda_fwd) with the adapter's arguments,
+    and its Triton fallback with the FlashKDA switch on."""
+    import sys
+    import types
+
+    from kda_kernels import aiter
+    seen = {}
+
+    def chunk_kda(**kw):
+        seen.update(kw)
+        final = None if kw.get("state_cache") is not None or not kw["output_final_state"] else \
+            torch.zeros(kw["cu_seqlens"].numel() - 1, kw["q"].shape[2], 128, 128)
+        return kw["out"], final
+    ck = types.SimpleNamespace(chunk_kda=chunk_kda, _ARCH="sm90")
+    fwd = types.SimpleNamespace(AITER_FDA_ENABLE=False)
+    monkeypatch.setitem(sys.modules, aiter.CHUNK_KDA, ck)
+    monkeypatch.setitem(sys.modules, aiter.CHUNK_FWD, fwd)
+    backend = aiter.AiterBackend(module=types.SimpleNamespace(), chunk_kda=ck, chunk_fwd=fwd)
+    p = get_case(case_id).build()
+    r = [r for r in backend.routes() if r.name == "chunk_kda:triton"][0]
+    ns = _namespace("aiter", r, tmp_path)
+    assert ns["FLAGS"] == {"entry": "chunk_kda", "kernels": "triton"}
+    out = ns["kernel"](_P(p))
+    assert fwd.AITER_FDA_ENABLE is True
+    _same_arguments(seen, backend.chunk_kda_arguments(p), buffers=("out",))
+    assert out["o"].shape == p.v.shape
+
+
 def test_checks_name_the_failing_measures():
     rec = {"tensors": {"o": {"margin": 3.0, "tensor_margin": 3.0, "metric": "tail_rel_l2", "threshold": 0.01,
                              "err": 0.03, "baseline_err": 0.004},

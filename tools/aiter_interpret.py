@@ -1,23 +1,28 @@
 #!/usr/bin/env python3
-"""Run aiter's Triton FlashKDA from an aiter tree in Triton's CPU interpreter, through the
+"""Run aiter's Triton KDA kernels from an aiter tree in Triton's CPU interpreter, through the
 ``aiter`` adapter, on named cases, and judge each cell as ``pytest -m verify`` would (the
-float64 oracle, the flashkda recipe's baseline, tolerances.yaml, its known failures).
+float64 oracle, the route's recipe baseline, tolerances.yaml, its known failures).
 
-For an engineer without a GPU (or without an AMD one): what aiter's Triton route computes, on
+For an engineer without a GPU (or without an AMD one): what aiter's Triton routes compute, on
 small cases, with the project's verdict.  Slow (the interpreter): cases of a few hundred tokens.
 
     python tools/aiter_interpret.py [--tree DIR] --case ID[,ID...] [--routes R[,R...]] [--json FILE]
 
-DIR holds aiter/ (default .vendor/aiter-newest, built by tools/assemble_aiter.py).  The import
-gets what a machine without an AMD GPU lacks: a stand-in ``arch_info`` (gfx942: no Gluon), a
-stand-in driver answering the target for the import, ``fast_launch`` as a pass-through wrapper
-(the real one needs compiled kernels), 256 CUs for aiter's segment and scan heuristics, and the
-project's interpreter fixes (kda_kernels.triton._interpreter_compat).  Exit 0 when every cell
-passes or is a known failure, 1 otherwise, 2 on bad input (one line).
+DIR holds aiter/ (default .vendor/aiter-newest, built by tools/assemble_aiter.py; an upstream
+tree with the kimi_delta_attn layout and attention/chunk_kda.py works the same way, and then
+the chunk_kda routes run too: chunk_kda:triton is its Triton fallback, which it takes on the
+stand-in arch).  The import gets what a machine without an AMD GPU lacks: a stand-in
+``arch_info`` (gfx942: no Gluon), a stand-in driver answering the target for the import,
+``fast_launch`` as a pass-through wrapper (the real one needs compiled kernels), 256 CUs for
+aiter's segment and scan heuristics, and the project's interpreter fixes
+(kda_kernels.triton._interpreter_compat).  Exit 0 when every cell passes or is a known failure,
+1 otherwise, 2 on bad input (one line).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import json
 import os
 import sys
@@ -26,9 +31,13 @@ import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FLASH_KDA = "aiter.ops.triton._triton_kernels.chunk_delta_attn.flash_kda"
-FAST_LAUNCH = "aiter.ops.triton._triton_kernels.chunk_delta_attn.fast_launch"
+_TK = "aiter.ops.triton._triton_kernels."
+# layout -> the flash_kda module (the renamed upstream one first, as kda_kernels.aiter tries them)
+FLASH_KDA = {"kimi_delta_attn": _TK + "kimi_delta_attn.flash_kda",
+             "chunk_delta_attn": _TK + "chunk_delta_attn.flash_kda"}
+FAST_LAUNCH = (_TK + "chunk_delta_attn.fast_launch", _TK + "kimi_delta_attn.fast_launch")
 ARCH_INFO = "aiter.ops.triton.utils._triton.arch_info"
+STAND_IN_ARCH = "gfx942"
 
 
 def fail(msg: str):
@@ -36,57 +45,113 @@ def fail(msg: str):
     sys.exit(2)
 
 
-def load(tree: Path):
-    os.environ.update(TRITON_INTERPRET="1", AITER_TRITON_ONLY="1")
-    if "triton" in sys.modules:
-        fail("TRITON_INTERPRET: Triton was imported before the interpreter was switched on; run this as a script")
-    sys.path.insert(0, str(ROOT))
-    import torch
-    from triton.runtime.driver import driver
+def tree_layout(tree: Path) -> str:
+    """'kimi_delta_attn' when the tree has upstream's renamed FlashKDA, else 'chunk_delta_attn'."""
+    renamed = tree / "aiter/ops/triton/_triton_kernels/kimi_delta_attn/flash_kda.py"
+    return "kimi_delta_attn" if renamed.is_file() else "chunk_delta_attn"
 
-    from kda_kernels.triton._interpreter_compat import install
-    install()
+
+class _PassThrough:
+    """What fast_launch returns, without compiling: another object whose [grid] launches the kernel."""
+
+    def __init__(self, kernel):
+        self._kernel = kernel
+
+    def __getitem__(self, grid):
+        return self._kernel[grid]
+
+
+def _stand_ins() -> dict:
     arch = types.ModuleType(ARCH_INFO)
-    arch.get_arch = lambda: "gfx942"
+    arch.get_arch = lambda: STAND_IN_ARCH
     for name in ("is_gluon_avail", "is_fp4_avail", "is_mx_scale_preshuffling_avail", "is_tdm_avail"):
         setattr(arch, name, lambda: False)
     arch.is_fp8_avail = lambda: True
-    arch._LDS_CAP_BYTES = {"gfx942": 65536}
+    arch._LDS_CAP_BYTES = {STAND_IN_ARCH: 65536}
+    mods = {ARCH_INFO: arch}
+    for path in FAST_LAUNCH:
+        fl = types.ModuleType(path)
+        fl.fast_launch = lambda kernel, use_intj=False: _PassThrough(kernel)
+        mods[path] = fl
+    return mods
 
-    class PassThrough:
-        def __init__(self, kernel):
-            self._kernel = kernel
 
-        def __getitem__(self, grid):
-            return self._kernel[grid]
+class _TargetOnlyDriver:
+    """Answers aiter's import-time target queries; launches go through the interpreter."""
 
-    fl = types.ModuleType(FAST_LAUNCH)
-    fl.fast_launch = lambda kernel, use_intj=False: PassThrough(kernel)
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+        return GPUTarget("hip", STAND_IN_ARCH, 64)
 
-    class Target:
-        def get_current_target(self):
-            from triton.backends.compiler import GPUTarget
-            return GPUTarget("hip", "gfx942", 64)
+    def get_current_device(self):
+        return 0
 
-        def get_current_device(self):
-            return 0
 
-    def no_device(*a, **k):
-        raise RuntimeError("no GPU")
-
+@contextlib.contextmanager
+def loaded(tree: Path):
+    """Import aiter's modules from ``tree`` under Triton's interpreter with the stand-ins above;
+    yields dict(layout, flash_kda, chunk_kda, chunk_fwd, chunk_kda_why) (chunk_kda None with the
+    reason where the tree has none).  Everything is put back afterwards: sys.path, the aiter
+    modules, the environment.  Triton must not have been imported before TRITON_INTERPRET=1."""
+    saved_env = {k: os.environ.get(k) for k in ("TRITON_INTERPRET", "AITER_TRITON_ONLY")}
+    saved_modules = set(sys.modules)
+    os.environ.update(TRITON_INTERPRET="1", AITER_TRITON_ONLY="1")
+    sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(tree))
-    sys.modules[ARCH_INFO], sys.modules[FAST_LAUNCH] = arch, fl
-    saved = torch.cuda.get_device_properties, driver._active
-    torch.cuda.get_device_properties, driver._active = no_device, Target()
     try:
-        import importlib
-        mod = importlib.import_module(FLASH_KDA)
+        import torch
+        from triton.runtime.driver import driver
+
+        from kda_kernels.triton._interpreter_compat import install
+        install()
+        sys.modules.update(_stand_ins())
+        layout = tree_layout(tree)
+        saved = torch.cuda.get_device_properties, driver._active
+
+        def no_device(*a, **k):
+            raise RuntimeError("no GPU")
+        torch.cuda.get_device_properties, driver._active = no_device, _TargetOnlyDriver()
+        try:
+            mod = importlib.import_module(FLASH_KDA[layout])
+            ck = fwd = None
+            why = "the tree has no aiter/ops/triton/attention/chunk_kda.py"
+            if (tree / "aiter/ops/triton/attention/chunk_kda.py").is_file():
+                from kda_kernels.aiter import CHUNK_FWD, CHUNK_KDA
+                try:
+                    ck, why = importlib.import_module(CHUNK_KDA), ""
+                except Exception as e:  # noqa: BLE001 - reported as the chunk_kda routes' reason
+                    why = f"{CHUNK_KDA}: {type(e).__name__}: {e}"
+                try:   # what its Triton fallback imports; without it the fallback route says so
+                    importlib.import_module("aiter.ops.triton.kimi_delta_attn")
+                    fwd = importlib.import_module(CHUNK_FWD)
+                except Exception:  # noqa: BLE001
+                    fwd = None
+        finally:
+            torch.cuda.get_device_properties, driver._active = saved
+        mod.__aiter_layout__ = layout
+        if hasattr(mod, "_num_cus"):
+            mod._num_cus = lambda device_index=0: 256
+        yield dict(layout=layout, flash_kda=mod, chunk_kda=ck, chunk_fwd=fwd, chunk_kda_why=why)
     finally:
-        torch.cuda.get_device_properties, driver._active = saved
-    mod.__aiter_layout__ = "chunk_delta_attn"
-    if hasattr(mod, "_num_cus"):
-        mod._num_cus = lambda device_index=0: 256
-    return mod
+        for p in (str(tree), str(ROOT)):
+            if p in sys.path:
+                sys.path.remove(p)
+        for name in set(sys.modules) - saved_modules:
+            if name in ("aiter", "intj") or name.startswith(("aiter.", "intj.")):
+                del sys.modules[name]
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def backend_of(mods: dict):
+    """The aiter adapter over the modules ``loaded`` yields."""
+    from kda_kernels.aiter import AiterBackend
+    if mods["chunk_kda"] is None:
+        return AiterBackend(module=mods["flash_kda"], chunk_kda_why=mods["chunk_kda_why"])
+    return AiterBackend(module=mods["flash_kda"], chunk_kda=mods["chunk_kda"], chunk_fwd=mods["chunk_fwd"])
 
 
 def main(argv=None) -> int:
@@ -98,11 +163,16 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if not (a.tree / "aiter").is_dir():
         fail(f"--tree: expected a directory holding aiter/, got {a.tree}")
-    mod = load(a.tree)
+    if "triton" in sys.modules:
+        fail("TRITON_INTERPRET: Triton was imported before the interpreter was switched on; run this as a script")
+    with loaded(a.tree) as mods:
+        return _run(a, mods)
 
+
+def _run(a, mods) -> int:
     import warnings
 
-    from kda_kernels.aiter import AiterBackend, parse_route
+    from kda_kernels.aiter import parse_route
     from kda_kernels.base import Route
     from kda_kernels.emulator import RECIPES
     from kda_ref.truth import truth
@@ -128,14 +198,16 @@ def main(argv=None) -> int:
         db = load_tolerances(None)
     except Exception as e:  # noqa: BLE001 - the tolerance file's own one-line message
         fail(f"tolerances: {e}")
-    b = AiterBackend(module=mod)
+    b = backend_of(mods)
+    by_name = {r.name: r for r in b.routes()}
     print(f"aiter: {b.version()} from {a.tree}", flush=True)
+    if mods["chunk_kda_why"]:
+        print(f"chunk_kda: {mods['chunk_kda_why']}", flush=True)
     cells, bad = [], 0
     for case in cases:
         p = case.build("cpu")
         tr = truth(p)
-        base = baseline_metrics(p, "flashkda", tr)
-        recipes = {"flashkda": base}
+        recipes = {}
 
         def recipe_baselines():
             for r in RECIPES:
@@ -143,7 +215,10 @@ def main(argv=None) -> int:
                     recipes[r] = baseline_metrics(p, r, tr)
             return recipes
         for rname in routes:
-            route = Route(rname, recipe="flashkda")
+            route = by_name.get(rname) or Route(rname, recipe="flashkda")   # e.g. seg:cps=N not listed
+            if route.recipe not in recipes:
+                recipes[route.recipe] = baseline_metrics(p, route.recipe, tr)
+            base = recipes[route.recipe]
             t0 = time.perf_counter()
             ok, why = b.accepts(p, route)
             if not ok:

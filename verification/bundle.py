@@ -458,6 +458,53 @@ def kernel(P):
     return out
 '''
 
+KERNEL_AITER_CHUNK_KDA = r'''
+
+def kernel(P):
+    """aiter's chunk_kda as kda_kernels.aiter calls it: one packed [1, B*T, H, 128] batch with
+    int64 cu_seqlens, V-first fp32 states, o into an out buffer; on gfx1250 / gfx950 it runs its
+    Gluon kernels, elsewhere its Triton fallback with the FlashKDA switch on."""
+    import importlib
+    os.environ.setdefault("AITER_TRITON_ONLY", "1")
+    os.environ.pop("CHUNK_DELTA_ATTN_FLASH_KDA_SEG", None)
+    ck = importlib.import_module("aiter.ops.triton.attention.chunk_kda")
+    if FLAGS["kernels"] == "triton":
+        fwd = importlib.import_module("aiter.ops.triton._triton_kernels.kimi_delta_attn.chunk_fwd")
+        fwd.AITER_FDA_ENABLE = True
+    q = P["q"]
+    B, T, H, K = q.shape
+    dev = q.device
+
+    def packed(t):
+        return t.reshape(1, B * T, *t.shape[2:]).contiguous()
+    cu = P.get("cu_seqlens")
+    cu = (torch.arange(B + 1, device=dev, dtype=torch.int64) * T if cu is None
+          else cu.to(device=dev, dtype=torch.int64).clone())
+    dt = P.get("dt_bias")
+    dt = torch.zeros(H * K, device=dev) if dt is None else dt.reshape(-1).to(torch.float32).contiguous()
+    paged = P["state_layout"] == "paged"
+    kw = dict(q=packed(q), k=packed(P["k"]), v=packed(P["v"]), g=packed(P["g"]), beta=packed(P["beta"]),
+              A_log=P["A_log"].reshape(-1).to(torch.float32).contiguous(), dt_bias=dt,
+              lower_bound=float(P["lower_bound"]), cu_seqlens=cu, scale=P["scale"],
+              output_final_state=bool(P["output_final_state"]) and not paged)
+    if P.get("initial_state") is not None:
+        h0 = P["initial_state"].to(torch.float32)
+        kw["initial_state"] = (h0.transpose(-1, -2) if P["state_layout"] == "kv" else h0).contiguous()
+    if paged:                                                       # written in place: a private copy
+        kw.update(state_cache=P["state_cache"].clone(), state_indices=P["state_indices"].to(torch.int32),
+                  has_initial_state=P["has_initial_state"].bool())
+    kw["out"] = torch.empty_like(kw["v"])
+    with torch.inference_mode():
+        _, final = ck.chunk_kda(**kw)
+    o = kw["out"].reshape(P["v"].shape)
+    if paged:
+        return {"o": o, "state_cache": kw["state_cache"]}
+    out = {"o": o}
+    if P["output_final_state"]:
+        out["final_state"] = final.transpose(-1, -2) if P["state_layout"] == "kv" else final
+    return out
+'''
+
 
 def route_flags(backend: str, route) -> dict:
     """The literal settings repro.py needs for a route (what the adapter derives from its name)."""
@@ -468,6 +515,8 @@ def route_flags(backend: str, route) -> dict:
     if backend == "aiter":
         from kda_kernels.aiter import KERNEL_SETS, parse_route
         r = parse_route(route.name)
+        if r["entry"] == "chunk_kda":
+            return {"entry": "chunk_kda", "kernels": r["kernels"]}
         k1, k2 = KERNEL_SETS[r["kernels"]]
         return {"gluon_k1": k1, "gluon_k2": k2, "prefetch": r["prefetch"], "chunks_per_seg": r["chunks_per_seg"]}
     if backend == "moonshot":
@@ -480,6 +529,8 @@ def repro_source(backend: str, route, checks: list) -> str:
     if backend in LIBRARY:
         needs = f" and {LIBRARY[backend]} (the kernel's own library)"
         body = {"moonshot": KERNEL_MOONSHOT, "fla": KERNEL_FLA, "aiter": KERNEL_AITER}[backend]
+        if backend == "aiter" and route_flags(backend, route).get("entry") == "chunk_kda":
+            body = KERNEL_AITER_CHUNK_KDA
     else:
         needs = " and kda-verify's kda_kernels / kda_ref (the project's own backend)"
         body = KERNEL_OWN.format(backend=backend, route=route.name)
