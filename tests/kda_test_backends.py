@@ -10,9 +10,9 @@
     leak         the truth of a forward whose sequences after the first start from the previous
                  one's final state (verification.planted's "leak"), route "flashkda"
     raising_passes  kda-verify debug's passes (debug_plan, run_pass), run_pass raising
-    held         routes "fast" (exact) and "held": "held" waits, before answering exactly, while the
-                 file named by $KDA_TEST_HOLD exists (at most 600 s): a cell that is running when a
-                 test sends SIGINT
+    held         routes "fast" (exact) and "held": "held" writes $KDA_TEST_HOLD.waiting, then waits,
+                 before answering exactly, while the file named by $KDA_TEST_HOLD exists (at most
+                 600 s): a cell that is running when a test sends SIGINT
 """
 from __future__ import annotations
 
@@ -90,6 +90,9 @@ class _Held(_TestBackend):
         if route.name == "held":
             import time
             hold = os.environ.get("KDA_TEST_HOLD")
+            if hold:
+                with open(f"{hold}.waiting", "a") as f:     # the marker: every earlier cell has finished
+                    f.write(f"{problem.T}\n")
             t0 = time.monotonic()
             while hold and os.path.exists(hold) and time.monotonic() - t0 < 600:
                 time.sleep(0.05)

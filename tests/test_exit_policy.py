@@ -118,15 +118,10 @@ def _env(hold: Path) -> dict:
     return env
 
 
-def _records(path: Path) -> int:
-    try:
-        return sum(1 for ln in path.read_text().splitlines() if ln.strip().endswith("}"))
-    except FileNotFoundError:
-        return 0
-
-
 def _interrupt_when(proc, ready, timeout_s: float = 420):
-    """Send SIGINT to ``proc`` once ``ready()`` holds (polled: no fixed sleep, whatever the load)."""
+    """Send SIGINT to ``proc`` once ``ready()`` holds (polled: no fixed sleep, whatever the load).
+    The marker is the held cell's own (kda_test_backends.held writes it as it starts waiting), so
+    every cell before it has been recorded and reported."""
     t0 = time.monotonic()
     while not ready():
         if proc.poll() is not None:
@@ -148,7 +143,7 @@ def test_ctrl_c_during_run_exits_130_with_a_report_of_the_cells_not_run_and_resu
             "--case", DENSE, "--case", VARLEN, "--tolerances", tol, "--device", "cpu", "--out", str(out)]
     proc = subprocess.Popen(argv, cwd=ROOT, env=_env(hold), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        stdout, stderr = _interrupt_when(proc, lambda: _records(out / "results.jsonl") >= 1)
+        stdout, stderr = _interrupt_when(proc, lambda: Path(f"{hold}.waiting").exists())
     finally:
         hold.unlink(missing_ok=True)
         if proc.poll() is None:
@@ -176,7 +171,7 @@ def test_ctrl_c_during_pytest_verify_exits_130_with_a_report_of_the_cells_not_ru
             "--kda-device", "cpu", "--kda-tolerances", tol, "--kda-report", str(rep)]
     proc = subprocess.Popen(argv, cwd=ROOT, env=_env(hold), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        stdout, stderr = _interrupt_when(proc, lambda: _records(rep / "results.jsonl") >= 1)
+        stdout, stderr = _interrupt_when(proc, lambda: Path(f"{hold}.waiting").exists())
     finally:
         hold.unlink(missing_ok=True)
         if proc.poll() is None:

@@ -113,11 +113,16 @@ def o_err(rec: dict) -> float:
     return _tensor_err(rec, "o")[0]
 
 
-def not_run_of(prov: dict) -> int:
+def not_run_of(prov: dict, records: list) -> int:
     """How many selected cells the interrupted invocation of ``prov`` (run.json's latest entry)
-    left without a record; 0 when it was not interrupted."""
+    left without a record among ``records`` (its ``selected`` count less the records: the report
+    counts what the results files hold); 0 when it was not interrupted."""
     stop = prov.get("interrupted") if isinstance(prov, dict) else None
-    return int(stop.get("not_run") or 0) if isinstance(stop, dict) else 0
+    if not isinstance(stop, dict):
+        return 0
+    if isinstance(stop.get("selected"), int):
+        return max(0, stop["selected"] - len(records))
+    return int(stop.get("not_run") or 0)
 
 
 def summarize(records: list[dict], not_run: int = 0) -> dict:
@@ -1068,7 +1073,7 @@ def write_report(out_dir, records: Optional[list[dict]] = None, provenance: Opti
     out.mkdir(parents=True, exist_ok=True)
     records = load_results(out) if records is None else records
     prov = load_provenance(out) if provenance is None else provenance
-    summary = summarize(records, not_run_of(prov))
+    summary = summarize(records, not_run_of(prov, records))
     plots = make_plots(records, out / "plots")
     bd = prov.get("time_breakdown") if isinstance(prov, dict) else None
     if timing is not None:
