@@ -9,6 +9,10 @@
     dense_only   accepts only problems without cu_seqlens (varlen: "not applicable")
     leak         the truth of a forward whose sequences after the first start from the previous
                  one's final state (verification.planted's "leak"), route "flashkda"
+    raising_passes  kda-verify debug's passes (debug_plan, run_pass), run_pass raising
+    held         routes "fast" (exact) and "held": "held" writes $KDA_TEST_HOLD.waiting, then waits,
+                 before answering exactly, while the file named by $KDA_TEST_HOLD exists (at most
+                 600 s): a cell that is running when a test sends SIGINT
 """
 from __future__ import annotations
 
@@ -69,8 +73,44 @@ class _TestBackend:
         return Outputs(o=o, final_state=fs, state_cache=sc, info={"route_ran": route.name})
 
 
+class _RaisingPasses(_TestBackend):
+    """A backend with kda-verify debug's passes whose run_pass raises."""
+
+    def debug_plan(self, problem, route):
+        return {"form": "flashkda", "chunk_size": 64, "chunks_per_seg": None, "passes": ["K1", "C"]}
+
+    def run_pass(self, problem, route, pass_name, feed=None):
+        raise RuntimeError(f"deliberate failure inside run_pass({pass_name!r})")
+
+
+class _Held(_TestBackend):
+    """Route "held" waits while $KDA_TEST_HOLD names a file that exists, then answers exactly."""
+
+    def run(self, problem, route):
+        if route.name == "held":
+            import time
+            hold = os.environ.get("KDA_TEST_HOLD")
+            if hold:
+                with open(f"{hold}.waiting", "a") as f:     # the marker: every earlier cell has finished
+                    f.write(f"{problem.T}\n")
+            t0 = time.monotonic()
+            while hold and os.path.exists(hold) and time.monotonic() - t0 < 600:
+                time.sleep(0.05)
+        return super().run(problem, route)
+
+
 def exact():
     return _TestBackend("exact", routes=("r1", "r2"))
+
+
+def raising_passes():
+    return _RaisingPasses("raising", routes=("r1",))
+
+
+def held():
+    b = _Held("exact", routes=("fast", "held"))
+    b.name = "test-held"
+    return b
 
 
 def zeros():

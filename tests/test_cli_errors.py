@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from verification import errors
+from verification import errors, policy
 from verification.cli import UsageError, main
 from kda_test_backends import write_tolerances
 
@@ -82,8 +82,9 @@ def test_report_and_resume_on_a_read_only_results_dir(tmp_path, tol, monkeypatch
     _read_only(monkeypatch, out)
     _one_line(capsys, main(["report", str(out)]), 2, "kda-verify report: error: DIR: expected a writable directory",
               "Read-only file system")
-    _one_line(capsys, main(["run", "--backend", "emulator", "--suite", "smoke", "--case", DENSE, "--out", str(out),
-                            "--resume"]), 2, "--out: expected a writable directory", "Read-only file system")
+    _one_line(capsys, main(["run", "--backend", "emulator", "--route", "flashkda", "--suite", "smoke", "--case", DENSE,
+                            "--out", str(out), "--resume"]), 2, "--out: expected a writable directory",
+              "Read-only file system")
 
 
 def test_out_naming_an_existing_file_or_directory(tmp_path, problem, capsys):
@@ -146,7 +147,7 @@ def test_exit_codes_0_pass_1_kernel_failure_2_bad_input(tmp_path, tol, capsys):
     assert main(base + ["--backend", "no_such_module:factory", "--out", str(tmp_path / "d")]) == 2
     assert main(base + ["--backend", "kda_test_backends:unavailable", "--out", str(tmp_path / "e")]) == 2
     capsys.readouterr()
-    assert (errors.EXIT_OK, errors.EXIT_FAIL, errors.EXIT_USAGE, errors.EXIT_INTERNAL) == (0, 1, 2, 3)
+    assert (policy.EXIT_OK, policy.EXIT_FAIL, policy.EXIT_USAGE, policy.EXIT_INTERNAL) == (0, 1, 2, 3)
 
 
 def test_an_os_error_on_a_path_during_a_command_is_one_line_exit_2(tmp_path, monkeypatch, capsys):

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from verification.cli import main
-from verification.runner import SELF_JUDGED, nothing_verified_reason, note_self_judged, verified_headline
+from verification.policy import headline, nothing_verified_reason
+from verification.runner import SELF_JUDGED, note_self_judged
 from kda_test_backends import write_tolerances
 
 pytest_plugins = ["pytester"]
@@ -36,15 +37,15 @@ def _recs(**counts):
 
 
 def test_headline_forms():
-    assert verified_headline(_recs(pass_=16, known_fail=1, skipped=1)) == \
+    assert headline(_recs(pass_=16, known_fail=1, skipped=1)) == \
         "VERIFIED 17 of 18 cells: 16 pass, 1 known-fail, 1 skipped"
-    assert verified_headline(_recs(pass_=2, fail=1, error=1)) == "VERIFIED 3 of 4 cells: 2 pass, 1 fail, 1 error"
-    assert verified_headline(_recs(skipped=32)) == \
+    assert headline(_recs(pass_=2, fail=1, error=1)) == "VERIFIED 3 of 4 cells: 2 pass, 1 fail, 1 error"
+    assert headline(_recs(skipped=32)) == \
         "NOTHING VERIFIED: 32 cells skipped (backend fla unavailable: fla is not importable)"
     mixed = _recs(skipped=3) + [{"status": "skipped", "backend": "triton", "reason": "not applicable: K=64"}]
-    assert verified_headline(mixed) == ("NOTHING VERIFIED: 4 cells skipped (backend fla unavailable: fla is not "
+    assert headline(mixed) == ("NOTHING VERIFIED: 4 cells skipped (backend fla unavailable: fla is not "
                                         "importable; 1 more cell for other reasons)")
-    assert verified_headline(_recs(error=2)).startswith("NOTHING VERIFIED: 2 cells: 2 error")
+    assert headline(_recs(error=2)).startswith("NOTHING VERIFIED: 2 cells: 2 error")
     assert nothing_verified_reason(_recs(pass_=1, skipped=5)) is None
     assert nothing_verified_reason(_recs(known_fail=1)) is None
     assert nothing_verified_reason(_recs(skipped=2)) == "backend fla unavailable: fla is not importable"

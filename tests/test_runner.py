@@ -6,7 +6,8 @@ import pytest
 
 from verification.cases import get_suite
 from verification.cli import UsageError, main
-from verification.runner import FAILING, RESULTS_FILE, read_records
+from verification.policy import FAILING
+from verification.record import RESULTS_FILE, read_records
 from verification.runner import run_matrix as _run_matrix
 from kda_test_backends import write_tolerances
 

@@ -30,8 +30,7 @@ from pathlib import Path
 from typing import Optional
 
 from verification.errors import UsageError
-
-JUDGED = ("rel_l2", "tail_rel_l2")
+from verification.policy import JUDGED_METRICS
 NEW_FLOOR = 1.0e-6
 
 
@@ -81,7 +80,7 @@ def collect_groups(records: list[dict], db) -> dict[tuple, Group]:
             g = groups.setdefault(key, Group(key=key, existing=tol))
             g.cells += 1
             where = f"{r['route']} {r['case']}"
-            for metric in JUDGED:
+            for metric in JUDGED_METRICS:
                 err, b = as_float(met.get(metric)), as_float(base.get(metric))
                 if not math.isfinite(err):
                     g.nonfinite.append(f"{where} {tname}.{metric}={err}")

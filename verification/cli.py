@@ -1,9 +1,10 @@
 """`kda-verify`: one subcommand per module in verification/commands/.
 
 Each command module defines ``NAME``, ``HELP``, ``add_arguments(parser)`` and
-``run(args) -> int``.  Exit codes (verification/errors.py): 0 verified, 1 a kernel failure,
-2 bad input, a bad environment or nothing verified (one line, no traceback), 3 an internal
-error (one line naming the file that holds the traceback), 130 interrupted.
+``run(args) -> int``.  Exit codes (verification/policy.py, which decides them): 0 verified,
+1 a kernel failure, 2 bad input, a bad environment or nothing verified (one line, no
+traceback), 3 an internal error (one line naming the file that holds the traceback), 130
+interrupted.
 """
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ import sys
 from kda_ref.problem import ProblemError  # noqa: F401 - re-exported (old imports)
 
 from .environment import check_triton
-from .errors import (EXIT_CODES_HELP, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_USAGE, Interrupted,  # noqa: F401
-                     UsageError, bad_input_errors, save_traceback)
+from .errors import Interrupted, KernelFailure, UsageError, bad_input_errors, save_traceback  # noqa: F401
+from .policy import EXIT_CODES_HELP, EXIT_USAGE, exit_code
 
 
 def _commands():
@@ -48,26 +49,29 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if not getattr(args, "_run", None):
         parser.print_help()
-        return 2
+        return EXIT_USAGE
     name = f"kda-verify {args.command}"
     try:
         check_triton()
         return int(args._run(args) or 0)
     except bad_input_errors() as e:
         print(f"{name}: error: {_one_line(e)}", file=sys.stderr)
-        return EXIT_USAGE
+        return exit_code(error=e)
     except Interrupted as e:
         print(f"{name}: {_one_line(e) or 'interrupted'}", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except KeyboardInterrupt:
+        return exit_code(error=e)
+    except KeyboardInterrupt as e:
         print(f"{name}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return exit_code(error=e)
+    except KernelFailure as e:           # the kernel's, not ours: one line, its traceback kept in a file
+        print(f"{name}: kernel failure: {_one_line(e)[:400]} (traceback: {_saved(args, e)})", file=sys.stderr)
+        return exit_code(error=e)
     except OSError as e:
         if e.filename is None:           # not about a path: an internal error like any other
             return _internal(name, args, e)
         # a file the environment refused (unwritable, vanished, disk full): the user's to fix
         print(f"{name}: error: {e.filename}: {e.strerror or type(e).__name__}", file=sys.stderr)
-        return EXIT_USAGE
+        return exit_code(error=e)
     except Exception as e:  # noqa: BLE001 - kda-verify's own bug: one line, the traceback kept in a file
         return _internal(name, args, e)
 
@@ -77,15 +81,20 @@ def _one_line(e: BaseException) -> str:
     return "; ".join(ln.strip() for ln in str(e).splitlines() if ln.strip())
 
 
-def _internal(name: str, args, e: Exception) -> int:
+def _saved(args, e: BaseException) -> str:
+    """Where the traceback of ``e`` was kept: the command's results directory, else a temporary file."""
     dirs = getattr(args, "dirs", None) or [None]            # report's DIRs: the first holds it
     out = getattr(args, "out", None) or getattr(args, "dir", None) or dirs[0]
     try:
-        where = save_traceback(e, args.command, out_dir=out)
+        return save_traceback(e, args.command, out_dir=out)
     except OSError as e2:
-        where = f"(not saved: {e2.strerror or type(e2).__name__})"
-    print(f"{name}: internal error: {type(e).__name__}: {_one_line(e)[:300]} (traceback: {where})", file=sys.stderr)
-    return EXIT_INTERNAL
+        return f"(not saved: {e2.strerror or type(e2).__name__})"
+
+
+def _internal(name: str, args, e: Exception) -> int:
+    print(f"{name}: internal error: {type(e).__name__}: {_one_line(e)[:300]} (traceback: {_saved(args, e)})",
+          file=sys.stderr)
+    return exit_code(error=e)
 
 
 if __name__ == "__main__":

@@ -289,8 +289,10 @@ def inverse_rule(backend, p: Problem, route, ws_inv: torch.Tensor) -> str:
 
 def debug_passes(backend, p: Problem, route, passes=("all",), thresholds: Optional[dict] = None,
                  progress=None) -> list[PassReport]:
-    """Run the chosen passes of ``route`` on oracle-fed inputs; one PassReport per pass."""
+    """Run the chosen passes of ``route`` on oracle-fed inputs; one PassReport per pass.  A pass
+    that raises is a verification.errors.KernelFailure naming it (exit 1, a kernel failure)."""
     from kda_kernels.base import ReturnsTaps, RunsPasses
+    from verification.errors import KernelFailure
 
     if not isinstance(backend, RunsPasses):
         raise ValueError(f"--backend: {backend.name!r} exposes no passes (needs run_pass and debug_plan)")
@@ -316,7 +318,10 @@ def debug_passes(backend, p: Problem, route, passes=("all",), thresholds: Option
                 if not (name == "C" and k == "h_in" and "A" not in order)}
         if progress:
             progress(f"pass {name}: running on oracle-fed inputs")
-        out = backend.run_pass(p, route, name, feed)
+        try:
+            out = backend.run_pass(p, route, name, feed)
+        except Exception as e:  # noqa: BLE001 - the kernel raising is its failure, not the harness's
+            raise KernelFailure.of(e, f"{backend.name} {route.name} pass {name}") from e
         rep = PassReport(name)
         for t in pass_outputs[name]:
             if t in out:

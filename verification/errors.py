@@ -1,11 +1,10 @@
-"""Errors and exit codes shared by the library and the `kda-verify` CLI.
-
-Exit codes of every `kda-verify` command (and of ``pytest -m verify``, for its matrix) are
-EXIT_CODES_HELP below, which ``kda-verify --help`` prints.
+"""Errors shared by the library and the `kda-verify` CLI (the exit code each one gives:
+verification/policy.py).
 
 ``UsageError`` is the bad-input error of the harness, ``ToleranceError`` (a tolerances.yaml that
 breaks the schema) one kind of it; kda_ref.problem.ProblemError and kda_kernels.base.BackendError
-are the others (``bad_input_errors()``).  ``writable_dir`` and ``writable_file`` check an output
+are the others (``bad_input_errors()``).  ``KernelFailure`` is a kernel that raised while a
+command ran it outside a cell (debug, capture); ``Interrupted`` is Ctrl-C with what was kept.  ``writable_dir`` and ``writable_file`` check an output
 path before any work is done, so an unwritable ``--out`` is a one-line error and not a traceback
 after the run.  verification/devices.py holds the one check of ``--device``.
 """
@@ -17,22 +16,6 @@ import time
 import traceback
 from pathlib import Path
 
-EXIT_CODES_HELP = """\
-Exit codes:
-  0    verified: every judged cell passed (or is a listed known failure), at least one was judged
-  1    a kernel failure: a cell failed, was mistrusted, crashed or raised
-  2    bad input or a bad environment (one line names the argument, what was expected, what
-       came), or nothing verified: every cell skipped (backend unavailable, case not applicable)
-  3    an internal error of kda-verify: one line names the file that holds the traceback
-  130  interrupted (Ctrl-C): one line
-"""
-EXIT_OK = 0
-EXIT_FAIL = 1
-EXIT_USAGE = 2
-EXIT_INTERNAL = 3
-EXIT_INTERRUPTED = 130
-
-
 class UsageError(ValueError):
     """A bad command-line or file argument, or an environment that cannot do what was asked;
     the message names the argument, what was expected and what came."""
@@ -43,7 +26,23 @@ class ToleranceError(UsageError):
 
 
 class Interrupted(KeyboardInterrupt):
-    """Ctrl-C, with the one line to print instead of the bare "interrupted" (what was kept)."""
+    """Ctrl-C, with the one line to print instead of the bare "interrupted" (what was kept);
+    ``summary``: what the interrupted work had done (runner.run_matrix: its RunSummary)."""
+
+    def __init__(self, message: str = "interrupted", summary=None):
+        super().__init__(message)
+        self.summary = summary
+
+
+class KernelFailure(RuntimeError):
+    """A kernel that raised while a command ran it outside a cell (``debug``'s passes, ``capture``):
+    a kernel failure, exit 1; the message names the backend, route and what was raised, and the
+    kernel's exception is the ``__cause__``."""
+
+    @classmethod
+    def of(cls, e: BaseException, what: str) -> "KernelFailure":
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        return cls(f"{what} raised {type(e).__name__}: {first}"[:500])
 
 
 def bad_input_errors() -> tuple:

@@ -81,14 +81,14 @@ def _patched_no_cuda():
 
 
 def pytest_verify(options: list[str]) -> str:
-    """The message of the failing ``verify[options]`` item of ``pytest -m verify OPTIONS``."""
+    """The message of the failing ``verify[options]`` item of ``pytest -m verify OPTIONS`` (bad input: exit 2)."""
     Path("test_matrix.py").write_text("from verification.pytest_plugin import verify  # noqa: F401\n")
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "verify", "-rf",
                         *options, "test_matrix.py"], capture_output=True, text=True, timeout=300)
     key = "kda-verify options: "
     hits = [ln[ln.index(key) + len(key):] for ln in r.stdout.splitlines() if key in ln]
-    if r.returncode != 1 or not hits or "Traceback" in r.stdout + r.stderr:
-        raise TableError(f"pytest -m verify {' '.join(options)}: expected exit 1 and a 'verify[options]' item, "
+    if r.returncode != 2 or not hits or "Traceback" in r.stdout + r.stderr:
+        raise TableError(f"pytest -m verify {' '.join(options)}: expected exit 2 and a 'verify[options]' item, "
                          f"got exit {r.returncode}: {(r.stdout + r.stderr)[-400:]!r}")
     return hits[0]
 
@@ -223,6 +223,23 @@ def _file_row(meta=None, drop=(), add=None, text: Optional[bytes] = None, path="
 
 def _run(*flags: str) -> Callable[[], str]:
     return lambda: cli(["run", "--backend", "emulator", "--suite", "smoke", "--out", "R", "--no-report", *flags])
+
+
+def _resume_other(flags: list[str]) -> Callable[[], str]:
+    """``run --resume`` into R, which a run of emulator flashkda on smoke/dense-T64-lb-5 wrote, with
+    ``flags`` changing its selection."""
+    def produce() -> str:
+        from verification.cli import main
+        first = {"--backend": "emulator", "--route": "flashkda", "--suite": "smoke", "--case": "smoke/dense-T64-lb-5"}
+        argv = ["run", "--out", "R", "--no-report", "--device", "cpu"]
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            if main(argv + [x for kv in first.items() for x in kv]) != 0:
+                raise TableError("run: could not write the run the row resumes")
+        again = dict(first)
+        for opt, value in zip(flags[::2], flags[1::2]):
+            again[opt] = value
+        return cli(argv + [x for kv in again.items() for x in kv] + ["--resume"])
+    return produce
 
 
 def _no_gpu(argv: list[str]) -> Callable[[], str]:
@@ -370,6 +387,11 @@ def rows() -> list[Row]:
         Row("unknown backend", "run --backend nope",
             lambda: cli(["run", "--backend", "nope", "--suite", "smoke", "--out", "R", "--no-report"])),
         Row("a case of no suite", "run --case smoke/nope", _run("--case", "smoke/nope")),
+        Row("`--resume` of another selection (backends, routes, suites, cases, fuzz draw alike)",
+            "run --resume --case smoke/paged-lb-5", _resume_other(["--case", "smoke/paged-lb-5"]),
+            alike=tuple(("--resume: expected the selection of the run in R (", _resume_other(flags)) for flags in (
+                ["--backend", "emulator,emulator-bad"], ["--route", "fla"], ["--suite", "smoke,stress"],
+                ["--suite", "fuzz", "--case", "fuzz/*", "--fuzz-n", "3"]))),
         Row("`--timeout` without `--isolate`", "run --timeout 5", _run("--timeout", "5")),
         Row("not a torch device", "run --device tpu", _run("--device", "tpu")),
         Row("`--device cuda` without a GPU", "run --device cuda", _no_gpu(

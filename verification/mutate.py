@@ -250,7 +250,8 @@ def run_mutant(mutant: Mutant, suites=("smoke", "stress"), long: bool = False, d
     on before this is called).  Returns its record (see the module docstring)."""
     from kda_kernels.triton.backend import TritonBackend
     from verification.debug import debug_passes
-    from verification.runner import FAILING, BaselineCache, TruthCache, as_loaded, run_cell
+    from verification.policy import FAILING
+    from verification.runner import BaselineCache, TruthCache, as_loaded, run_cell
     from verification.tolerances import load_tolerances
 
     t_start = time.perf_counter()

@@ -23,7 +23,13 @@ Options:
 
 The terminal summary's headline says how many cells were judged (``VERIFIED n of N cells:
 ...``); a session whose matrix judged no cell at all (``NOTHING VERIFIED: N cells skipped
-(reason)``) exits 2 with one line saying why, unless --kda-allow-skips.
+(reason)``) exits 2 with one line saying why, unless --kda-allow-skips.  The session's exit
+status is verification.policy.exit_code of the matrix's cells (and of the other tests: one
+failing is 1): a cell that failed, was mistrusted or raised 1; the harness out of memory on a
+cell with no kernel failure 2; a bad --kda-* option 2 (its ``verify[options]`` item says
+why); Ctrl-C 130, with the headline and the report saying ``INTERRUPTED: k of n selected
+cells not run; ...`` (n counts the matrix items collected; under xdist, every item the
+workers collected).
 With ``--kda-backend triton`` on a machine without CUDA the plugin turns on Triton's CPU
 interpreter (TRITON_INTERPRET=1) before the kernels are built, as ``kda-verify run`` does.
 A cell that cannot run here (backend unavailable, case not applicable) is skipped with the
@@ -52,6 +58,11 @@ WORKER_OUTPUT = "kda_verify_timing"
 CELL_PROPERTY = "kda_cell_status"     # the user property that marks a matrix cell's report, with its status
 _CELLS_KEY = "_kda_verify_cells"      # [{status, reason, backend}] of every cell reported (controller)
 _NOTHING_KEY = "_kda_verify_nothing"
+_INTERRUPTED_KEY = "_kda_verify_interrupted"   # Ctrl-C stopped the session
+_SELECTED_KEY = "_kda_verify_selected"         # matrix items collected (after -m / -k / deselection)
+_NOT_RUN_KEY = "_kda_verify_not_run"           # of those, interrupted before they reported
+_OPTIONS_KEY = "_kda_verify_option_errors"     # the exit codes of verify[options] items (bad options)
+OPTIONS_PROPERTY = "kda_options_exit"          # the user property of a verify[options] item: its exit code
 NEGATIVE_CONTROLS_MODULE = "kda_kernels.controls"   # emulator-bad: left out of the default backends
 
 
@@ -277,6 +288,8 @@ class VerifyConfigError(pytest.Item):
         self.add_marker(MARKER)
 
     def runtest(self):
+        from verification.policy import exit_code
+        self.user_properties.append((OPTIONS_PROPERTY, exit_code(error=self.error)))   # 2 for bad input
         raise self.error
 
     def repr_failure(self, excinfo):
@@ -405,6 +418,13 @@ class _CellTally:
 
     def pytest_runtest_logreport(self, report):
         props = dict(getattr(report, "user_properties", None) or [])
+        if OPTIONS_PROPERTY in props and report.when == "call":
+            codes = getattr(self.config, _OPTIONS_KEY, None)
+            if codes is None:
+                codes = []
+                setattr(self.config, _OPTIONS_KEY, codes)
+            codes.append(int(props[OPTIONS_PROPERTY]))
+            return
         if CELL_PROPERTY not in props or report.when != "call":
             return
         cells = getattr(self.config, _CELLS_KEY, None)
@@ -414,26 +434,55 @@ class _CellTally:
         cells.append({"status": props[CELL_PROPERTY], "reason": str(props.get("reason", "")),
                       "backend": str(props.get("backend", ""))})
 
+    def pytest_keyboard_interrupt(self, excinfo):
+        if isinstance(excinfo.value, KeyboardInterrupt):       # Ctrl-C, not pytest.exit()
+            setattr(self.config, _INTERRUPTED_KEY, True)
 
-def _nothing_verified(session) -> None:
-    """A matrix whose cells were all skipped verified nothing: exit 2 (one line in the summary),
-    unless --kda-allow-skips.  The controller decides; xdist workers report to it."""
-    from verification.errors import EXIT_USAGE
-    from verification.runner import nothing_verified_reason
+    def pytest_collection_finish(self, session):
+        setattr(self.config, _SELECTED_KEY, sum(isinstance(i, VerifyItem) for i in session.items))
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_xdist_node_collection_finished(self, node, ids):
+        """xdist controller: the workers collect (each the same items); -m verify selects the matrix."""
+        n = sum(1 for i in ids if not i.endswith("[options]"))
+        setattr(self.config, _SELECTED_KEY, max(n, getattr(self.config, _SELECTED_KEY, 0) or 0))
+
+
+def _exit_status(session) -> None:
+    """The session's exit status from verification.policy.exit_code (the controller decides; xdist
+    workers report to it): Ctrl-C 130 (and how many selected cells did not run); a bad option
+    its item's code; else the matrix's cells, with the other tests' failures, 0, 1 or 2 (a matrix
+    whose cells were all skipped verified nothing: 2 with one line in the summary, unless
+    --kda-allow-skips).  pytest's own usage, internal and no-tests codes are kept."""
+    from verification.policy import FAILING, RESOURCE_ERROR, exit_code, nothing_verified_reason
     config = session.config
-    cells = getattr(config, _CELLS_KEY, None)
-    if not cells or _worker_id(config) is not None:
+    if _worker_id(config) is not None:
+        return
+    cells = getattr(config, _CELLS_KEY, None) or []
+    if getattr(config, _INTERRUPTED_KEY, False):
+        selected = getattr(config, _SELECTED_KEY, None)
+        if selected is not None:
+            setattr(config, _NOT_RUN_KEY, max(0, selected - len(cells)))
+        session.exitstatus = exit_code(interrupted=True)
+        return
+    options = getattr(config, _OPTIONS_KEY, None)
+    if options:
+        session.exitstatus = max(options)
+        return
+    if not cells:
         return
     why = nothing_verified_reason(cells)
-    if why is None:
+    if why is not None:
+        setattr(config, _NOTHING_KEY, why)
+    if session.exitstatus not in (0, 1):
         return
-    setattr(config, _NOTHING_KEY, why)
-    if not config.getoption("--kda-allow-skips") and session.exitstatus == 0:
-        session.exitstatus = EXIT_USAGE
+    matrix_failed = sum(c["status"] in FAILING or c["status"] == RESOURCE_ERROR for c in cells)
+    session.exitstatus = exit_code([c["status"] for c in cells], failed=session.testsfailed > matrix_failed,
+                                   allow_nothing_verified=config.getoption("--kda-allow-skips"))
 
 
 def pytest_sessionfinish(session, exitstatus):
-    _nothing_verified(session)
+    _exit_status(session)
     config = session.config
     if _worker_id(config) is not None:
         own = _own_timing(config)
@@ -450,6 +499,9 @@ def pytest_sessionfinish(session, exitstatus):
         return
     prov = provenance.collect(device=pick_device(config))
     prov["runner"] = "pytest -m verify"
+    not_run = getattr(config, _NOT_RUN_KEY, None)
+    if not_run is not None:
+        prov["interrupted"] = {"selected": getattr(config, _SELECTED_KEY, None), "not_run": not_run}
     (d / "run.json").write_text(json.dumps({"runs": [prov]}, indent=1, default=str))
     paths = write_report(d, timing=_timing_input(config))
     if paths.get("timing"):
@@ -469,9 +521,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         return
     cells = getattr(config, _CELLS_KEY, None)
     if cells:
-        from verification.runner import verified_headline
+        from verification.policy import headline
         terminalreporter.write_sep("-", "kda-verify")
-        terminalreporter.write_line(verified_headline(cells))
+        terminalreporter.write_line(headline(cells, getattr(config, _NOT_RUN_KEY, None) or 0))
         why = getattr(config, _NOTHING_KEY, None)
         if why is not None:
             allowed = config.getoption("--kda-allow-skips")

@@ -1,4 +1,4 @@
-"""The record of one cell, its statuses and its one JSON codec.
+"""The record of one cell and its one JSON codec (what its statuses mean: verification/policy.py).
 
 A cell (one route of one backend on one case) leaves one ``Record``: who ran (backend, route,
 recipe), on what (case, suite, seed, params, shape, dtype, device), the verdict (status, reason,
@@ -28,15 +28,6 @@ from typing import Optional
 RECORD_VERSION = 1
 RESULTS_FILE = "results.jsonl"     # one run's records (pytest -m verify under xdist: results-gwN.jsonl)
 RUN_FILE = "run.json"              # its provenance, one entry per invocation
-
-# ---- statuses ----------------------------------------------------------------------------
-STATUSES = ("pass", "fail", "mistrusted", "crashed", "skipped", "error", "known-fail", "out-of-contract")
-FAILING = ("fail", "mistrusted", "crashed", "error")
-JUDGED = ("pass", "known-fail", "fail", "mistrusted")     # a verdict was reached: the cell was verified
-HEADLINE_ORDER = ("pass", "known-fail", "fail", "mistrusted", "error", "crashed", "out-of-contract", "skipped")
-RESOURCE_ERROR = "resource-error"      # the harness ran out of memory (case build, oracle, baseline, judging)
-NOT_APPLICABLE = "not-applicable"      # judge's: no sound baseline; the cell is recorded "skipped", never a pass
-
 
 # ---- the codec ---------------------------------------------------------------------------
 def encode(x):
@@ -117,7 +108,7 @@ class Record:
     seed: Optional[int] = None
     params: dict = field(default_factory=dict)
     device: str = ""
-    status: Optional[str] = None        # one of STATUSES (or RESOURCE_ERROR); None while running
+    status: Optional[str] = None        # one of verification.policy.STATUSES; None while running
     reason: str = ""
     shape: Optional[dict] = None
     shape_key: Optional[list] = None

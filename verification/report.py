@@ -21,8 +21,10 @@ DIR/run.json (provenance).  Output:
                                under it in the report, each line's error at its smallest and
                                largest T and their ratio (growth)
 
-The headline is runner.verified_headline: ``VERIFIED n of N cells: ...`` when n cells were
-judged (pass, known-fail, fail, mistrusted), ``NOTHING VERIFIED: ...`` when none was.  A
+The headline is verification.policy.headline: ``VERIFIED n of N cells: ...`` when n cells were
+judged (pass, known-fail, fail, mistrusted), ``NOTHING VERIFIED: ...`` when none was, and
+``INTERRUPTED: <k> of <n> selected cells not run; ...`` first when the latest invocation that
+wrote the directory was stopped by Ctrl-C (its run.json entry's ``interrupted``).  A
 margin above 1 fails; below 1 it says how much headroom the tolerance leaves.
 """
 from __future__ import annotations
@@ -36,16 +38,16 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from .record import FAILING, JUDGED, RESULTS_FILE, RUN_FILE, STATUSES, read_records, read_runs
+from .policy import FAILING, JUDGED, STATUSES, UNJUDGED
+from .policy import headline as policy_headline
+from .record import RESULTS_FILE, RUN_FILE, read_records, read_runs
 from .record import decode_number as as_float
 from .record import encode as jsonable
-from .runner import verified_headline
 
 PLOTS = ("error_vs_T", "worst_chunks", "margin_heatmap", "long_context")
 STATUS_COLOURS = {"pass": "#2e7d32", "fail": "#c62828", "mistrusted": "#ef6c00", "crashed": "#6a1b9a",
                   "error": "#4e342e", "skipped": "#757575", "known-fail": "#f9a825", "out-of-contract": "#0277bd",
                   "resource-error": "#455a64"}
-UNJUDGED = ("skipped", "crashed", "error", "out-of-contract", "resource-error")   # no margin of these belongs on a plot
 
 
 # ----------------------------------------------------------------------------------------
@@ -111,10 +113,23 @@ def o_err(rec: dict) -> float:
     return _tensor_err(rec, "o")[0]
 
 
-def summarize(records: list[dict]) -> dict:
+def not_run_of(prov: dict, records: list) -> int:
+    """How many selected cells the interrupted invocation of ``prov`` (run.json's latest entry)
+    left without a record among ``records`` (its ``selected`` count less the records: the report
+    counts what the results files hold); 0 when it was not interrupted."""
+    stop = prov.get("interrupted") if isinstance(prov, dict) else None
+    if not isinstance(stop, dict):
+        return 0
+    if isinstance(stop.get("selected"), int):
+        return max(0, stop["selected"] - len(records))
+    return int(stop.get("not_run") or 0)
+
+
+def summarize(records: list[dict], not_run: int = 0) -> dict:
     """Counts per status and per route (with the route's worst margin over its judged cells),
-    the failing count, ``verified`` (cells judged: runner.JUDGED), the ``headline`` and ``ok``:
-    no cell failing and at least one verified."""
+    the failing count, ``verified`` (cells judged: policy.JUDGED), ``not_run`` (selected cells an
+    interrupted run left without a record), the ``headline`` and ``ok``: not interrupted, no
+    cell failing and at least one verified."""
     counts = {s: 0 for s in STATUSES}
     per_route: dict[str, dict] = {}
     for r in records:
@@ -129,7 +144,8 @@ def summarize(records: list[dict]) -> dict:
     failing = [r for r in records if r.get("status") in FAILING]
     verified = sum(r.get("status") in JUDGED for r in records)
     return {"cells": len(records), "counts": counts, "failing": len(failing), "per_route": per_route,
-            "verified": verified, "headline": headline(records), "ok": not failing and verified > 0}
+            "verified": verified, "not_run": not_run, "headline": headline(records, not_run),
+            "ok": not failing and verified > 0 and not not_run}
 
 
 def _worst(records: list[dict], n: int) -> list[dict]:
@@ -853,11 +869,12 @@ def _tail(r: dict, n: int) -> tuple[str, str]:
     return what, "\n".join(text.strip().splitlines()[-n:])
 
 
-def headline(records: list[dict]) -> str:
+def headline(records: list[dict], not_run: int = 0) -> str:
     """The report's headline, the same line ``kda-verify run`` and ``pytest -m verify`` print
-    (runner.verified_headline): ``VERIFIED n of N cells: ...`` when n cells were judged (pass,
-    known-fail, fail, mistrusted), else ``NOTHING VERIFIED: ...``; never ALL PASS over skips."""
-    return verified_headline(records)
+    (verification.policy.headline): ``VERIFIED n of N cells: ...`` when n cells were judged (pass,
+    known-fail, fail, mistrusted), else ``NOTHING VERIFIED: ...``, after ``INTERRUPTED: ...`` when
+    ``not_run`` selected cells were not run; never ALL PASS over skips."""
+    return policy_headline(records, not_run)
 
 
 def sections(summary: dict, records: list[dict], prov: dict, plots: dict, out_dir: Path,
@@ -988,10 +1005,11 @@ def _img_tag(path: Path, alt: str) -> str:
 
 
 def headline_colour(summary: dict) -> str:
-    """Red when a cell failed, orange when nothing was verified, green otherwise."""
+    """Red when a cell failed, orange when nothing was verified or the run was interrupted, green
+    otherwise."""
     if summary["failing"]:
         return STATUS_COLOURS["fail"]
-    return STATUS_COLOURS["pass"] if summary["verified"] else STATUS_COLOURS["mistrusted"]
+    return STATUS_COLOURS["pass"] if summary["verified"] and not summary.get("not_run") else STATUS_COLOURS["mistrusted"]
 
 
 def render_html(summary: dict, records: list[dict], prov: dict, plots: dict, out_dir: Path,
@@ -1055,7 +1073,7 @@ def write_report(out_dir, records: Optional[list[dict]] = None, provenance: Opti
     out.mkdir(parents=True, exist_ok=True)
     records = load_results(out) if records is None else records
     prov = load_provenance(out) if provenance is None else provenance
-    summary = summarize(records)
+    summary = summarize(records, not_run_of(prov, records))
     plots = make_plots(records, out / "plots")
     bd = prov.get("time_breakdown") if isinstance(prov, dict) else None
     if timing is not None:
@@ -1064,7 +1082,7 @@ def write_report(out_dir, records: Optional[list[dict]] = None, provenance: Opti
         bd = timing_mod.breakdown(timing["sums"], wall_s=now - timing["started"], report_s=now - t_report,
                                   workers=timing.get("workers"))
     paths = {"md": out / "report.md", "html": out / "report.html", "json": out / "report.json",
-             "plots": plots, "timing": bd}
+             "plots": plots, "timing": bd, "headline": summary["headline"]}
     paths["md"].write_text(render_markdown(summary, records, prov, plots, out, bd), encoding="utf-8")
     paths["html"].write_text(render_html(summary, records, prov, plots, out, bd), encoding="utf-8")
     paths["json"].write_text(json.dumps(jsonable({"provenance": prov, "summary": summary, "time_breakdown": bd,

@@ -2,7 +2,7 @@
 
 One cell = one route of one backend on one case.  Its record (``run_cell``) is the dict
 form of a ``verification.record.Record``: who ran (backend, route, recipe), on what (case id, suite, seed,
-shape), the verdict (status in STATUSES, a one-line reason, per-tensor err /
+shape), the verdict (status in policy.STATUSES, a one-line reason, per-tensor err /
 threshold / margin from ``verification.verdict.judge``), the full metrics, the
 baseline's metrics, timings and a repro command.
 
@@ -39,8 +39,8 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-from verification.record import (FAILING, HEADLINE_ORDER, JUDGED, RESOURCE_ERROR, RESULTS_FILE,  # noqa: F401
-                                 RUN_FILE, STATUSES, append_record, cell_key, read_records,
+from verification.policy import FAILING, JUDGED, RESOURCE_ERROR, exit_code
+from verification.record import (RESULTS_FILE, RUN_FILE, append_record, cell_key, read_records,  # noqa: F401
                                  read_runs, repair_partial_line)
 from verification.baselines import BaselineCache, recipe_baselines  # noqa: F401 - BaselineCache: the old path
 from verification.devices import default_device  # noqa: F401 - the old path
@@ -770,6 +770,8 @@ class RunSummary:
     ran: int = 0                                      # cells executed by this invocation
     resumed: int = 0                                  # cells found finished and skipped
     stopped_early: bool = False                       # --max-cells reached
+    selected: int = 0                                 # cells of the run's selection (resumed ones included)
+    not_run: Optional[int] = None                     # interrupted (Ctrl-C): selected cells without a record
     oracle_runs: dict = field(default_factory=dict)  # case id -> truth evaluations (1 each)
     baseline_runs: dict = field(default_factory=dict)  # (case id, recipe) -> baseline evaluations
 
@@ -785,68 +787,15 @@ class RunSummary:
 
     @property
     def exit_code(self) -> int:
-        """1 if any cell failed, was mistrusted, crashed or errored; else 2 if the harness ran out
-        of memory on a cell (a bad environment: that cell was not verified); else 0 (a run that
-        judged no cell at all is the caller's to refuse: ``nothing_verified_reason``)."""
-        if self.failed:
-            return 1
-        return 2 if any(r.get("status") == RESOURCE_ERROR for r in self.records) else 0
+        """verification.policy.exit_code of the run's cells: 130 when interrupted, 1 when a cell
+        failed, was mistrusted, crashed or errored, 2 when the harness ran out of memory on a
+        cell or no cell was judged, else 0."""
+        return exit_code([r.get("status") for r in self.records], interrupted=self.not_run is not None)
 
     @property
     def verified(self) -> int:
         """How many cells reached a verdict (pass, known-fail, fail, mistrusted)."""
         return sum(r.get("status") in JUDGED for r in self.records)
-
-
-def _skip_reason(rec: dict) -> str:
-    """A skipped cell's reason, naming the backend when it is the backend that is unavailable."""
-    why = str(rec.get("reason") or "no reason given")
-    prefix = "backend unavailable: "
-    if why.startswith(prefix):
-        return f"backend {rec.get('backend')} unavailable: {why[len(prefix):]}"
-    return why
-
-
-def _common_reason(records: list) -> str:
-    """The most frequent reason of the unjudged cells of ``records``, and how many had another."""
-    reasons: dict[str, int] = {}
-    for r in records:
-        if r.get("status") not in JUDGED:
-            k = _skip_reason(r) if r.get("status") == "skipped" else f"{r.get('status')}: {r.get('reason') or ''}"
-            reasons[k] = reasons.get(k, 0) + 1
-    if not reasons:
-        return "every cell was judged"
-    top, n = max(reasons.items(), key=lambda kv: kv[1])
-    rest = sum(reasons.values()) - n
-    return top + (f"; {rest} more cell{'s' if rest != 1 else ''} for other reasons" if rest else "")
-
-
-def verified_headline(records: list) -> str:
-    """The run's headline: ``VERIFIED <n> of <N> cells: 16 pass, 1 known-fail, 1 skipped`` when n
-    cells reached a verdict, ``NOTHING VERIFIED: <N> cells skipped (<reason>)`` when none did (the
-    report module writes the same two forms)."""
-    counts: dict[str, int] = {}
-    for r in records:
-        counts[r.get("status", "?")] = counts.get(r.get("status", "?"), 0) + 1
-    order = list(HEADLINE_ORDER) + sorted(k for k in counts if k not in HEADLINE_ORDER)
-    tally = ", ".join(f"{counts[k]} {k}" for k in order if counts.get(k))
-    n = sum(counts.get(k, 0) for k in JUDGED)
-    total = len(records)
-    if n:
-        return f"VERIFIED {n} of {total} cells: {tally}"
-    if total and counts.get("skipped", 0) == total:
-        return f"NOTHING VERIFIED: {total} cells skipped ({_common_reason(records)})"
-    return f"NOTHING VERIFIED: {total} cells: {tally or 'none'}" + (f" ({_common_reason(records)})" if total else "")
-
-
-def nothing_verified_reason(records: list) -> Optional[str]:
-    """None when some cell reached a verdict; else why none did, on one line (the reason most
-    cells share, e.g. ``backend fla unavailable: ...``; "no cells" for an empty matrix)."""
-    if any(r.get("status") in JUDGED for r in records):
-        return None
-    if not records:
-        return "no cells"
-    return _common_reason(records)
 
 
 SELF_JUDGED = "emulator judged against its own recipe (err = baseline, margin 1): only the cap judges"
@@ -877,6 +826,65 @@ def plan(backends: list[LoadedBackend], routes: Optional[list[str]], cases: list
     return [(lb, r, c) for c in cases for lb, rs in per_backend for r in rs]
 
 
+def _selection_value(v):
+    """A selection option's value compared regardless of order and repetition (None for unset)."""
+    if isinstance(v, (list, tuple)):
+        return tuple(sorted({str(x) for x in v})) or None
+    return None if v is None else str(v)
+
+
+def _selection_text(selection: dict, options=None) -> str:
+    """``--backend a,b --suite smoke ...`` of a selection (``options``: only these; an unset
+    one reads ``no --route``)."""
+    parts = []
+    for opt in (selection if options is None else options):
+        v = selection.get(opt)
+        shown = ",".join(map(str, v)) if isinstance(v, (list, tuple)) else v
+        if shown not in (None, ""):
+            parts.append(f"{opt} {shown}")
+        elif options is not None:
+            parts.append(f"no {opt}")
+    return " ".join(parts)
+
+
+def check_resume(out_dir, resume: bool, selection: Optional[dict] = None, wanted: Optional[set] = None) -> None:
+    """Refuse, before anything is written, a run into ``out_dir`` that would mix two runs: results
+    there without ``resume``, or a resume whose selection is not the one recorded in DIR/run.json
+    (``selection``: {option: value} of what picks the cells, e.g. {"--backend": [...], "--suite":
+    [...]}, compared regardless of order).  Where DIR records no selection, a resume whose cells
+    (``wanted``, cell keys) leave out a cell already recorded is refused.  Reads only."""
+    from verification.errors import UsageError
+    results = Path(out_dir) / RESULTS_FILE
+    if not results.is_file() or results.stat().st_size == 0:
+        return
+    if not resume:
+        raise UsageError(f"--out: {results} already holds {len(read_records(results))} cells; "
+                         f"pass --resume to continue that run, or choose an empty directory")
+    before = next((r["selection"] for r in reversed(read_runs(out_dir))
+                   if isinstance(r, dict) and isinstance(r.get("selection"), dict)), None)
+    if selection is not None and before is not None:
+        differ = [o for o in dict.fromkeys([*before, *selection])
+                  if _selection_value(before.get(o)) != _selection_value(selection.get(o))]
+        if differ:
+            raise UsageError(f"--resume: expected the selection of the run in {out_dir} ({_selection_text(before)}), "
+                             f"got {_selection_text(selection, differ)}; another selection needs another --out")
+    elif wanted is not None:
+        other = [r["key"] for r in read_records(results) if r["key"] not in wanted]
+        if other:
+            raise UsageError(f"--resume: expected a selection holding the {len(read_records(results))} cells recorded "
+                             f"in {out_dir}, got one without {len(other)} of them (e.g. {other[0]}); another "
+                             f"selection needs another --out")
+
+
+def _note_interrupted(out: Path, selected: int, not_run: int) -> None:
+    """Record in DIR/run.json that this invocation was interrupted, and how many of its selected
+    cells have no record (the report's INTERRUPTED headline)."""
+    runs = read_runs(out)
+    if runs:
+        runs[-1]["interrupted"] = {"selected": selected, "not_run": not_run}
+        (out / RUN_FILE).write_text(json.dumps({"runs": runs}, indent=1, allow_nan=False))
+
+
 def use_device(device: str) -> None:
     """Make a CUDA device the current one (kernels that launch on the current device, as
     Triton's do, then run where the problem's tensors are)."""
@@ -890,15 +898,21 @@ def run_matrix(backends: Iterable, cases: list, out_dir=None, *, routes: Optiona
                max_cells: Optional[int] = None, db=None, tolerances_path: Optional[str] = None,
                progress_stream=None, tty: Optional[bool] = None, timeout_s: Optional[float] = None,
                on_record: Optional[Callable[[dict], None]] = None, provenance: Optional[dict] = None,
-               guards: Optional[bool] = None) -> RunSummary:
+               guards: Optional[bool] = None, selection: Optional[dict] = None) -> RunSummary:
     """Run every (backend, route, case) cell; see the module docstring.
 
     backends: specs (built-in names or package.module:factory) or LoadedBackends.
     out_dir: where results.jsonl (and run.json, the provenance) go; None keeps records in memory.
-    resume: skip cells already in out_dir/results.jsonl (without it, a non-empty file is an error).
+    resume: skip cells already in out_dir/results.jsonl (without it, a non-empty file is an error;
+        a resume of another ``selection`` too: check_resume, before anything is written).
     max_cells: stop after running this many cells (resumed cells do not count).
-    guards: memory guards per cell (verification/guards.py); None: on for CUDA devices."""
-    from verification.errors import UsageError
+    guards: memory guards per cell (verification/guards.py); None: on for CUDA devices.
+    selection: the options that picked the cells, recorded in run.json (check_resume).
+
+    Ctrl-C (KeyboardInterrupt) during the cells raises errors.Interrupted carrying the summary,
+    whose ``not_run`` counts the selected cells without a record; run.json's entry of this
+    invocation says ``interrupted`` too."""
+    from verification.errors import Interrupted, UsageError
 
     device = device or default_device()
     use_device(device)
@@ -909,26 +923,26 @@ def run_matrix(backends: Iterable, cases: list, out_dir=None, *, routes: Optiona
             raise UsageError(f"--isolate: expected backends given by name or package.module:factory (a child "
                              f"process loads them again), got Backend objects {', '.join(bad)}")
     cells = plan(loaded, routes, cases)
+    wanted = {cell_key(lb.name, r.name, c.id) for lb, r, c in cells}
     if db is None:
         from verification.tolerances import load_tolerances
         db = load_tolerances(tolerances_path)
-    summary = RunSummary(out_dir=Path(out_dir) if out_dir is not None else None)
+    summary = RunSummary(out_dir=Path(out_dir) if out_dir is not None else None, selected=len(cells))
     done_keys: set = set()
     results = None
     if out_dir is not None:
         out = Path(out_dir)
+        check_resume(out, resume, selection, wanted)       # before anything is written
         out.mkdir(parents=True, exist_ok=True)
         results = out / RESULTS_FILE
         if results.exists() and results.stat().st_size > 0:
-            if not resume:
-                raise UsageError(f"--out: {results} already holds {len(read_records(results))} cells; "
-                                 f"pass --resume to continue that run, or choose an empty directory")
             repair_partial_line(results)
             previous = read_records(results)
             done_keys = {r["key"] for r in previous}
-            wanted = {cell_key(lb.name, r.name, c.id) for lb, r, c in cells}
             summary.records.extend(r for r in previous if r["key"] in wanted)
         prov = dict(provenance or {})
+        if selection is not None:
+            prov["selection"] = selection
         prov.setdefault("backends", {lb.name: {"spec": lb.spec, "version": lb.version, "available": lb.available,
                                                "reason": lb.reason} for lb in loaded})
         prov.setdefault("cases", {c.id: {"suite": c.suite, "seed": c.seed} for c in cases})
@@ -962,6 +976,13 @@ def run_matrix(backends: Iterable, cases: list, out_dir=None, *, routes: Optiona
             progress.step(rec)
             if on_record is not None:
                 on_record(rec)
+    except KeyboardInterrupt:
+        summary.not_run = len(cells) - len(summary.records)
+        if results is not None:            # what the file holds: a record written as Ctrl-C came counts
+            summary.not_run = len(cells) - len({r["key"] for r in read_records(results)} & wanted)
+            _note_interrupted(out, len(cells), summary.not_run)
+        raise Interrupted(f"interrupted: {summary.not_run} of {len(cells)} selected cells not run",
+                          summary=summary) from None
     finally:
         if iso is not None:
             iso.close()

@@ -64,9 +64,8 @@ from typing import Callable, Optional
 from verification.metrics import compare, dtype_name, tensor_metrics
 from verification.baselines import (TAP_TENSORS, UNIT_SCALE_RANGE, _tensors, at_unit_scale,  # noqa: F401
                                     baseline_metrics, emulate_taps, recipe_chunk, tap_metrics, unit_scale)
-from verification.record import NOT_APPLICABLE, STATUSES, encode  # noqa: F401 - STATUSES: the one list
-
-JUDGED_METRICS = ("rel_l2", "tail_rel_l2")
+from verification.policy import JUDGED_METRICS, NOT_APPLICABLE
+from verification.record import encode
 NEGLIGIBLE_SLICE = 1e-2     # a slice whose rms is below this fraction of the tensor's is judged on the tensor's scale
 SLICE_FLOOR_SHARE = 1.0     # a slice is held to at least the whole tensor's baseline error
 SLICE_KINDS = {"seq_head": ("sequence", "head"), "seq_block": ("sequence", "tokens"),

@@ -8,6 +8,7 @@ an adapter that exists but whose library or device is missing reports its own re
 from __future__ import annotations
 
 import json
+from verification.policy import exit_code
 
 NAME = "backends"
 HELP = "list the built-in backends: available here or not (and why), version, routes"
@@ -78,7 +79,7 @@ def run(args) -> int:
     if args.json:
         print(json.dumps([{k: r[k] for k in ("name", "available", "reason", "version", "routes")} for r in rows],
                          indent=1))
-        return 0
+        return exit_code()
     w = max(len(r["name"]) for r in rows)
     for r in rows:
         state = "available" if r["available"] else "unavailable"
@@ -87,4 +88,4 @@ def run(args) -> int:
             print(f"{'':<{w}}  routes: {', '.join(r['routes'])}")
         if r["reason"]:
             print(f"{'':<{w}}  reason: {r['reason']}")
-    return 0
+    return exit_code()

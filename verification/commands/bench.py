@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+from verification.policy import exit_code
 
 NAME = "bench"
 HELP = "time KDA forward routes side by side (CUDA events, median, L2 flushed between repetitions)"
@@ -186,4 +187,4 @@ def run(args) -> int:
                                       for (b, r), d in sp.items()}}
         with open(args.json_out, "w") as f:
             json.dump(payload, f, indent=1)
-    return 1 if any(r.error for r in results) else 0
+    return exit_code(failed=any(r.error for r in results))

@@ -8,10 +8,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from verification.calibrate import (ENTRY_ORDER, JUDGED, NEW_FLOOR, Group, ceil2, collect_groups,  # noqa: F401
+from verification.calibrate import (ENTRY_ORDER, NEW_FLOOR, Group, ceil2, collect_groups,  # noqa: F401
                                     device_description, earlier_provenance, earlier_records, entry_yaml,
                                     is_long, measure, measured_where, proposal_diff, proposal_yaml,
                                     propose, proposed_file)
+from verification.policy import exit_code
 
 NAME = "calibrate"
 HELP = "measure a backend's routes on a suite and propose tolerances (a diff; the file is never rewritten)"
@@ -102,4 +103,4 @@ def run(args) -> int:
         parse_tolerances(body, args.out)
         Path(args.out).write_text(body)
         print(f"proposal written to {args.out} ({tol_path} unchanged)", file=sys.stderr)
-    return 0
+    return exit_code()

@@ -4,7 +4,8 @@
 
 The outputs file holds ``o`` and ``final_state`` (or ``state_cache``), and with ``--taps``
 the stored inverse ``ws_inv`` when the backend returns it, so ``kda-verify check`` can judge
-them on any machine.  Exit 0 when saved, 2 on bad input or a backend that cannot run.
+them on any machine.  Exit 0 when saved, 1 when the kernel raised (one line; the traceback in a
+file), 2 on bad input or a backend that cannot run (nothing is created then).
 
     kda-verify capture --backend B --route R --inputs DIR --out OUT [--resume]
 
@@ -68,7 +69,8 @@ def run(args) -> int:
 
     from kda_kernels.base import BackendError, ReturnsTaps
     from kda_ref.problem import validate
-    from verification.errors import UsageError
+    from verification.errors import KernelFailure, UsageError
+    from verification.policy import exit_code
     from verification.problem_file import load_problem, save_outputs
 
     from verification.errors import writable_file
@@ -78,8 +80,8 @@ def run(args) -> int:
         return run_dir(args)
     if args.resume:
         raise UsageError(f"--resume: expected with a directory --inputs, got the file {args.inputs!r}")
-    writable_file(args.out, "--out")
     backend, route, device = backend_route_device(args)
+    writable_file(args.out, "--out")            # after the backend and route: a bad one creates nothing
     problem = validate(load_problem(args.inputs).to(device))
     ok, why = backend.accepts(problem, route)
     if not ok:
@@ -89,7 +91,10 @@ def run(args) -> int:
         kwargs["taps"] = True
     elif args.taps and isinstance(backend, ReturnsTaps):
         backend = backend.with_taps(True)
-    out = backend.run(problem, route, **kwargs)
+    try:
+        out = backend.run(problem, route, **kwargs)
+    except Exception as e:  # noqa: BLE001 - the kernel raising is a kernel failure, not kda-verify's
+        raise KernelFailure.of(e, f"{backend.name} {route.name}") from e
     tensors = {k: v.detach().cpu().contiguous() for k, v in out.tensors().items()}
     if args.taps and "ws_inv" in (out.taps or {}):
         tensors["ws_inv"] = out.taps["ws_inv"].detach().cpu().contiguous()
@@ -97,7 +102,7 @@ def run(args) -> int:
             "version": str(getattr(backend, "version", lambda: "")())}
     save_outputs(args.out, tensors, meta)
     print(f"saved {', '.join(sorted(tensors))} of {backend.name}/{route.name} on {device} to {args.out}")
-    return 0
+    return exit_code()
 
 
 # ----------------------------------------------------------------------------------------
@@ -126,9 +131,11 @@ def run_dir(args) -> int:
     from verification.errors import writable_dir
     from verification.problem_file import load_outputs, load_problem, save_outputs
 
+    from verification.policy import exit_code
+
     files = problem_files(args.inputs)
-    out_dir = writable_dir(args.out, "--out")
     backend, route, device = backend_route_device(args)
+    out_dir = writable_dir(args.out, "--out")      # after the backend and route: a bad one creates nothing
     # every problem file is read before any kernel runs: a bad one is bad input, named, exit 2
     problems = []
     for f in files:
@@ -195,4 +202,4 @@ def run_dir(args) -> int:
         print(f"{f.name}: saved {', '.join(sorted(tensors))} to {target}")
     print(f"{backend.name}/{route.name} on {device}: " + ", ".join(f"{v} {k}" for k, v in counts.items() if v)
           + f" of {len(problems)} problems in {args.inputs}")
-    return 1 if counts["raised"] or counts["crashed"] else 0
+    return exit_code(failed=bool(counts["raised"] or counts["crashed"]))

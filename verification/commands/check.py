@@ -111,7 +111,8 @@ def run(args) -> int:
         print(table(verdict))
         print(f"{verdict.status.upper()}: {verdict.reason}")
     sys.stdout.flush()
-    return {"pass": 0, "not-applicable": 2}.get(verdict.status, 1)
+    from verification.policy import exit_code
+    return exit_code([verdict.status])
 
 
 # ----------------------------------------------------------------------------------------
@@ -177,10 +178,11 @@ def run_dir(args) -> int:
     from verification.commands.capture import problem_files
     from verification.errors import writable_dir
     from verification.problem_file import load_outputs, load_outputs_metadata, load_problem
-    from verification.record import FAILING, JUDGED, RESULTS_FILE, Record, append_record, cell_key, read_records
+    from verification.policy import exit_code, headline
+    from verification.record import RESULTS_FILE, Record, append_record, cell_key, read_records
     from verification.record import encode as jsonable
     from verification.report import write_report
-    from verification.runner import scalar_metrics, verified_headline, worst_margin
+    from verification.runner import scalar_metrics, worst_margin
     from verification.verdict import decide, known_failure_entry
     from verification.tolerances import load_tolerances
 
@@ -266,9 +268,7 @@ def run_dir(args) -> int:
         records.append(rec)
         print(f"{cid}: {rec['status']}: {rec['reason'][:200]}")
     paths = write_report(res_dir, records=records)
-    print(verified_headline(records))
+    print(headline(records))
     print(f"report: {paths['md']}")
     sys.stdout.flush()
-    if any(r.get("status") in FAILING for r in records):
-        return 1
-    return 0 if any(r.get("status") in JUDGED for r in records) else 2
+    return exit_code([r.get("status") for r in records])

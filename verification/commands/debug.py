@@ -37,6 +37,7 @@ def add_arguments(p):
 def run(args) -> int:
     from kda_kernels.base import LooksUpRoutes, ReturnsTaps, RunsPasses, load_backend
     from verification.errors import UsageError
+    from verification.policy import exit_code
     from verification.debug import THRESHOLDS, debug_passes, format_reports, reports_to_json
 
     thresholds = {}
@@ -87,4 +88,4 @@ def run(args) -> int:
         print(json.dumps(reports_to_json(reports), indent=1))
     else:
         print(format_reports(reports, header=f"{backend.name} {route.name} on {label}: {problem.describe()}"))
-    return 0 if all(r.ok for r in reports) else 1
+    return exit_code(failed=not all(r.ok for r in reports))

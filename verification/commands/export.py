@@ -3,6 +3,7 @@ machine (a gfx950 or gfx1250 box, say) and judge its outputs here with `kda-veri
 ``--suite S[,S]`` writes every case of the suites (``--skip-long`` leaves out the long ones)
 into the directory --out, one file per case: SUITE__NAME.safetensors."""
 from __future__ import annotations
+from verification.policy import exit_code
 
 NAME = "export"
 HELP = "write the inputs of a case (e.g. stress/weak-gate-lb-0.01) as a problem file (.safetensors)"
@@ -54,4 +55,4 @@ def run(args) -> int:
     for c, path in zip(cases, targets):
         save_problem(str(path), c.build(device="cpu"))
         print(f"{c.id} -> {path}")
-    return 0
+    return exit_code()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+from verification.policy import exit_code
 
 NAME = "isa"
 HELP = "cross-compile the Triton FlashKDA kernels (sm90, gfx950, gfx1250, ...) and report their ISA"
@@ -76,7 +77,7 @@ def run(args) -> int:
     failed = [r for r in reports if not r.ok]
     print(f"{len(reports) - len(failed)}/{len(reports)} kernel variants compiled "
           f"({', '.join(archs)}; {len(routes)} routes); {spill_summary(reports)}", file=sys.stderr)
-    return 1 if failed else 0
+    return exit_code(failed=bool(failed))
 
 
 def _run_aiter(args) -> int:
@@ -103,7 +104,7 @@ def _run_aiter(args) -> int:
     failed = [r for r in reports if not r.ok]
     print(f"{len(reports) - len(failed)}/{len(reports)} aiter kernel variants compiled ({', '.join(archs)}); "
           f"{spill_summary(reports)}", file=sys.stderr)
-    return 1 if failed else 0
+    return exit_code(failed=bool(failed))
 
 
 SPILL_KEYS = ("vgpr_spill_count", "sgpr_spill_count", "spill_store_bytes")

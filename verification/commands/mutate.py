@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor, as_completed
+from verification.policy import exit_code
 
 NAME = "mutate"
 HELP = "mutation testing: run each mutant of our Triton FlashKDA through the harness (killed? localized?)"
@@ -51,7 +52,7 @@ def run(args) -> int:
         for m in CATALOGUE:
             eq = "  [equivalent]" if m.equivalent else ""
             print(f"{m.name:<38} {m.pass_name:<3} {m.file:<11} {m.what}{eq}")
-        return 0
+        return exit_code()
     try:
         mutants = by_name(_names(args.mutant))
     except ValueError as e:
@@ -93,4 +94,4 @@ def run(args) -> int:
         with open(args.json_out, "w") as f:
             json.dump(jsonable(dict(suites=suites, device=args.device, long=args.long == "yes",
                                     taps=args.taps == "yes", records=records)), f, indent=1, allow_nan=False)
-    return 1 if any(needs_attention(r) for r in records) else 0
+    return exit_code(failed=any(needs_attention(r) for r in records))

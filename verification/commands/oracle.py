@@ -4,6 +4,7 @@ from __future__ import annotations
 import time
 
 from verification.devices import check_device  # noqa: F401 - the old import path (verification/devices.py)
+from verification.policy import exit_code
 
 NAME = "oracle"
 HELP = "compute the float64 truth (o, final state or state cache; optionally ws_* and segments) of a problem file"
@@ -60,4 +61,4 @@ def run(args) -> int:
     save_outputs(args.out, tensors, meta)
     print(f"wrote {args.out}: {', '.join(f'{n} {list(x.shape)}' for n, x in tensors.items())} "
           f"({args.method}, {secs:.2f} s on {dev})")
-    return 0
+    return exit_code()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import time
+from verification.policy import exit_code
 
 NAME = "oracle-bench"
 HELP = "time the float64 oracle (recurrence and workspace + segments + chunked) on a device"
@@ -298,7 +299,7 @@ def run(args) -> int:
     else:
         print(f"float64 matmul measured here: {mm:.2f} TFLOP/s (ceiling used: {args.peak_tflops} TFLOP/s); "
               f"device {report['device']}, torch {report['torch']}")
-    return 0
+    return exit_code()
 
 
 def _print(r):

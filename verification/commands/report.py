@@ -8,6 +8,7 @@ of the merge in OUT."""
 from __future__ import annotations
 
 from pathlib import Path
+from verification.policy import exit_code
 
 NAME = "report"
 HELP = "write report.md, report.html, report.json and plots from a results directory"
@@ -28,7 +29,7 @@ def add_arguments(p):
 def run(args) -> int:
     from verification.errors import UsageError, writable_dir
     from verification.record import RESULTS_FILE, record_line
-    from verification.report import load_results, merge_provenance, results_files, summarize, write_report
+    from verification.report import load_results, merge_provenance, results_files, write_report
 
     for shown in args.dirs:
         d = Path(shown)
@@ -55,8 +56,8 @@ def run(args) -> int:
         merge_provenance(args.dirs, out)
         print(f"merged {len(records)} cells of {len(args.dirs)} directories into {out / RESULTS_FILE}")
     paths = write_report(out, records=records)
-    print(summarize(records)["headline"])          # the same headline as `run` and the report
+    print(paths["headline"])          # the same headline as `run` and the report
     print(f"report: {paths['md']}\n        {paths['html']}\n        {paths['json']}")
     for name, p in paths["plots"].items():
         print(f"plot:   {p}")
-    return 0
+    return exit_code()

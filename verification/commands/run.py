@@ -1,14 +1,18 @@
 """`kda-verify run`: the matrix backend x route x case, recorded as it goes, then the report.
 
 Each finished cell is appended to DIR/results.jsonl at once (an interrupted run loses
-nothing; --resume skips the finished cells).  The headline says how many cells were judged:
-``VERIFIED n of N cells: ...``, or ``NOTHING VERIFIED: N cells skipped (reason)``.
+nothing; --resume skips the finished cells, and refuses a selection other than the one DIR
+records).  The headline says how many cells were judged: ``VERIFIED n of N cells: ...``, or
+``NOTHING VERIFIED: N cells skipped (reason)``; after Ctrl-C the report is written with the
+headline ``INTERRUPTED: k of n selected cells not run; ...`` and one line says so.  Every
+option is checked (backends loaded, routes resolved, the resume's selection compared) before
+--out is created: a refused run creates nothing.
 
-Exit status (verification/errors.py): 0 when at least one cell was judged and every judged
+Exit status (verification.policy.exit_code): 0 when at least one cell was judged and every judged
 cell passed (or is a listed known failure); 1 when any failed, was mistrusted, crashed or
-errored; 2 on bad input or a bad environment, and when nothing was verified (every cell
-skipped: backend unavailable, case not applicable) unless --allow-nothing-verified; 3 on an
-internal error.
+errored; 2 on bad input or a bad environment, when the harness ran out of memory on a cell,
+and when nothing was verified (every cell skipped: backend unavailable, case not applicable)
+unless --allow-nothing-verified; 3 on an internal error; 130 when interrupted.
 
 On a machine without CUDA, a run of the ``triton`` backend on the CPU turns on Triton's
 interpreter (TRITON_INTERPRET=1) before Triton is first imported, and says so.
@@ -46,7 +50,8 @@ def add_arguments(p):
                    help="include the suites' long cases (64k tokens, production shapes): auto = on CUDA only "
                         "(a case named by --case always runs)")
     p.add_argument("--out", required=True, metavar="DIR", help="results directory (results.jsonl, report.*)")
-    p.add_argument("--resume", action="store_true", help="skip cells already recorded in DIR/results.jsonl")
+    p.add_argument("--resume", action="store_true", help="skip cells already recorded in DIR/results.jsonl "
+                   "(the same backends, routes, suites, cases and fuzz draw as the run that wrote them)")
     p.add_argument("--isolate", action="store_true",
                    help="run each cell in a child process: a kernel that kills its process is recorded as crashed")
     p.add_argument("--timeout", type=float, metavar="SECONDS",
@@ -74,9 +79,11 @@ def run(args) -> int:
     import time
 
     from verification import provenance
-    from verification.errors import EXIT_USAGE, Interrupted, UsageError, writable_dir
+    from verification.cases import FUZZ_N, FUZZ_SEED
+    from verification.errors import Interrupted, UsageError, writable_dir
     from verification.devices import check_device
-    from verification.runner import clip_words, nothing_verified_reason, run_matrix, verified_headline
+    from verification.policy import exit_code, headline, nothing_verified_reason
+    from verification.runner import cell_key, check_resume, clip_words, load, plan, run_matrix
 
     started = time.perf_counter()
 
@@ -96,6 +103,10 @@ def run(args) -> int:
     fuzz_n, fuzz_seed = fuzz_args(args, suites)
     long = args.long == "yes" or (args.long == "auto" and device.startswith("cuda"))
     cases = select_cases(suites, split_list(args.case), long=long, fuzz_n=fuzz_n, fuzz_seed=fuzz_seed)
+    # --long picks cells only without --case, and only from suites that hold long cases
+    long_picks = not split_list(args.case) and len(select_cases(suites, None, long=True, fuzz_n=fuzz_n,
+                                                                fuzz_seed=fuzz_seed)) != len(
+        select_cases(suites, None, long=False, fuzz_n=fuzz_n, fuzz_seed=fuzz_seed))
     if not long and not split_list(args.case):
         left_out = len(select_cases(suites, None, long=True, fuzz_n=fuzz_n, fuzz_seed=fuzz_seed)) - len(cases)
         if left_out:
@@ -105,18 +116,31 @@ def run(args) -> int:
     if args.tolerances:
         from verification.tolerances import load_tolerances
         db = load_tolerances(args.tolerances)
+    # every option checked before --out is made: a bad backend, route or resume creates nothing
+    routes = split_list(args.route) or None
+    loaded = [load(b) for b in backends]
+    wanted = {cell_key(lb.name, r.name, c.id) for lb, r, c in plan(loaded, routes, cases)}
+    selection = {"--backend": backends, "--route": routes, "--suite": suites, "--case": split_list(args.case)}
+    if long_picks:
+        selection["--long"] = "yes" if long else "no"
+    if "fuzz" in suites:
+        selection.update({"--fuzz-n": FUZZ_N if fuzz_n is None else fuzz_n,
+                          "--fuzz-seed": FUZZ_SEED if fuzz_seed is None else fuzz_seed})
+    check_resume(args.out, args.resume, selection, wanted)
     writable_dir(args.out, "--out")        # after the arguments: a bad one leaves no directory behind
     prov = provenance.collect(device=device, seeds={c.id: c.seed for c in cases})
     try:
-        summary = run_matrix(backends, cases, args.out, routes=split_list(args.route) or None,
+        summary = run_matrix(loaded, cases, args.out, routes=routes,
                              resume=args.resume, isolate=args.isolate, device=device, max_cells=args.max_cells,
                              db=db, tolerances_path=args.tolerances, timeout_s=args.timeout, provenance=prov,
-                             guards={"auto": None, "on": True, "off": False}[args.guards])
-    except KeyboardInterrupt:
+                             guards={"auto": None, "on": True, "off": False}[args.guards], selection=selection)
+    except Interrupted as stop:            # Ctrl-C: the report of what was kept, then one line, exit 130
+        summary = stop.summary
+    except KeyboardInterrupt:              # before the cells began: nothing to report
         raise Interrupted(f"interrupted; finished cells are in {args.out}/results.jsonl "
                           f"(continue with --resume)") from None
     print(f"{summary.ran} cells run, {summary.resumed} already done")
-    print(verified_headline(summary.records))
+    print(headline(summary.records, summary.not_run or 0))
     if summary.stopped_early:
         print(f"stopped after --max-cells {args.max_cells}; continue with --resume")
     shown = 10
@@ -137,14 +161,17 @@ def run(args) -> int:
         print(f"report: {paths['md']} {paths['html']}")
     save_breakdown(args.out, bd)
     print("time breakdown (this invocation): " + "\n".join(timing.format_lines(bd)))
+    if summary.not_run is not None:
+        raise Interrupted(f"interrupted: {summary.not_run} of {summary.selected} selected "
+                          f"cells not run; finished cells are in {args.out}/results.jsonl"
+                          + ("" if args.no_report else f", report {args.out}/report.md") + " (continue with --resume)")
+    statuses = [r.get("status") for r in summary.records]
+    code = exit_code(statuses, allow_nothing_verified=args.allow_nothing_verified)
     why = nothing_verified_reason(summary.records)
-    if why is not None and summary.exit_code == 0:
-        if args.allow_nothing_verified:
-            print(f"kda-verify run: nothing verified ({why}); exit 0 (--allow-nothing-verified)", file=sys.stderr)
-            return 0
-        print(f"kda-verify run: nothing verified: {why}", file=sys.stderr)
-        return EXIT_USAGE
-    return summary.exit_code
+    if why is not None and exit_code(statuses, allow_nothing_verified=True) == 0:    # judged nothing, failed nothing
+        print(f"kda-verify run: nothing verified ({why}); exit 0 (--allow-nothing-verified)" if code == 0
+              else f"kda-verify run: nothing verified: {why}", file=sys.stderr)
+    return code
 
 
 def save_breakdown(out_dir, bd: dict) -> None:

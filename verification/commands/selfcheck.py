@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import sys
+from verification.policy import exit_code
 
 NAME = "selfcheck"
 HELP = "verify the float64 oracle: its forms against each other, NumPy, mpmath, and its inverses' residuals"
@@ -34,4 +35,4 @@ def run(args) -> int:
         nfail = sum(not r.passed for r in rows)
         print(f"\n{len(rows)} checks, {nfail} failed, {rep['seconds']:.1f} s on {args.device}: "
               f"{'PASS' if rep['passed'] else 'FAIL'}")
-    return 0 if rep["passed"] else 1
+    return exit_code(failed=not rep["passed"])
