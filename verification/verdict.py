@@ -255,21 +255,24 @@ def judge_slices(name: str, met: dict, base: Optional[dict], tol) -> tuple[str, 
     return "pass", "", worst
 
 
-def expected_dtype(name: str, problem, route) -> Optional[object]:
-    """The dtype an output must have: o the problem's v dtype; final_state the route's declared
-    state dtype (flag ``state_dtype``), else the initial state's, else fp32; state_cache the
-    cache's own dtype."""
+def expected_dtypes(name: str, problem, route) -> tuple[tuple, str]:
+    """(the dtypes an output may have, what they are in words), the one dtype rule: o the
+    problem's v dtype; final_state the route's declared state dtype (flag ``state_dtype``) when
+    it declares one, else fp32 or the initial state's dtype (a kernel keeping an fp32 state
+    returns fp32 whatever it was given); state_cache the cache's own dtype.  ((), "") for a
+    tensor without a rule."""
     import torch
-    flag = route.flag("state_dtype") if hasattr(route, "flag") else None
     if name == "o":
-        return problem.v.dtype
+        return (problem.v.dtype,), "the problem's v dtype"
     if name == "final_state":
+        flag = route.flag("state_dtype") if hasattr(route, "flag") else None
         if flag is not None:
-            return {"fp32": torch.float32, "bf16": torch.bfloat16}.get(str(flag), flag)
-        return problem.initial_state.dtype if problem.initial_state is not None else torch.float32
+            return ({"fp32": torch.float32, "bf16": torch.bfloat16}.get(str(flag), flag),), "the route's declared state_dtype"
+        given = problem.initial_state.dtype if problem.initial_state is not None else torch.float32
+        return tuple(dict.fromkeys((torch.float32, given))), "fp32, or the initial state's dtype"
     if name == "state_cache":
-        return problem.state_cache.dtype
-    return None
+        return (problem.state_cache.dtype,), "the cache's own dtype"
+    return (), ""
 
 
 def cheaper_recipe_note(name: str, rec: dict, claimed: str, recipe_baselines) -> Optional[str]:
@@ -366,15 +369,14 @@ def judge(backend: str, route, problem, outputs, truth, baseline: dict, db,
             elif status == "fail" and s_rec is not None:
                 reason += (f"; worst slice {s_rec['where']}: rel_l2 {_fmt(s_rec['err'])}, its baseline "
                            f"{_fmt(s_rec['baseline_err'])}")
-        want = expected_dtype(name, problem, route)
-        if x is not None and want is not None:
+        want, why_dtype = expected_dtypes(name, problem, route)
+        if x is not None and want:
             rec["dtype"] = dtype_name(x.dtype)
-            rec["expected_dtype"] = dtype_name(want)
-            if x.dtype != want:
+            rec["expected_dtype"] = dtype_name(x.dtype) if x.dtype in want else " or ".join(map(dtype_name, want))
+            if x.dtype not in want:
                 status = "fail"
                 reason = ((reason + "; ") if reason else "") + (
-                    f"{name}: dtype {dtype_name(x.dtype)}, expected {dtype_name(want)} "
-                    f"({'the problem v dtype' if name == 'o' else 'the declared state dtype'})")
+                    f"{name}: dtype {dtype_name(x.dtype)}, expected {rec['expected_dtype']} ({why_dtype})")
         if status in ("pass", "fail") and not kernel_broken:
             note = cheaper_recipe_note(name, rec, recipe, recipe_baselines)
             if note:
