@@ -36,6 +36,7 @@ JUDGED = ("pass", "known-fail", "fail", "mistrusted")     # a verdict was reache
 HEADLINE_ORDER = ("pass", "known-fail", "fail", "mistrusted", "error", "crashed", "out-of-contract", "skipped")
 RESOURCE_ERROR = "resource-error"      # the harness ran out of memory (case build, oracle, baseline, judging)
 NOT_APPLICABLE = "not-applicable"      # judge's: no sound baseline; the cell is recorded "skipped", never a pass
+OUT_OF_CONTRACT = "out-of-contract"    # outside the kernel's documented range, or its recipe's (judge's); never a pass
 
 
 # ---- the codec ---------------------------------------------------------------------------

@@ -7,8 +7,9 @@ P is computed here, the emulator recipe R gives the baseline, and the tolerances
 (NAME, route, input dtype, tensor) gives m, floor and cap.  A route of a backend kda-verify loads
 is that backend's Route, its flags included, as run resolves it (``check_route``).  A ``ws_inv`` tensor in O (the
 stored inverse, production layout) is judged too.  Prints a per-tensor table (or the verdict
-as JSON); exit 0 pass, 1 fail or mistrusted, 2 bad input, an empty problem, or not applicable
-(no production recipe gives a sound baseline on this input).  The verdict is
+as JSON); exit 0 pass, 1 fail or mistrusted, 2 bad input, an empty problem, not applicable
+(no production recipe gives a sound baseline on this input) or out of contract (outside the
+recipe's range, the numbers in the reason: nothing verified).  The verdict is
 ``verification.verdict.judge`` with the same arguments as ``run`` gives it (cap lift included).
 
     kda-verify check --inputs DIR --outputs OUT [--recipe R] [--out RESULTS] [--resume]
@@ -113,7 +114,7 @@ def run(args) -> int:
         print(table(verdict))
         print(f"{verdict.status.upper()}: {verdict.reason}")
     sys.stdout.flush()
-    return {"pass": 0, "not-applicable": 2}.get(verdict.status, 1)
+    return {"pass": 0, "not-applicable": 2, "out-of-contract": 2}.get(verdict.status, 1)
 
 
 # ----------------------------------------------------------------------------------------
