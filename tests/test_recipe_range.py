@@ -31,7 +31,8 @@ def _scaled(params, v_scale, state_scale=None, seed=1):
 def test_the_in_range_rounding_is_fp16s_inside_its_range_and_keeps_the_significand_outside():
     from kda_kernels.emulator import WideRange, rnd
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(200000, generator=g, dtype=torch.float64) * torch.exp(3 * torch.randn(200000, generator=g, dtype=torch.float64))
+    x = torch.randn(200000, generator=g, dtype=torch.float64)
+    x = x * torch.exp(3 * torch.randn(200000, generator=g, dtype=torch.float64))
     inside = x[(x.abs() >= 2.0 ** -14) & (x.abs() <= 65504)]
     assert torch.equal(rnd(inside, WideRange(torch.float16, 11)), inside.half().double())
     tiny = torch.tensor([1e-7, 3e-8, 1e5], dtype=torch.float64)

@@ -281,7 +281,8 @@ def beyond_recipe_range(name: str, met: dict, real: dict, tol, recipe: str, in_r
     where = f"{name}: outside the {recipe or 'route'} recipe's range ({off}: its fp16 storage flushes or overflows)"
     bad = degenerate(real)
     if bad is not None:
-        rec = dict(in_rec, recipe_range={"off_range": off, "metric": "rel_l2", "at_scale": bad, "in_range": inr.get("rel_l2")})
+        rec = dict(in_rec, recipe_range={"off_range": off, "metric": "rel_l2", "at_scale": bad,
+                                         "in_range": inr.get("rel_l2")})
         return (f"{where}: the recipe returns {bad} at this scale, rel_l2 {_fmt(inr.get('rel_l2'))} in range; "
                 f"the kernel's rel_l2 {_fmt(met.get('rel_l2'))} ({in_reason})"), rec
     uncapped = dataclasses.replace(tol, cap=math.inf)
@@ -293,7 +294,8 @@ def beyond_recipe_range(name: str, met: dict, real: dict, tol, recipe: str, in_r
         rec["slice"], rec["tensor_margin"], rec["margin"] = s_rec, rec["margin"], max(rec["margin"], s_rec["margin"])
     metric = in_rec.get("metric") if in_rec.get("metric") in JUDGED_METRICS else "rel_l2"
     rec["in_range"] = {k: in_rec.get(k) for k in ("err", "threshold", "margin", "metric", "baseline_err")}
-    rec["recipe_range"] = {"off_range": off, "metric": metric, "at_scale": real.get(metric), "in_range": inr.get(metric)}
+    rec["recipe_range"] = {"off_range": off, "metric": metric, "at_scale": real.get(metric),
+                           "in_range": inr.get(metric)}
     return (f"{where}: the recipe errs {metric} {_fmt(real.get(metric))} at this scale, {_fmt(inr.get(metric))} in "
             f"range; the kernel's {_fmt(met.get(metric))} is within {_fmt(tol.m)}x the former (margin "
             f"{rec['margin']:.3g}), not the latter ({in_reason})"), rec
@@ -311,7 +313,8 @@ def expected_dtypes(name: str, problem, route) -> tuple[tuple, str]:
     if name == "final_state":
         flag = route.flag("state_dtype") if hasattr(route, "flag") else None
         if flag is not None:
-            return ({"fp32": torch.float32, "bf16": torch.bfloat16}.get(str(flag), flag),), "the route's declared state_dtype"
+            declared = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(str(flag), flag)
+            return (declared,), "the route's declared state_dtype"
         given = problem.initial_state.dtype if problem.initial_state is not None else torch.float32
         return tuple(dict.fromkeys((torch.float32, given))), "fp32, or the initial state's dtype"
     if name == "state_cache":

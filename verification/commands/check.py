@@ -51,7 +51,8 @@ def add_arguments(p):
     p.add_argument("--backend-name", default="external", metavar="NAME",
                    help="backend name for the tolerance lookup (default: external)")
     p.add_argument("--route", default=None, metavar="NAME",
-                   help="route name (default: the recipe); a route of a backend kda-verify loads is judged under its flags, as run does")
+                   help="route name (default: the recipe); a route of a backend kda-verify loads is judged "
+                   "under its flags, as run does")
     p.add_argument("--tolerances", default=None, metavar="FILE", help="tolerance file (default: tolerances.yaml)")
     p.add_argument("--device", default=None, metavar="DEVICE",
                    help="device for the oracle and the baseline (default: cuda if available, else cpu)")
