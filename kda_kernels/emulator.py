@@ -91,6 +91,30 @@ def exact_recipe(recipe: "Recipe") -> "Recipe":
     return replace(recipe, name=recipe.name + "-exact", **dt)
 
 
+@dataclass(frozen=True)
+class WideRange:
+    """A storage format's rounding without its range (``rnd``): to fp32, then to ``bits``
+    significant bits (the implicit one included) with fp32's exponent range, so a value fp16
+    would flush or overflow keeps its significand; inside ``dtype``'s normal range the same
+    bits as torch's own conversion (which also goes through fp32)."""
+    dtype: object
+    bits: int
+
+
+def in_range_recipe(recipe: "Recipe", problem: Problem) -> "Recipe":
+    """``recipe`` on ``problem`` with every fp16 storage point (the input dtype's too, when the
+    problem's q is fp16) rounded to fp16's 11-bit significand with fp32's exponent range
+    (``WideRange``): the recipe's precision without fp16's range (normal from 6.1e-5 to 65504),
+    what it errs wherever the problem keeps its fp16 values normal.  bf16, tf32 and fp32 keep
+    their rounding (their range is fp32's)."""
+    fields = {}
+    for f in recipe.__dataclass_fields__:
+        if f.endswith("_dtype"):
+            d = _op_dtype(recipe, problem) if f == "operand_dtype" else _dtype(getattr(recipe, f), problem)
+            fields[f] = WideRange(FP16, 11) if d == FP16 else d
+    return replace(recipe, name=recipe.name + "-in-range", **fields)
+
+
 RECIPES: dict[str, Recipe] = {
     "flashkda": Recipe("flashkda", 32, "flashkda", "pivot", FP32, BF16, BF16, "doubling", FP32, FP16, FP16, FP32,
                        BF16, FP16, FP16, BF16, FP32,
@@ -122,6 +146,9 @@ def rnd(x: torch.Tensor, dtype) -> torch.Tensor:
         return x
     if dtype == TF32:
         return round_tf32(x)
+    if isinstance(dtype, WideRange):
+        m, e = torch.frexp(x.to(FP32).to(F64))
+        return torch.ldexp(torch.round(m * 2.0 ** dtype.bits) / 2.0 ** dtype.bits, e)
     return x.to(dtype).to(F64)
 
 

@@ -92,3 +92,44 @@ def test_export_then_oracle_then_check_from_the_command_line(tmp_path):
     save_outputs(str(o), {"o": truth["o"].bfloat16(), "final_state": truth["final_state"].float().transpose(-1, -2)}, {})
     assert main(["check", "--inputs", str(p), "--outputs", str(o), "--recipe", "flashkda"]) == 1
     assert main(["export", "--case", "smoke/no-such-case", "--out", str(p)]) == 2
+
+
+def test_check_judges_a_route_under_the_flags_run_gives_it(monkeypatch, tmp_path, capsys):
+    """moonshot's cutlass:state=bf16 declares state_dtype bf16: run judges its bf16 final state under
+    that flag, and so must check (the route from the backend's routes(), as run resolves --route)."""
+    from kda_kernels.emulator import emulate
+    from kda_kernels.moonshot import MoonshotBackend, state_dtype
+    from kda_kernels.base import Outputs
+    from verification.runner import BaselineCache, TruthCache, load, run_cell
+    from verification.tolerances import load_tolerances
+
+    def run(self, p, route):           # what flash_kda computes: the moonshot recipe, states in the route's dtype
+        out = emulate(p, "moonshot")
+        return Outputs(o=out.o, final_state=out.final_state.to(state_dtype(route)), info={"route_ran": route.name})
+
+    monkeypatch.setattr(MoonshotBackend, "available", lambda self: (True, ""))
+    monkeypatch.setattr(MoonshotBackend, "run", run)
+    case = get_case("smoke/initial-state-kv-lb-5")
+    lb = load("moonshot")
+    route = next(r for r in lb.backend.routes() if r.name == "cutlass:state=bf16")
+    rec = run_cell(lb, route, case, TruthCache("cpu"), BaselineCache(), load_tolerances(), device="cpu", guards=False)
+    assert rec["status"] == "pass", rec["reason"]
+    p = case.build()
+    out = lb.backend.run(p, route)
+    assert out.final_state.dtype == torch.bfloat16
+    inputs, outputs = str(tmp_path / "p.safetensors"), str(tmp_path / "o.safetensors")
+    save_problem(inputs, p)
+    save_outputs(outputs, out.tensors(), {"backend": "moonshot", "route": route.name, "recipe": "moonshot"})
+    args = ["check", "--inputs", inputs, "--outputs", outputs, "--recipe", "moonshot", "--backend-name", "moonshot"]
+    assert main(args + ["--route", route.name, "--json"]) == 0
+    checked = json.loads(capsys.readouterr().out)
+    assert (checked["status"], checked["reason"]) == (rec["status"], rec["reason"])
+    assert checked["tensors"]["final_state"]["expected_dtype"] == "bf16"
+    # the fp32 route declares fp32 states: the same bf16 state is the wrong dtype there
+    assert main(args + ["--route", "cutlass:state=fp32", "--json"]) == 1
+    assert "final_state: dtype bf16, expected fp32 (the route's declared state_dtype)" in json.loads(
+        capsys.readouterr().out)["reason"]
+    # a route the backend does not have: one line naming --route and the choices, exit 2
+    assert main(args + ["--route", "cutlass:state=fp16"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--route: backend 'moonshot' has no route 'cutlass:state=fp16'" in err[0], err

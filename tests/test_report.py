@@ -194,7 +194,7 @@ def test_out_of_contract_cells_have_their_own_section_and_never_count_as_pass_or
     assert s["per_route"]["moonshot:cutlass:state=fp32"]["worst_margin"] == pytest.approx(3e-3 / (2 * 2.5e-3 + 1e-6))
     paths = write_report(tmp_path, records=recs, provenance={})
     md, page = paths["md"].read_text(), paths["html"].read_text()
-    title = "Out of contract (documented range, not checked by the kernel)"
+    from verification.report import OUT_OF_CONTRACT as title
     section = md.split(f"## {title}", 1)[1].split("\n## ", 1)[0]
     assert "stress/lb-6" in section and "the kernel returned finite values" in section
     assert f"<h2>{title}</h2>" in page and "## Failing cells" not in md

@@ -164,3 +164,27 @@ def test_a_recipe_alone_over_the_cap_keeps_the_cap():
     v = judge("emulator", moon, p, emulate(p, "moonshot"), tr, recipes["moonshot"], load_tolerances(),
               recipe_baselines=lambda: recipes)
     assert v.status == "fail" and not any("cap_lifted" in t for t in v.tensors.values()), v.reason
+
+
+def test_the_final_state_dtype_rule_fp32_or_the_given_one_unless_the_route_declares_one():
+    # what fp32-state kernels return: a bf16 initial state in, an fp32 final state out
+    from verification.cases import build_problem
+    p = build_problem({"lens": [1, 17, 40], "H": 1, "lb": -0.5, "state": "kv"}, seed=2)
+    p = p.replace(initial_state=p.initial_state.bfloat16())
+    tr = truth(p)
+    base, db = baseline_metrics(p, "flashkda", tr), load_tolerances()
+    out = emulate(p, "flashkda")
+    assert out.final_state.dtype == torch.float32
+    v = judge("some-kernel", ROUTE, p, out, tr, base, db)
+    assert v.status == "pass", v.reason
+    assert v.tensors["final_state"]["expected_dtype"] == v.tensors["final_state"]["dtype"] == "fp32"
+    v = judge("some-kernel", ROUTE, p, Outputs(o=out.o, final_state=out.final_state.bfloat16()), tr, base, db)
+    assert "dtype" not in v.reason, v.reason            # the initial state's dtype is accepted too
+    assert v.tensors["final_state"]["expected_dtype"] == v.tensors["final_state"]["dtype"] == "bf16"
+    v = judge("some-kernel", ROUTE, p, Outputs(o=out.o, final_state=out.final_state.half()), tr, base, db)
+    assert v.status == "fail" and "final_state: dtype fp16, expected fp32 or bf16" in v.reason, v.reason
+    declared = Route(name="cutlass:state=bf16", recipe="flashkda", flags=(("state_dtype", "bf16"),))
+    v = judge("some-kernel", declared, p, Outputs(o=out.o, final_state=out.final_state), tr, base, db)
+    assert v.status == "fail" and "final_state: dtype fp32, expected bf16" in v.reason, v.reason
+    v = judge("some-kernel", declared, p, Outputs(o=out.o, final_state=out.final_state.bfloat16()), tr, base, db)
+    assert "dtype" not in v.reason, v.reason

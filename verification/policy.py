@@ -43,6 +43,7 @@ Exit codes:
 # ---- statuses --------------------------------------------------------------------------------
 RESOURCE_ERROR = "resource-error"      # the harness ran out of memory (case build, oracle, baseline, judging)
 NOT_APPLICABLE = "not-applicable"      # judge's: no sound baseline; the cell is recorded "skipped", never a pass
+OUT_OF_CONTRACT = "out-of-contract"    # outside the kernel's documented range, or its recipe's (judge's); never a pass
 STATUSES = ("pass", "fail", "mistrusted", "crashed", "skipped", "error", "known-fail", "out-of-contract",
             RESOURCE_ERROR)
 JUDGED = ("pass", "known-fail", "fail", "mistrusted")     # a verdict was reached: the cell was verified

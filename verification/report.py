@@ -742,7 +742,7 @@ def make_plots(records: list[dict], plots_dir: Path) -> dict[str, Path]:
 # ----------------------------------------------------------------------------------------
 # Rendering: one list of sections, rendered to Markdown and to HTML in the same order
 # ----------------------------------------------------------------------------------------
-OUT_OF_CONTRACT = "Out of contract (documented range, not checked by the kernel)"
+OUT_OF_CONTRACT = "Out of contract (outside the documented range of the kernel or the range of its recipe)"
 SECTIONS = ("Failing cells", "Known failures", OUT_OF_CONTRACT, "Skipped (not verified)", "Routes", "Plots",
             "Cells", "Repro", "Where the time went", "Provenance")
 REASON_CHARS = 200
@@ -903,9 +903,10 @@ def sections(summary: dict, records: list[dict], prov: dict, plots: dict, out_di
     ooc = [r for r in records if r.get("status") == "out-of-contract"]
     if ooc:
         out.append((OUT_OF_CONTRACT, [
-            ("text", "Cells whose inputs lie outside the range the kernel documents but does not check; each "
-                     "reason says what the kernel did (raised, or returned a right or wrong answer). Never "
-                     "counted as a pass or a failure."),
+            ("text", "Cells whose inputs lie outside the range the kernel documents but does not check, or "
+                     "outside its precision recipe's range (fp16 storage flushing or overflowing, where the "
+                     "recipe itself errs as much as the kernel); each reason says what the kernel did, with "
+                     "the numbers. Never counted as a pass or a failure."),
             ("items", [("out-of-contract", _cell_name(r), r.get("reason", ""), [("repro", _repro(r, out_dir))],
                         None) for r in ooc])]))
     skipped = _skip_groups(records)

@@ -4,10 +4,12 @@
 
 P is a problem file and O an output file (verification/problem_file.py).  The float64 truth of
 P is computed here, the emulator recipe R gives the baseline, and the tolerances.yaml entry of
-(NAME, route, input dtype, tensor) gives m, floor and cap.  A ``ws_inv`` tensor in O (the
+(NAME, route, input dtype, tensor) gives m, floor and cap.  A route of a backend kda-verify loads
+is that backend's Route, its flags included, as run resolves it (``check_route``).  A ``ws_inv`` tensor in O (the
 stored inverse, production layout) is judged too.  Prints a per-tensor table (or the verdict
-as JSON); exit 0 pass, 1 fail or mistrusted, 2 bad input, an empty problem, or not applicable
-(no production recipe gives a sound baseline on this input).  The verdict is
+as JSON); exit 0 pass, 1 fail or mistrusted, 2 bad input, an empty problem, not applicable
+(no production recipe gives a sound baseline on this input) or out of contract (outside the
+recipe's range, the numbers in the reason: nothing verified).  The verdict is
 ``verification.verdict.judge`` with the same arguments as ``run`` gives it (cap lift included).
 
     kda-verify check --inputs DIR --outputs OUT [--recipe R] [--out RESULTS] [--resume]
@@ -48,7 +50,9 @@ def add_arguments(p):
     p.add_argument("--resume", action="store_true", help="with directories: keep the cells already in results.jsonl")
     p.add_argument("--backend-name", default="external", metavar="NAME",
                    help="backend name for the tolerance lookup (default: external)")
-    p.add_argument("--route", default=None, metavar="NAME", help="route name for the tolerance lookup (default: the recipe)")
+    p.add_argument("--route", default=None, metavar="NAME",
+                   help="route name (default: the recipe); a route of a backend kda-verify loads is judged "
+                   "under its flags, as run does")
     p.add_argument("--tolerances", default=None, metavar="FILE", help="tolerance file (default: tolerances.yaml)")
     p.add_argument("--device", default=None, metavar="DEVICE",
                    help="device for the oracle and the baseline (default: cuda if available, else cpu)")
@@ -101,7 +105,7 @@ def run(args) -> int:
     outs = load_outputs(args.outputs, problem)
     outs = {k: v.to(args.device) for k, v in outs.items()}
     route_name = args.route or args.recipe
-    verdict, _ = judge_files(problem, outs, args.recipe, args.backend_name, route_name, db, args.device)
+    verdict, _ = judge_files(problem, outs, args.recipe, args.backend_name, args.route, db, args.device)
     if args.json:
         d = verdict.to_dict()
         d.update(inputs=args.inputs, outputs=args.outputs)
@@ -132,18 +136,40 @@ def _case_of(problem, stem: str):
     return cid, cid.partition("/")[0] if "/" in cid else "files", seed, params
 
 
-def judge_files(problem, outs: dict, recipe: str, backend_name: str, route_name: str, db, device: str):
+def check_route(backend_name: str, route_name, recipe: str):
+    """(backend name, Route) that check judges under, taken where run takes them: when
+    ``backend_name`` is a backend kda-verify loads (a built-in name or package.module:factory) and
+    a route is named, the backend's own Route object with its flags (moonshot's
+    ``cutlass:state=bf16`` declares state_dtype bf16), found by verification.runner.resolve_routes
+    as run finds --route (a name the backend lacks is a UsageError naming --route and the
+    choices), claiming ``recipe``; any other backend name (the default ``external``), or no
+    route named, gives a plain Route of that name (default: the recipe's) claiming ``recipe``."""
+    import dataclasses
+
+    from kda_kernels.base import BackendError, Route
+    from verification.runner import load, resolve_routes
+    if not route_name:
+        return backend_name, Route(name=recipe, recipe=recipe)
+    try:
+        lb = load(backend_name)
+    except BackendError:                     # not a backend of this installation: a name for the tolerances
+        return backend_name, Route(name=route_name, recipe=recipe)
+    return lb.name, dataclasses.replace(resolve_routes(lb, [route_name])[0], recipe=recipe)
+
+
+def judge_files(problem, outs: dict, recipe: str, backend_name: str, route_name, db, device: str):
     """The verdict of outputs ``outs`` on ``problem`` (validated, on ``device``), exactly as the
     file form above judges one pair: truth, the recipe's baseline (taps when ws_inv is there),
-    every recipe's baseline on request, verification.verdict.judge.  Returns (verdict, baseline)."""
-    from kda_kernels.base import Route
+    every recipe's baseline on request, verification.verdict.judge under the route ``check_route``
+    gives for ``route_name`` (--route or the outputs file's; None: none named).  Returns
+    (verdict, baseline)."""
     from kda_kernels.emulator import RECIPES
     from kda_ref.truth import truth
     from verification.errors import UsageError
     from verification.baselines import baseline_metrics
     from verification.verdict import judge
 
-    route = Route(name=route_name or recipe, recipe=recipe)
+    backend_name, route = check_route(backend_name, route_name, recipe)
     if "ws_inv" in outs and int(outs["ws_inv"].shape[-1]) != RECIPES[recipe].chunk:
         raise UsageError(f"--outputs: ws_inv: expected chunk {RECIPES[recipe].chunk} (the {recipe} recipe's), "
                          f"got {int(outs['ws_inv'].shape[-1])} (shape {list(outs['ws_inv'].shape)})")
@@ -258,7 +284,7 @@ def run_dir(args) -> int:
         else:
             outs = {k: v.to(args.device) for k, v in load_outputs(str(target), problem).items()}
             t0 = time.perf_counter()
-            verdict, base = judge_files(problem, outs, recipe, backend, route_name, db, args.device)
+            verdict, base = judge_files(problem, outs, recipe, backend, args.route or meta.get("route"), db, args.device)
             rec["timings"]["check_s"] = time.perf_counter() - t0
             rec.update(tensors=jsonable(verdict.tensors), metrics=jsonable(verdict.metrics), baseline=scalar_metrics(base))
             rec["margin"] = jsonable(worst_margin(rec["tensors"]))
