@@ -245,7 +245,7 @@ def kda_variants(arch: str, families=FAMILIES, num_cus: int = 256) -> tuple[list
     return variants, refused
 
 
-ALWAYS = ("BV", "NUM_WARPS")
+ALWAYS = ("BV", "NUM_WARPS", "NUM_STAGES", "KS", "PASS", "SK", "NUM_BUFFERS", "IS_PAGED", "FUSE_NORM")
 
 
 def _label(variants) -> None:
