@@ -3,8 +3,8 @@ walk / scan, kda decode) for gfx1250 and gfx950.
 
 The variant derivation and the compile need the assembled tree (``.vendor/aiter-upstream``, built
 by tools/assemble_aiter_upstream.py from files no repository of this project holds); those tests
-skip with the reason when it is absent, as in CI, which fetches nothing.  Compiling needs
-triton >= 3.9; the rows an older Triton gets are checked without the tree.  The compiles run in
+skip with the reason when it is absent, as in CI, which fetches nothing.  The gfx1250 prefill
+needs triton >= 3.9; the rows an older Triton gets are checked without the tree.  The compiles run in
 a child process without TRITON_INTERPRET (other test modules set it; the interpreter replaces
 the kernels this command compiles)."""
 import json
@@ -22,30 +22,49 @@ TREE = ROOT / ".vendor" / "aiter-upstream"
 needs_tree = pytest.mark.skipif(not (TREE / "aiter" / "ops" / "triton" / "attention" / "chunk_kda.py").is_file(),
                                 reason=f"no assembled aiter tree at {TREE} (python tools/assemble_aiter_upstream.py "
                                        "builds it from ROCm/aiter's files; none are in this repository)")
-needs_39 = pytest.mark.skipif(aiter_kda_isa.triton_too_old() is not None,
-                              reason=f"aiter's Gluon KDA kernels {aiter_kda_isa.triton_too_old()}")
+needs_39 = pytest.mark.skipif(aiter_kda_isa.triton_too_old("gfx1250", "chunk_kda") is not None,
+                              reason=f"aiter's gfx1250 chunk_kda kernels {aiter_kda_isa.triton_too_old()}")
 
 
 def test_triton_version_rule(monkeypatch):
+    """Only the gfx1250 chunk_kda kernels have a minimum (3.9: tdm.async_load_fused, reinterpret);
+    the other families compile, or fail as rows, under any Triton."""
     import triton
     for version, expect in (("3.8.0", "needs triton >= 3.9 (this is 3.8.0)"), ("3.6.0+git1234", "needs triton"),
                             ("3.9.0", None), ("3.10.1", None), ("4.0.0", None)):
         monkeypatch.setattr(triton, "__version__", version)
-        got = aiter_kda_isa.triton_too_old()
+        got = aiter_kda_isa.triton_too_old("gfx1250", "chunk_kda")
         assert (got is None) if expect is None else got.startswith(expect), (version, got)
+        assert aiter_kda_isa.triton_too_old("gfx950", "chunk_kda") is None
+        assert aiter_kda_isa.triton_too_old("gfx1250", "kda_decode") is None
 
 
-def test_older_triton_gets_one_row_per_family_not_a_crash(monkeypatch):
-    """With triton < 3.9 each Gluon KDA family is one row per arch saying so; the FlashKDA rows
-    (none here: the tree has no flash_kda) and other archs are untouched."""
+def test_older_triton_gets_one_row_for_the_gfx1250_prefill_not_a_crash(monkeypatch):
+    """With triton 3.8 the gfx1250 chunk_kda family is one row saying it needs 3.9; the other
+    families are still recorded and compiled (stand-ins here: no tree), other archs untouched."""
+    import triton
+    monkeypatch.setattr(triton, "__version__", "3.8.0")
     monkeypatch.setattr(aiter_isa, "flash_kda_present", lambda: False)
     monkeypatch.setattr(aiter_kda_isa, "kda_modules_present", lambda: True)
-    monkeypatch.setattr(aiter_kda_isa, "triton_too_old", lambda: "needs triton >= 3.9 (this is 3.8.0)")
+    asked = []
+    monkeypatch.setattr(aiter_kda_isa, "kda_variants", lambda arch, fams: asked.append((arch, fams)) or ([], []))
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     rows = aiter_isa.aiter_isa_report(["gfx942", "gfx1250", "gfx950"])
-    assert [(r.arch, r.kernel) for r in rows] == [(a, f"{f} (Gluon)") for a in ("gfx1250", "gfx950")
-                                                  for f in ("chunk_kda", "kda_decode")]
-    assert all(not r.ok and r.error == "needs triton >= 3.9 (this is 3.8.0)" for r in rows)
+    assert [(r.arch, r.kernel, r.ok, r.error) for r in rows] == [
+        ("gfx1250", "chunk_kda (Gluon)", False, "needs triton >= 3.9 (this is 3.8.0)")]
+    assert asked == [("gfx1250", ("kda_decode",)), ("gfx950", ("chunk_kda", "kda_decode"))]
+
+
+def test_a_host_module_that_does_not_import_is_a_row(monkeypatch):
+    monkeypatch.setattr(aiter_isa, "flash_kda_present", lambda: False)
+    monkeypatch.setattr(aiter_kda_isa, "kda_modules_present", lambda: True)
+
+    def broken(arch, fams):
+        raise AttributeError("module 'gl.amd' has no attribute 'gfx1250'")
+    monkeypatch.setattr(aiter_kda_isa, "kda_variants", broken)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    rows = aiter_isa.aiter_isa_report(["gfx950"])
+    assert [(r.kernel, r.ok) for r in rows] == [("(host import)", False)] and "gfx1250" in rows[0].error
 
 
 def test_no_aiter_tree_is_one_usage_line(monkeypatch):

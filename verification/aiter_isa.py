@@ -495,12 +495,21 @@ def aiter_isa_report(archs: list, on_report=None, timeout_s: float = KERNEL_TIME
             emit(AiterKernelReport(arch=arch, kernel="(launcher import)", routes=[plan], ok=False, error=why[:400]))
         if not have_kda or arch not in kda_isa.GLUON_ARCHS:
             continue
-        too_old = kda_isa.triton_too_old()
-        if too_old:
-            for fam in kda_isa.FAMILIES:
+        families = []
+        for fam in kda_isa.FAMILIES:
+            too_old = kda_isa.triton_too_old(arch, fam)
+            if too_old:
                 emit(AiterKernelReport(arch=arch, kernel=f"{fam} (Gluon)", routes=[], ok=False, error=too_old))
+            else:
+                families.append(fam)
+        if not families:
             continue
-        kvars, refused = kda_isa.kda_variants(arch)
+        try:
+            kvars, refused = kda_isa.kda_variants(arch, tuple(families))
+        except Exception as e:  # noqa: BLE001 - an import the tree or this Triton cannot do is a row
+            emit(AiterKernelReport(arch=arch, kernel="(host import)", routes=[], ok=False,
+                                   error=f"{type(e).__name__}: {str(e)[:300]}"))
+            continue
         for v in kvars:
             if wanted(v.jit.__name__):
                 emit(compile_bounded(v, arch, timeout_s))

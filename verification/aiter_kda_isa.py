@@ -22,8 +22,10 @@ decides each launch.  The problems (H = 12, K = V = 128, bf16; 256 CUs):
 Each recorded launch is compiled the way Triton would launch it: its constexprs, None arguments
 as constexprs, integer arguments equal to 1 folded unless the kernel says do_not_specialize,
 pointers 16-byte aligned unless it says do_not_specialize_on_alignment; the launch options
-(num_warps, waves_per_eu, llvm_fn_attrs) as passed.  Gluon needs triton >= 3.9 (3.8 lacks
-``tdm.async_load_fused``); with an older one each family is one row saying so.
+(num_warps, waves_per_eu, llvm_fn_attrs) as passed.  The gfx1250 chunk_kda kernels need
+triton >= 3.9 (``tdm.async_load_fused``, ``reinterpret``): with an older one that family is one
+row saying so; the others are compiled whatever the version, a failure being a row with its reason
+(gfx950's decode calls ``_reinterpret``, which exists up to 3.8).
 """
 from __future__ import annotations
 
@@ -39,20 +41,27 @@ CHUNK_KDA = "aiter.ops.triton.attention.chunk_kda"
 KDA = "aiter.ops.triton.attention.kda"
 GLUON_ARCHS = ("gfx950", "gfx1250")
 FAMILIES = ("chunk_kda", "kda_decode")
-MIN_TRITON = (3, 9)
 H, D = 12, 128
+# (arch, family) -> the oldest Triton whose Gluon has what those kernels use; measured: the gfx1250
+# prepare / walk call tdm.async_load_fused and shared_memory_descriptor.reinterpret (3.8 has
+# neither), while gfx950's decode calls shared_memory_descriptor._reinterpret, which 3.9 renamed
+# (with 3.9 it is a row saying so; with 3.8 it compiles), so no one Triton builds the whole set
+REQUIRES = {("gfx1250", "chunk_kda"): (3, 9)}
 
 
-def triton_too_old() -> Optional[str]:
-    """'needs triton >= 3.9 (this is X)' when the installed Triton cannot build aiter's Gluon KDA
-    kernels, else None."""
+def triton_too_old(arch: str = "gfx1250", family: str = "chunk_kda") -> Optional[str]:
+    """'needs triton >= X (this is Y)' when the installed Triton cannot build ``family``'s Gluon
+    kernels for ``arch`` (REQUIRES), else None."""
     import triton
+    need = REQUIRES.get((arch, family))
+    if need is None:
+        return None
     parts = []
     for p in triton.__version__.split(".")[:2]:
         digits = "".join(c for c in p if c.isdigit())
         parts.append(int(digits) if digits else 0)
-    if tuple(parts) < MIN_TRITON:
-        return f"needs triton >= {'.'.join(map(str, MIN_TRITON))} (this is {triton.__version__})"
+    if tuple(parts) < need:
+        return f"needs triton >= {'.'.join(map(str, need))} (this is {triton.__version__})"
     return None
 
 

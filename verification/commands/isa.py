@@ -31,7 +31,7 @@ def add_arguments(p):
                         "PYTHONPATH: its FlashKDA, Triton and gfx950 Gluon, with the constexprs its launcher "
                         "passes for H=12, C=32, K=V=128; and on gfx1250 / gfx950 its Gluon chunk_kda prepare / "
                         "walk / scan and kda decode, every variant its host wrappers pick for H=12, K=V=128 "
-                        "(needs triton >= 3.9); --routes and --states do not apply)")
+                        "(the gfx1250 prefill needs triton >= 3.9); --routes and --states do not apply)")
     p.add_argument("--kernels", default="", metavar="NAMES",
                    help="with --backend aiter: comma-separated parts of kernel names; only the kernels whose name "
                         "contains one are compiled (default: all), e.g. chunk_kda_walk,prepare")
