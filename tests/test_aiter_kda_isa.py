@@ -174,3 +174,15 @@ def test_a_compile_error_row_carries_the_message_after_the_source_marker():
     assert _last_line(e) == "CompileTimeAssertionFailure: at 87:4: ... not supported on gfx950"
     llvm = RuntimeError("PassManager::run failed\nfoo\nerror: ran out of registers")
     assert _last_line(llvm) == "RuntimeError: PassManager::run failed ... error: ran out of registers"
+
+
+def test_table_row_shows_compile_seconds_and_shortens_long_plan_lists(capsys):
+    r = aiter_isa.AiterKernelReport(arch="gfx1250", kernel="chunk_kda_prepare_kernel[NUM_WARPS=4](num_warps=4)",
+                                    routes=[f"N={n}:paged" for n in range(10)], ok=True, vgprs=454, sgprs=107,
+                                    spills={"sgpr_spill_count": 29}, lds_bytes=103344, occupancy=2,
+                                    matrix={"v_mfma": 0, "v_wmma": 124}, instructions=5707, compile_s=16.14)
+    aiter_isa.table_header()
+    aiter_isa.table_row(r)
+    head, _rule, row = capsys.readouterr().out.splitlines()
+    assert "secs" in head and " 16.1 chunk_kda_prepare_kernel" in row, row
+    assert row.endswith("[N=0:paged, N=1:paged, N=2:paged, +7 more]"), row

@@ -532,7 +532,7 @@ def table(reports, out=None) -> None:
 def table_header(out=None) -> None:
     out = out or sys.stdout
     head = (f"{'arch':8} {'ok':3} {'vgpr':>5} {'agpr':>4} {'sgpr':>4} {'lds':>7} {'occ':>3} {'instr':>6} "
-            f"{'spills':22} {'matrix instructions':24} kernel")
+            f"{'spills':22} {'matrix instructions':24} {'secs':>5} kernel")
     print(head, file=out)
     print("-" * len(head), file=out, flush=True)
 
@@ -540,12 +540,13 @@ def table_header(out=None) -> None:
 def table_row(r, out=None) -> None:
     out = out or sys.stdout
     dash = lambda x: "-" if x is None else x  # noqa: E731
+    routes = r.routes if len(r.routes) <= 4 else r.routes[:3] + [f"+{len(r.routes) - 3} more"]
     if not r.ok:
-        print(f"{r.arch:8} NO  {r.kernel}  [{', '.join(r.routes)}]\n         error: {r.error}", file=out, flush=True)
+        print(f"{r.arch:8} NO  {r.kernel}  [{', '.join(routes)}]\n         error: {r.error}", file=out, flush=True)
         return
     mat = " ".join(f"{k}={v}" for k, v in r.matrix.items())
     print(f"{r.arch:8} yes {dash(r.vgprs):>5} {dash(r.agprs):>4} {dash(r.sgprs):>4} {dash(r.lds_bytes):>7} "
           f"{dash(r.occupancy):>3} {dash(r.instructions):>6} {_spill_text(r) or 'none':22} {mat:24} "
-          f"{r.kernel}  [{', '.join(r.routes)}]", file=out, flush=True)
+          f"{r.compile_s:5.1f} {r.kernel}  [{', '.join(routes)}]", file=out, flush=True)
     if r.note:
         print(f"         note: {r.note[:200]}", file=out, flush=True)
