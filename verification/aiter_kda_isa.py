@@ -10,10 +10,11 @@ with every kernel replaced by a recorder (nothing executes); their config select
 DEFAULT.json tiers, the BV rule over the CU count, gfx950's group split, the decode buckets)
 decides each launch.  The problems (H = 12, K = V = 128, bf16; 256 CUs):
 
-    chunk_kda   N in {1, 4, 8, 16, 32} sequences of 64 tokens (every BV tier of the gfx1250 walk
-                and of gfx950's pass-0 tiers), one sequence of 1600 tokens (gfx950's grouped
-                walk: pass 1, scan, pass 2), each with no state, a dense state in and out, and
-                a paged cache, with and without the fused output norm
+    chunk_kda   N in {2, 4, 8, 16, 32} sequences of 64 tokens (every BV tier of the gfx1250 walk
+                and of gfx950's pass-0 tiers; N = 1 is left out: Triton folds an integer 1 into
+                a constant, which would split each variant in two), two sequences of 1600 tokens
+                (gfx950's grouped walk: pass 1, scan, pass 2), each with no state, a dense state
+                in and out, and a paged cache, with and without the fused output norm
     decode      one token per sequence (N = 1, 24: the default and 256-512 seq-head buckets)
                 and four tokens (N = 1, 32, 256: the T > 1 buckets), dense or paged (in place),
                 V-first or K-first; paged spec decoding and cache_state_updates; the fused
