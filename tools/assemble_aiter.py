@@ -109,13 +109,75 @@ def wrap_module_constexprs(text: str) -> tuple[str, int]:
     return text.rstrip("\n") + "\n" + "\n".join(trailer) + "\n", len(names)
 
 
+PROG = "assemble_aiter"    # the prefix of its one-line errors (a sibling tool sets its own)
+
+
 def fail(msg: str) -> None:
-    print(f"assemble_aiter: {msg}", file=sys.stderr)
+    print(f"{PROG}: {msg}", file=sys.stderr)
     sys.exit(2)
 
 
 def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def check_sources(src: Path, files) -> list:
+    """(file under ``src``, path in OUT, record) of every FILES row; a missing file or one whose
+    sha256 differs from the table's is bad input."""
+    sources = []
+    for repo, commit, path, dest, digest, why in files:
+        f = src / f"{repo.replace('/', '+')}@{commit}" / path
+        if not f.is_file():
+            fail(f"--src: expected {repo} @ {commit} {path} at {f}, got no file")
+        got = sha256(f)
+        if got != digest:
+            fail(f"--src: expected sha256 {digest} for {f}, got {got}")
+        sources.append((f, dest or path, dict(repo=repo, commit=commit, path=path, dest=dest or path,
+                                              sha256=digest, why=why)))
+    return sources
+
+
+def start_tree(base: Path, out: Path) -> str:
+    """OUT/aiter = BASE/aiter (an OUT left by an earlier assembly is replaced); the base's commit."""
+    if not (base / "aiter" / "ops" / "triton").is_dir():
+        fail(f"--base: expected a copy of aiter's aiter/ tree under {base}/aiter, got none")
+    base_commit = (base / "COMMIT").read_text().strip() if (base / "COMMIT").is_file() else "unknown"
+    if out.exists():
+        if not (out / "ASSEMBLY.json").is_file():
+            fail(f"--out: {out} exists and was not made by this script (no ASSEMBLY.json); remove it first")
+        shutil.rmtree(out)
+    shutil.copytree(base / "aiter", out / "aiter", ignore=shutil.ignore_patterns("__pycache__"))
+    return base_commit
+
+
+def overlay(out: Path, sources) -> None:
+    for f, dest, _ in sources:
+        target = out / dest
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(f, target)
+
+
+def add_stubs(out: Path, stubs) -> list:
+    """Copy each (file of tools/aiter_shims, path in OUT, why); their records."""
+    records = []
+    for src, dest, why in stubs:
+        target = out / dest
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(SHIMS / src, target)
+        records.append(dict(file=dest, source=f"tools/aiter_shims/{src}", why=why))
+    return records
+
+
+def finish(out: Path, record: dict) -> None:
+    """Write OUT/ASSEMBLY.json and print what went in."""
+    (out / "ASSEMBLY.json").write_text(json.dumps(record, indent=2) + "\n")
+    print(f"assembled {out}: base {record['base']['repo']} @ {record['base']['commit']}")
+    for s in record["files"]:
+        print(f"  {s['repo']} @ {s['commit'][:7]}  {s['path']}" + ("" if s["dest"] == s["path"] else f" -> {s['dest']}"))
+    for s in record["stubs"]:
+        print(f"  stub {s['file']}")
+    for t in record["transforms"]:
+        print(f"  transform {t['file']}: {t['what']}")
 
 
 def main(argv=None) -> int:
@@ -125,35 +187,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=ROOT / ".vendor" / "aiter-newest")
     a = ap.parse_args(argv)
 
-    if not (a.base / "aiter" / "ops" / "triton").is_dir():
-        fail(f"--base: expected a copy of aiter's aiter/ tree under {a.base}/aiter, got none")
-    base_commit = (a.base / "COMMIT").read_text().strip() if (a.base / "COMMIT").is_file() else "unknown"
-    sources = []
-    for repo, commit, path, dest, digest, why in FILES:
-        f = a.src / f"{repo.replace('/', '+')}@{commit}" / path
-        if not f.is_file():
-            fail(f"--src: expected {repo} @ {commit} {path} at {f}, got no file")
-        got = sha256(f)
-        if got != digest:
-            fail(f"--src: expected sha256 {digest} for {f}, got {got}")
-        sources.append((f, dest or path, dict(repo=repo, commit=commit, path=path, dest=dest or path,
-                                              sha256=digest, why=why)))
-    if a.out.exists():
-        if not (a.out / "ASSEMBLY.json").is_file():
-            fail(f"--out: {a.out} exists and was not made by this script (no ASSEMBLY.json); remove it first")
-        shutil.rmtree(a.out)
-
-    shutil.copytree(a.base / "aiter", a.out / "aiter", ignore=shutil.ignore_patterns("__pycache__"))
-    for f, dest, _ in sources:
-        target = a.out / dest
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(f, target)
-    stubs = []
-    for src, dest, why in STUBS:
-        target = a.out / dest
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(SHIMS / src, target)
-        stubs.append(dict(file=dest, source=f"tools/aiter_shims/{src}", why=why))
+    sources = check_sources(a.src, FILES)
+    base_commit = start_tree(a.base, a.out)
+    overlay(a.out, sources)
+    stubs = add_stubs(a.out, STUBS)
 
     k1 = a.out / K1
     text, n = wrap_module_constexprs(k1.read_text())
@@ -172,25 +209,23 @@ def main(argv=None) -> int:
                            why="the 2026-08 siblings the package __init__ imports (gla_output, wy_fast, "
                                "utils/cumsum) import that name, which the newer utils module dropped"))
 
-    arch = a.out / ARCH_INFO
-    arch.write_text(arch.read_text() + (SHIMS / "arch_info_compat.py").read_text())
-    transforms.append(dict(file=ARCH_INFO, what="appended tools/aiter_shims/arch_info_compat.py: a non-string "
-                           "arch (Triton's CUDA target, e.g. 90) becomes 'sm90'",
-                           why="the newest config_utils.resolve_config_dir asserts a string arch, so flash_kda "
-                               "would not import on an NVIDIA GPU; AMD archs are strings and unchanged"))
+    transforms.append(append_arch_compat(a.out))
 
     record = dict(base=dict(repo="ROCm/aiter", commit=base_commit, tree=str(a.base)),
                   files=[s[2] for s in sources], stubs=stubs, transforms=transforms,
                   not_provided=["CHUNK_DELTA_ATTN DEFAULT.json tuned configs: aiter's own fallbacks apply"])
-    (a.out / "ASSEMBLY.json").write_text(json.dumps(record, indent=2) + "\n")
-    print(f"assembled {a.out}: base ROCm/aiter @ {base_commit}")
-    for s in record["files"]:
-        print(f"  {s['repo']} @ {s['commit'][:7]}  {s['path']}" + ("" if s["dest"] == s["path"] else f" -> {s['dest']}"))
-    for s in stubs:
-        print(f"  stub {s['file']}")
-    for t in transforms:
-        print(f"  transform {t['file']}: {t['what']}")
+    finish(a.out, record)
     return 0
+
+
+def append_arch_compat(out: Path) -> dict:
+    """Append tools/aiter_shims/arch_info_compat.py to the tree's arch_info; its record."""
+    arch = out / ARCH_INFO
+    arch.write_text(arch.read_text() + (SHIMS / "arch_info_compat.py").read_text())
+    return dict(file=ARCH_INFO, what="appended tools/aiter_shims/arch_info_compat.py: a non-string "
+                "arch (Triton's CUDA target, e.g. 90) becomes 'sm90'",
+                why="the newest config_utils.resolve_config_dir asserts a string arch, so flash_kda "
+                    "would not import on an NVIDIA GPU; AMD archs are strings and unchanged")
 
 
 if __name__ == "__main__":

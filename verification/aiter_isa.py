@@ -90,40 +90,72 @@ class _TargetOnlyDriver:
 
 
 def _arch_stub(arch: str) -> types.ModuleType:
+    """A stand-in ``arch_info`` answering ``arch``; ``set_stub_arch`` changes its answer (aiter's
+    KDA host modules are imported once per arch)."""
     m = types.ModuleType(ARCH_INFO)
-    m.get_arch = lambda: arch
-    m.is_gluon_avail = lambda: arch in ("gfx950", "gfx1250")
-    m.is_fp4_avail = lambda: arch in ("gfx950", "gfx1250")
+    m.ARCH = arch
+    m.get_arch = lambda: m.ARCH
+    m.is_gluon_avail = lambda: m.ARCH in ("gfx950", "gfx1250")
+    m.is_fp4_avail = lambda: m.ARCH in ("gfx950", "gfx1250")
     m.is_fp8_avail = lambda: True
-    m.is_mx_scale_preshuffling_avail = lambda: arch in ("gfx950", "gfx1250")
-    m.is_tdm_avail = lambda: arch == "gfx1250"
+    m.is_mx_scale_preshuffling_avail = lambda: m.ARCH in ("gfx950", "gfx1250")
+    m.is_tdm_avail = lambda: m.ARCH == "gfx1250"
     m._LDS_CAP_BYTES = {"gfx1250": 327680, "gfx950": 163840, "gfx942": 65536}
     return m
 
 
-def load_aiter(arch: str = "gfx950"):
-    """aiter's flash_kda module from PYTHONPATH, imported as on an ``arch`` machine without one:
-    a stand-in ``arch_info`` and, for the import only, a driver answering that target."""
-    if os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True"):
-        raise AiterIsaError("TRITON_INTERPRET: expected it unset (the interpreter has no kernels to compile), "
-                            f"got TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r}")
-    os.environ.setdefault("AITER_TRITON_ONLY", "1")
-    if FLASH_KDA in sys.modules:
-        return sys.modules[FLASH_KDA]
+def set_stub_arch(arch: str) -> None:
+    """Make the stand-in ``arch_info`` (installed if absent) answer ``arch``."""
+    stub = sys.modules.setdefault(ARCH_INFO, _arch_stub(arch))
+    if hasattr(stub, "ARCH"):
+        stub.ARCH = arch
+
+
+@contextmanager
+def cpu_import(arch: str):
+    """For an import of aiter's modules without a GPU: a driver answering ``arch``'s target and a
+    torch that says there is no device; both put back afterwards."""
     from triton.runtime.driver import driver
-    sys.modules.setdefault(ARCH_INFO, _arch_stub(arch))
     saved_props, saved_driver = torch.cuda.get_device_properties, driver._active
 
     def no_device(*a, **k):
         raise RuntimeError("no GPU (kda-verify isa --backend aiter cross-compiles)")
     torch.cuda.get_device_properties, driver._active = no_device, _TargetOnlyDriver(arch)
     try:
-        return importlib.import_module(FLASH_KDA)
+        yield
+    finally:
+        torch.cuda.get_device_properties, driver._active = saved_props, saved_driver
+
+
+def _check_not_interpreted() -> None:
+    if os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True"):
+        raise AiterIsaError("TRITON_INTERPRET: expected it unset (the interpreter has no kernels to compile), "
+                            f"got TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r}")
+
+
+def flash_kda_present() -> bool:
+    """Whether the aiter tree on PYTHONPATH has the 2026-08-style FlashKDA module (not imported)."""
+    import importlib.util
+    try:
+        return importlib.util.find_spec(FLASH_KDA) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def load_aiter(arch: str = "gfx950"):
+    """aiter's flash_kda module from PYTHONPATH, imported as on an ``arch`` machine without one:
+    a stand-in ``arch_info`` and, for the import only, a driver answering that target."""
+    _check_not_interpreted()
+    os.environ.setdefault("AITER_TRITON_ONLY", "1")
+    if FLASH_KDA in sys.modules:
+        return sys.modules[FLASH_KDA]
+    set_stub_arch(arch)
+    try:
+        with cpu_import(arch):
+            return importlib.import_module(FLASH_KDA)
     except ModuleNotFoundError as e:
         raise AiterIsaError(f"--backend aiter: expected aiter's aiter/ tree on PYTHONPATH (AITER_TRITON_ONLY=1), "
                             f"got ModuleNotFoundError: {e}") from None
-    finally:
-        torch.cuda.get_device_properties, driver._active = saved_props, saved_driver
 
 
 # ----------------------------------------------------------------------------------- recording
@@ -248,6 +280,8 @@ class AiterVariant:
     opts: dict
     plans: list = field(default_factory=list)
     note: str = ""
+    signature: Optional[tuple] = None    # (signature, constexprs, attributes) when set by the caller
+    label_text: str = ""                 # the table's name for it when set by the caller
 
     @property
     def gluon(self) -> bool:
@@ -255,6 +289,8 @@ class AiterVariant:
 
     @property
     def label(self) -> str:
+        if self.label_text:
+            return self.label_text
         cons = {p.name: self.bound[p.name] for p in self.jit.params
                 if p.is_constexpr and not _is_layout(self.bound[p.name])}
         short = ",".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in sorted(cons.items()))
@@ -345,11 +381,11 @@ def compile_aiter_variant(v: AiterVariant, arch: str) -> AiterKernelReport:
     rep = AiterKernelReport(arch=arch, kernel=v.label, routes=list(v.plans), ok=False, note=v.note)
     t0 = time.perf_counter()
     try:
-        sig, cons, attrs, _ = _signature(v.jit, (), v.bound)
+        sig, cons, attrs = v.signature if v.signature is not None else _signature(v.jit, (), v.bound)[:3]
         src = (GluonASTSource if v.gluon else ASTSource)(v.jit, sig, cons, attrs)
 
         def build():
-            with _StderrCapture() as cap:
+            with _StderrCapture() as cap, _always_compile():
                 try:
                     return triton.compile(src, target=GPUTarget(backend, a, warp), options=dict(v.opts))
                 except Exception as e:  # noqa: BLE001
@@ -377,6 +413,21 @@ def compile_aiter_variant(v: AiterVariant, arch: str) -> AiterKernelReport:
         rep.error = _last_line(e)
     rep.compile_s = time.perf_counter() - t0
     return rep
+
+
+@contextmanager
+def _always_compile():
+    """TRITON_ALWAYS_COMPILE=1 for the block: a variant compiled before is compiled again, so its
+    compile seconds are a compile's, not a cache hit's."""
+    saved = os.environ.get("TRITON_ALWAYS_COMPILE")
+    os.environ["TRITON_ALWAYS_COMPILE"] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_ALWAYS_COMPILE", None)
+        else:
+            os.environ["TRITON_ALWAYS_COMPILE"] = saved
 
 
 KERNEL_TIMEOUT_S = 900
@@ -414,26 +465,56 @@ def compile_bounded(v: AiterVariant, arch: str, timeout_s: float = KERNEL_TIMEOU
     return AiterKernelReport(**got)
 
 
-def aiter_isa_report(archs: list, on_report=None, timeout_s: float = KERNEL_TIMEOUT_S) -> list:
-    """Every (arch, variant) compiled (each bounded by ``timeout_s``); ``on_report(report)`` is
-    called as each one finishes."""
+def aiter_isa_report(archs: list, on_report=None, timeout_s: float = KERNEL_TIMEOUT_S, kernels=None) -> list:
+    """Every (arch, variant) compiled (each bounded by ``timeout_s``): the FlashKDA kernels where the
+    tree has them, and on gfx950 / gfx1250 aiter's Gluon KDA kernels (verification.aiter_kda_isa)
+    where it has those; ``kernels`` (substrings of kernel names) keeps only those that match.
+    ``on_report(report)`` is called as each one finishes."""
+    from verification import aiter_kda_isa as kda_isa
     bad = [a for a in archs if a not in ARCHS]
     if bad:
         raise AiterIsaError(f"--arch: expected values in {','.join(ARCHS)} for --backend aiter, got {bad[0]!r}")
-    mod = load_aiter("gfx950")
-    variants, broken = aiter_variants(mod)
+    _check_not_interpreted()
+    have_flash, have_kda = flash_kda_present(), kda_isa.kda_modules_present()
+    if not (have_flash or have_kda):
+        raise AiterIsaError("--backend aiter: expected aiter's aiter/ tree on PYTHONPATH (AITER_TRITON_ONLY=1), "
+                            f"got neither {FLASH_KDA} nor {kda_isa.CHUNK_KDA}")
+    wanted = lambda name: not kernels or any(k in name for k in kernels)  # noqa: E731
     reports = []
+
+    def emit(r):
+        reports.append(r)
+        if on_report is not None:
+            on_report(r)
+    variants, broken = aiter_variants(load_aiter("gfx950")) if have_flash else ([], [])
+    variants = [v for v in variants if wanted(v.jit.__name__)]
     for arch in archs:
         for v in variants:
-            rows = [compile_bounded(v, arch, timeout_s)]
-            reports += rows
-            if on_report is not None:
-                on_report(rows[0])
+            emit(compile_bounded(v, arch, timeout_s))
         for why, plan in broken:
-            reports.append(AiterKernelReport(arch=arch, kernel="(launcher import)", routes=[plan], ok=False,
-                                             error=why[:400]))
-            if on_report is not None:
-                on_report(reports[-1])
+            emit(AiterKernelReport(arch=arch, kernel="(launcher import)", routes=[plan], ok=False, error=why[:400]))
+        if not have_kda or arch not in kda_isa.GLUON_ARCHS:
+            continue
+        families = []
+        for fam in kda_isa.FAMILIES:
+            too_old = kda_isa.triton_too_old(arch, fam)
+            if too_old:
+                emit(AiterKernelReport(arch=arch, kernel=f"{fam} (Gluon)", routes=[], ok=False, error=too_old))
+            else:
+                families.append(fam)
+        if not families:
+            continue
+        try:
+            kvars, refused = kda_isa.kda_variants(arch, tuple(families))
+        except Exception as e:  # noqa: BLE001 - an import the tree or this Triton cannot do is a row
+            emit(AiterKernelReport(arch=arch, kernel="(host import)", routes=[], ok=False,
+                                   error=f"{type(e).__name__}: {str(e)[:300]}"))
+            continue
+        for v in kvars:
+            if wanted(v.jit.__name__):
+                emit(compile_bounded(v, arch, timeout_s))
+        for why, plan in refused:
+            emit(AiterKernelReport(arch=arch, kernel="(host wrapper)", routes=[plan], ok=False, error=why[:400]))
     return reports
 
 
@@ -451,7 +532,7 @@ def table(reports, out=None) -> None:
 def table_header(out=None) -> None:
     out = out or sys.stdout
     head = (f"{'arch':8} {'ok':3} {'vgpr':>5} {'agpr':>4} {'sgpr':>4} {'lds':>7} {'occ':>3} {'instr':>6} "
-            f"{'spills':22} {'matrix instructions':24} kernel")
+            f"{'spills':22} {'matrix instructions':24} {'secs':>5} kernel")
     print(head, file=out)
     print("-" * len(head), file=out, flush=True)
 
@@ -459,12 +540,13 @@ def table_header(out=None) -> None:
 def table_row(r, out=None) -> None:
     out = out or sys.stdout
     dash = lambda x: "-" if x is None else x  # noqa: E731
+    routes = r.routes if len(r.routes) <= 4 else r.routes[:3] + [f"+{len(r.routes) - 3} more"]
     if not r.ok:
-        print(f"{r.arch:8} NO  {r.kernel}  [{', '.join(r.routes)}]\n         error: {r.error}", file=out, flush=True)
+        print(f"{r.arch:8} NO  {r.kernel}  [{', '.join(routes)}]\n         error: {r.error}", file=out, flush=True)
         return
     mat = " ".join(f"{k}={v}" for k, v in r.matrix.items())
     print(f"{r.arch:8} yes {dash(r.vgprs):>5} {dash(r.agprs):>4} {dash(r.sgprs):>4} {dash(r.lds_bytes):>7} "
           f"{dash(r.occupancy):>3} {dash(r.instructions):>6} {_spill_text(r) or 'none':22} {mat:24} "
-          f"{r.kernel}  [{', '.join(r.routes)}]", file=out, flush=True)
+          f"{r.compile_s:5.1f} {r.kernel}  [{', '.join(routes)}]", file=out, flush=True)
     if r.note:
         print(f"         note: {r.note[:200]}", file=out, flush=True)

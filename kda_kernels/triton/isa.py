@@ -299,9 +299,14 @@ class _StderrCapture:
 
 
 def _last_line(e: Exception) -> str:
+    """One line for a report row: the exception's first line plus its reason: an ``error:`` line
+    (LLVM's), or for a Triton CompilationError (``at L:C:``, the source, a ``^`` marker line,
+    then the message) the message after the marker."""
     lines = [ln for ln in f"{type(e).__name__}: {e}".strip().splitlines() if ln.strip()]
     first = lines[0] if lines else ""
-    detail = next((ln.strip() for ln in lines if "error:" in ln), "")
+    marks = [i for i, ln in enumerate(lines) if ln.strip() == "^"]
+    after = " ".join(ln.strip() for ln in lines[marks[-1] + 1:]) if marks else ""
+    detail = after or next((ln.strip() for ln in lines if "error:" in ln), "")
     return (first if not detail or detail in first else f"{first} ... {detail}")[:400]
 
 

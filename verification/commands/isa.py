@@ -15,6 +15,7 @@ EXAMPLES = """\
 kda-verify isa --arch gfx950,sm90
 kda-verify isa --arch gfx1250 --routes unseg:BW=32 --states kv
 kda-verify isa --arch sm90 --routes seg --json
+kda-verify isa --backend aiter --arch gfx1250,gfx950 --kernels chunk_kda
 """
 
 
@@ -27,9 +28,14 @@ def add_arguments(p):
                    help="initial-state configurations whose kernels to compile: none, kv, vk, paged (default kv,paged)")
     p.add_argument("--json", action="store_true", help="print the reports as JSON instead of a table")
     p.add_argument("--backend", default="triton", choices=("triton", "aiter"),
-                   help="whose kernels: triton (ours, default) or aiter (the FlashKDA kernels of the aiter tree on "
-                        "PYTHONPATH, Triton and gfx950 Gluon, with the constexprs its launcher passes for H=12, "
-                        "C=32, K=V=128; --routes and --states do not apply)")
+                   help="whose kernels: triton (ours, default) or aiter (the kernels of the aiter tree on "
+                        "PYTHONPATH: its FlashKDA, Triton and gfx950 Gluon, with the constexprs its launcher "
+                        "passes for H=12, C=32, K=V=128; and on gfx1250 / gfx950 its Gluon chunk_kda prepare / "
+                        "walk / scan and kda decode, every variant its host wrappers pick for H=12, K=V=128 "
+                        "(the gfx1250 prefill needs triton >= 3.9); --routes and --states do not apply)")
+    p.add_argument("--kernels", default="", metavar="NAMES",
+                   help="with --backend aiter: comma-separated parts of kernel names; only the kernels whose name "
+                        "contains one are compiled (default: all), e.g. chunk_kda_walk,prepare")
     p.add_argument("--kernel-timeout", type=float, default=900.0, metavar="SECONDS",
                    help="with --backend aiter: seconds one kernel may compile before its row says it did not "
                         "(default 900)")
@@ -95,7 +101,8 @@ def _run_aiter(args) -> int:
     try:
         if not args.kernel_timeout > 0:
             raise UsageError(f"--kernel-timeout: expected a positive number of seconds, got {args.kernel_timeout:g}")
-        reports = aiter_isa_report(archs, on_report=stream, timeout_s=args.kernel_timeout)
+        kernels = _split(args.kernels, "--kernels") if str(getattr(args, "kernels", "")).strip() else None
+        reports = aiter_isa_report(archs, on_report=stream, timeout_s=args.kernel_timeout, kernels=kernels)
     except AiterIsaError as e:
         raise UsageError(str(e)) from None
     if args.json:
