@@ -51,7 +51,7 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -230,10 +230,14 @@ class Trace:
         return int(self.v.shape[2])
 
     def row_tokens(self) -> torch.Tensor:
-        """[R+1] int64: row n covers packed tokens row_tokens[n] .. row_tokens[n+1]-1."""
-        out = torch.zeros(self.rows + 1, dtype=torch.int64)
-        torch.cumsum(self.row_len.to(torch.int64), 0, out=out[1:])
-        return out
+        """[R+1] int64: row n covers packed tokens row_tokens[n] .. row_tokens[n+1]-1 (computed
+        once per ``row_len`` tensor, so replaying every step costs O(R), not O(R^2))."""
+        cached = self.__dict__.get("_row_tokens")
+        if cached is None or cached[0] is not self.row_len:
+            out = torch.zeros(self.rows + 1, dtype=torch.int64)
+            torch.cumsum(self.row_len.to(torch.int64), 0, out=out[1:])
+            cached = self.__dict__["_row_tokens"] = (self.row_len, out)
+        return cached[1]
 
     def problem_view(self) -> Problem:
         """Every token of the trace as one varlen-free Problem [1, Ttot] (no state): the object
@@ -331,7 +335,8 @@ def validate_trace(tr: Trace) -> Trace:
         n, w = divmod(lo[0], W)
         raise TraceError(f"state_indices: expected slots in [{c.first_slot}, {c.slots}) or the pad slot {c.pad_slot} "
                          f"(pad={c.pad}), got {int(si[n, w])} at row {n} column {w}")
-    plan(tr)
+    for _ in iter_plan(tr):
+        pass
     return tr
 
 
@@ -373,9 +378,15 @@ def _where(s: int, n: int, r: int, ph: int) -> str:
 
 
 def plan(tr: Trace) -> list:
+    """The StepPlan of every step (``iter_plan``), as a list."""
+    return list(iter_plan(tr))
+
+
+def iter_plan(tr: Trace) -> Iterator[StepPlan]:
     """Walk the steps without arithmetic: check the trace's consistency (module docstring) and
-    return one StepPlan per step.  State ids number every state the trace creates; a slot's
-    content is known by the id of the state last written to it."""
+    yield one StepPlan per step, in order (a generator: a long trace's plans need not all be
+    held at once).  State ids number every state the trace creates; a slot's content is known
+    by the id of the state last written to it."""
     c = tr.cache
     pad = c.pad_slot
     lens, reqs, phs = tr.row_len.tolist(), tr.row_request.tolist(), tr.row_phase.tolist()
@@ -391,57 +402,55 @@ def plan(tr: Trace) -> list:
             raise TraceError(f"row_request: expected a request id >= 0 or -1 (padding), got {r} at row {n}")
     cur = {}                  # request -> id of its current state
     seen = {}                 # request -> accepted tokens so far
-    slot_id, id_req = {}, {}  # slot -> state id; state id -> request
+    slot_id = {}              # slot -> state id
     current_of = {}           # state id -> request, for ids that are some request's current state
     next_id = 0
     tok = 0
-    out = []
     for s in range(len(bounds) - 1):
         rows, pads, reads, writes_at = [], [], {}, {}
         tok0 = tok
         in_step = set()
         for n in range(bounds[s], bounds[s + 1]):
             r, ph, T = reqs[n], phs[n], lens[n]
-            where = _where(s, n - bounds[s], r, ph)
             if r < 0 or ph == PAD:
                 if not (r < 0 and ph == PAD):
-                    raise TraceError(f"{where}: expected row_request -1 exactly when row_phase is -1, "
+                    raise TraceError(f"{_where(s, n - bounds[s], r, ph)}: expected row_request -1 exactly when row_phase is -1, "
                                           f"got request {r} phase {ph}")
                 if not (all(x == pad for x in table[n])):
-                    raise TraceError(f"{where}: state_indices: expected only the pad slot {pad} on a padding row, got {table[n]}")
+                    raise TraceError(f"{_where(s, n - bounds[s], r, ph)}: state_indices: expected only the pad slot {pad} on a padding row, got {table[n]}")
                 pads.append(n - bounds[s])
                 tok += T
                 continue
             if not (r not in in_step):
-                raise TraceError(f"{where}: expected each request at most once per step, got request {r} twice")
+                raise TraceError(f"{_where(s, n - bounds[s], r, ph)}: expected each request at most once per step, got request {r} twice")
             in_step.add(r)
             if not (T >= 1):
-                raise TraceError(f"{where}: row_len: expected >= 1 token on a live row, got {T}")
+                raise TraceError(f"{_where(s, n - bounds[s], r, ph)}: row_len: expected >= 1 token on a live row, got {T}")
             if not (ph != DECODE or T == 1):
-                raise TraceError(f"{where}: row_len: expected 1 token on a decode row, got {T}")
+                raise TraceError(f"{_where(s, n - bounds[s], r, ph)}: row_len: expected 1 token on a decode row, got {T}")
             if not (ph != SPEC or T <= W):
-                raise TraceError(f"{where}: row_len: expected at most W={W} tokens on a spec row "
+                raise TraceError(f"{_where(s, n - bounds[s], r, ph)}: row_len: expected at most W={W} tokens on a spec row "
                                        f"(one slot per token), got {T}")
             a = acc[n]
             if not ((a == T) if ph != SPEC else (1 <= a <= T)):
-                raise TraceError(f"{where}: accepted: expected {T if ph != SPEC else f'1..{T}'}, got {a}")
+                raise TraceError(f"{_where(s, n - bounds[s], r, ph)}: accepted: expected {T if ph != SPEC else f'1..{T}'}, got {a}")
             na = nacc[n]
             if not ((na == 1) if ph != SPEC else (1 <= na <= W)):
-                raise TraceError(f"{where}: num_accepted_tokens: expected {1 if ph != SPEC else f'1..{W}'}, got {na}")
+                raise TraceError(f"{_where(s, n - bounds[s], r, ph)}: num_accepted_tokens: expected {1 if ph != SPEC else f'1..{W}'}, got {na}")
             has = r in cur
             if not (ph == PREFILL or has):
-                raise TraceError(f"{where}: expected a prefill before a {PHASES[ph]} row, got none for request {r}")
+                raise TraceError(f"{_where(s, n - bounds[s], r, ph)}: expected a prefill before a {PHASES[ph]} row, got none for request {r}")
             if not (bool(his[n]) == has):
-                raise TraceError(f"{where}: has_initial_state: expected {str(has).lower()} (the request has {seen.get(r, 0)} "
+                raise TraceError(f"{_where(s, n - bounds[s], r, ph)}: has_initial_state: expected {str(has).lower()} (the request has {seen.get(r, 0)} "
                  f"accepted tokens before this row), got {str(bool(his[n])).lower()}")
             read = read_id = None
             if has:
                 col = na - 1 if ph == SPEC else 0
                 read = table[n][col]
                 if not (read != pad):
-                    raise TraceError(f"{where}: state_indices[{col}]: expected the slot it reads, got the pad slot {pad}")
+                    raise TraceError(f"{_where(s, n - bounds[s], r, ph)}: state_indices[{col}]: expected the slot it reads, got the pad slot {pad}")
                 if not (slot_id.get(read) == cur[r]):
-                    raise TraceError(f"{where}: reads slot {read} (state_indices[{col}]), which does not hold the request's current "
+                    raise TraceError(f"{_where(s, n - bounds[s], r, ph)}: reads slot {read} (state_indices[{col}]), which does not hold the request's current "
                      f"state (after its {seen[r]} accepted tokens)")
                 read_id = cur[r]
                 reads[read] = n
@@ -450,9 +459,9 @@ def plan(tr: Trace) -> list:
             for t in cols:
                 slot = table[n][t]
                 if not (slot != pad):
-                    raise TraceError(f"{where}: state_indices[{t}]: expected a slot to write, got the pad slot {pad}")
+                    raise TraceError(f"{_where(s, n - bounds[s], r, ph)}: state_indices[{t}]: expected a slot to write, got the pad slot {pad}")
                 if not (slot not in writes_at):
-                    raise TraceError(f"{where}: writes slot {slot}, which "
+                    raise TraceError(f"{_where(s, n - bounds[s], r, ph)}: writes slot {slot}, which "
                                             f"{'this row' if writes_at.get(slot) == n else _where(s, writes_at.get(slot, 0) - bounds[s], reqs[writes_at.get(slot, 0)], phs[writes_at.get(slot, 0)])} "
                                             f"also writes in this step")
                 writes_at[slot] = n
@@ -462,7 +471,7 @@ def plan(tr: Trace) -> list:
             keep_t = a - 1
             keep = next((i for (t, _), i in zip(wr, new_ids) if t == keep_t), None)
             if keep is None:                  # cannot happen: spec writes every token, others the last
-                raise TraceError(f"{where}: no slot receives the state after its last accepted token")
+                raise TraceError(f"{_where(s, n - bounds[s], r, ph)}: no slot receives the state after its last accepted token")
             rows.append(RowPlan(row=n, request=r, phase=ph, tok0=tok, T=T, accepted=a, read=read, read_id=read_id,
                                 writes=wr, new_ids=new_ids, keep=keep))
             tok += T
@@ -481,7 +490,6 @@ def plan(tr: Trace) -> list:
         for rp in rows:
             for (_, slot), i in zip(rp.writes, rp.new_ids):
                 slot_id[slot] = i
-                id_req[i] = rp.request
             if rp.read_id is not None:
                 current_of.pop(rp.read_id, None)
             cur[rp.request] = rp.keep
@@ -491,9 +499,8 @@ def plan(tr: Trace) -> list:
         for r in finished:
             current_of.pop(cur.pop(r), None)
         live = {slot: current_of[i] for slot, i in slot_id.items() if i in current_of}
-        out.append(StepPlan(step=s, tok0=tok0, tok1=tok, rows=rows, pad_rows=pads, written=sorted(writes_at),
-                            live=live, finished=finished))
-    return out
+        yield StepPlan(step=s, tok0=tok0, tok1=tok, rows=rows, pad_rows=pads, written=sorted(writes_at),
+                       live=live, finished=finished)
 
 
 # ----------------------------------------------------------------------------- files

@@ -35,7 +35,7 @@ import torch
 from .chunked import chunked, prepare_tokens
 from .preprocess import Prepared
 from .recurrence import token_step
-from .trace import PREFILL, SPEC, CacheSpec, StepPlan, Trace, plan
+from .trace import PREFILL, CacheSpec, StepPlan, Trace, iter_plan
 
 F64 = torch.float64
 
@@ -44,35 +44,38 @@ F64 = torch.float64
 class StepTruth:
     step: int
     o: torch.Tensor
-    token_live: torch.Tensor
     written: list
     live: dict
     slots: dict
     plan: StepPlan
     cache: CacheSpec
 
+    @property
+    def token_live(self) -> torch.Tensor:
+        """[Tstep] bool: the tokens of the step's live rows (those ``o`` defines)."""
+        live = torch.zeros(self.plan.tok1 - self.plan.tok0, dtype=torch.bool)
+        for rp in self.plan.rows:
+            live[rp.tok0 - self.plan.tok0: rp.tok0 - self.plan.tok0 + rp.T] = True
+        return live
+
     def expected(self, slot: int) -> torch.Tensor:
         """The expected content of ``slot`` after this step in the cache's layout (float64, a view)."""
         return self.cache.to_layout(self.slots[slot])
 
 
-def _blocks_end(plans: list, i: int, block_tokens: int) -> int:
-    """Index one past the last step of the block of whole steps starting at step i."""
-    j, t0 = i + 1, plans[i].tok0
-    while j < len(plans) and plans[j].tok1 - t0 <= block_tokens:
-        j += 1
-    return j
-
-
-def trace_oracle(tr: Trace, chunk_size: int = 64, block_tokens: int = 4096,
+def trace_oracle(tr: Trace, chunk_size: int = 64, block_tokens: int = 256,
                  plans: Optional[list] = None, threads: Optional[int] = 1) -> Iterator[StepTruth]:
     """Yield the StepTruth of every step of ``tr`` in order (module docstring).  ``plans``: the
-    trace's ``kda_ref.trace.plan`` when already computed (it checks the trace's consistency).
+    trace's StepPlans when already computed (``kda_ref.trace.plan``; default ``iter_plan``,
+    which checks the trace's consistency as it goes).  ``block_tokens``: the token inputs are
+    preprocessed in blocks of whole steps of about this many tokens (256: at H = 8, K = 128 a
+    block's float64 arrays are 2 MB each and stay in cache; 4096-token blocks made a decode
+    step 1.2-2.1x slower).
     ``threads``: the CPU threads torch uses while a step is computed (restored before each
     yield; None leaves torch's setting): a step's arrays are small (a state of H = 8,
     K = V = 128 is 1 MB), and on a shared 2-core machine two threads contending for the cores
     made the steps of the test traces 10-50x slower than one."""
-    steps = _trace_steps(tr, chunk_size, block_tokens, plan(tr) if plans is None else plans)
+    steps = _trace_steps(tr, chunk_size, block_tokens, iter_plan(tr) if plans is None else plans)
     while True:
         prev = torch.get_num_threads()
         if threads:
@@ -86,7 +89,7 @@ def trace_oracle(tr: Trace, chunk_size: int = 64, block_tokens: int = 4096,
         yield st
 
 
-def _trace_steps(tr: Trace, chunk_size: int, block_tokens: int, plans: list) -> Iterator[StepTruth]:
+def _trace_steps(tr: Trace, chunk_size: int, block_tokens: int, plans) -> Iterator[StepTruth]:
     p = tr.problem_view()
     HV, K, V = tr.HV, tr.K, tr.V
     states: dict = {}          # state id -> [HV, K, V] float64
@@ -111,20 +114,18 @@ def _trace_steps(tr: Trace, chunk_size: int, block_tokens: int, plans: list) -> 
             if arr is not None:
                 pool.append(arr)
 
-    blk_end, b0, pp, decay = 0, 0, None, None
-    for i, sp in enumerate(plans):
-        if i >= blk_end:
-            blk_end = _blocks_end(plans, i, block_tokens)
-            b0, b1 = sp.tok0, plans[blk_end - 1].tok1
-            pp = prepare_tokens(p, b0, b1, None) if b1 > b0 else None
-            decay = torch.exp(pp.a) if pp is not None else None
+    b0 = b1 = 0
+    pp = decay = None
+    for sp in plans:
+        if sp.tok1 > b1:                           # a new block of inputs from this step on
+            b0, b1 = sp.tok0, min(tr.tokens, max(sp.tok1, sp.tok0 + block_tokens))
+            pp = prepare_tokens(p, b0, b1, None)
+            decay = torch.exp(pp.a)
         o = torch.full((sp.tok1 - sp.tok0, HV, V), float("nan"), dtype=F64)
-        live_tok = torch.zeros(sp.tok1 - sp.tok0, dtype=torch.bool)
         made = []                                  # (state id, array) created by this step
         for rp in sp.rows:
             t0, T = rp.tok0 - b0, rp.T
             ot = rp.tok0 - sp.tok0
-            live_tok[ot:ot + T] = True
             S = states[rp.read_id] if rp.read_id is not None else None
             if rp.phase == PREFILL:
                 S0 = S[None] if S is not None else torch.zeros(1, HV, K, V, dtype=F64)
@@ -169,14 +170,14 @@ def _trace_steps(tr: Trace, chunk_size: int, block_tokens: int, plans: list) -> 
             cur[rp.request] = rp.keep
         for r in sp.finished:
             decref(cur.pop(r))
-        yield StepTruth(step=sp.step, o=o, token_live=live_tok, written=sp.written, live=sp.live,
+        yield StepTruth(step=sp.step, o=o, written=sp.written, live=sp.live,
                         slots={slot: states[sid] for slot, sid in slot_id.items()}, plan=sp, cache=tr.cache)
 
 
 def request_streams(tr: Trace, plans: Optional[list] = None) -> dict:
     """request -> packed token indices of its accepted stream, in order (what the request's
     whole-sequence oracle runs over)."""
-    plans = plan(tr) if plans is None else plans
+    plans = iter_plan(tr) if plans is None else plans
     out: dict = {}
     for sp in plans:
         for rp in sp.rows:
