@@ -29,9 +29,10 @@ def token_step(S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
         S' = diag(decay) S;   d = beta (v - S'^T k);   S' += k d^T;   o = scale S'^T q
 
-    Returns (S' [..., K, V], o [..., V]).  S is never written: S' is a new array, or ``out``
-    (an array of S's shape, not S itself) when given; three passes over the state, no more,
-    since a long decode trace is bound by them."""
+    Returns (S' [..., K, V], o [..., V]).  S' is a new array, or ``out`` (an array of S's shape,
+    S itself for an update in place) when given.  Four passes over the state (the scaling, S'^T k,
+    the rank-1 update in place, S'^T q) and no temporaries of its size: a long decode trace is
+    bound by them."""
     Sn = torch.mul(S, decay[..., None], out=out)                      # diag(exp a) S
     d = (v - (k[..., None, :] @ Sn)[..., 0, :]).mul_(beta[..., None])  # beta (v - S^T k)
     Sn.addcmul_(k[..., :, None], d[..., None, :])                      # + k d^T

@@ -6,10 +6,10 @@ speculatively, else one, taken from a free list and returned when it finishes (m
 freed first, so slots are reused).  Each step every running request contributes one row: a
 prefill chunk of 1..``chunk`` tokens (any length; ``chunk_multiple`` draws whole multiples of
 ``chunk_multiple`` instead, the last chunk being the prompt's remainder), a decode token, or a
-speculative step of ``spec_k + 1`` tokens (the verified token and k drafts) of which 1..k+1 are
-accepted at random.  With ``mix`` off a step holds prefill rows or decode rows, not both.  A
-step of decode rows only is padded with padding rows up to a multiple of ``graph_pad`` (a
-CUDA-graph batch size).  ``SCENARIOS`` names knob sets; ``generate(seed, **knobs)``.
+speculative step of ``spec_k + 1`` tokens (the verified token and k drafts; with
+``spec_variable`` 1..k drafts) of which 1..all are accepted at random.  With ``mix`` off a
+step holds prefill rows or decode rows, not both.  A step of decode rows only is padded with
+padding rows up to a multiple of ``graph_pad`` (a CUDA-graph batch size).  ``SCENARIOS`` names knob sets; ``generate(seed, **knobs)``.
 """
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ class TraceKnobs:
     chunk_multiple: int = 0           # > 0: chunks are whole multiples of it (the last the remainder)
     spec_k: int = 0                   # draft tokens per spec step (0: no speculative decoding)
     spec_fraction: float = 0.0        # share of requests that decode speculatively
+    spec_variable: bool = False       # a spec step carries 1..k drafts (uniform), not always k
     mix: bool = True                  # prefill chunks and decodes in one step
     graph_pad: int = 0                # pad decode-only steps to a multiple of this many rows
     slots: Optional[int] = None       # cache slots (None: just enough for max_batch, so slots are reused)
@@ -58,7 +59,7 @@ SCENARIOS = {
     "mixed": dict(requests=6, max_batch=3, spec_k=2, spec_fraction=0.5, graph_pad=4),
     "short-prompts": dict(requests=6, max_batch=4, prompt=(1, 5), chunk=64),
     "chunked-prefill": dict(requests=3, max_batch=2, prompt=(100, 300), chunk=48, decodes=(1, 3)),
-    "spec": dict(requests=4, max_batch=3, spec_k=3, spec_fraction=1.0, decodes=(3, 10)),
+    "spec": dict(requests=4, max_batch=3, spec_k=3, spec_fraction=1.0, spec_variable=True, decodes=(3, 10)),
     "graph-padded": dict(requests=5, max_batch=3, mix=False, graph_pad=8, decodes=(2, 6)),
     "null-block": dict(requests=5, max_batch=3, pad="null0", graph_pad=4, spec_k=1, spec_fraction=0.5),
     "slot-reuse": dict(requests=8, max_batch=2, prompt=(1, 40), decodes=(1, 4)),
@@ -128,8 +129,9 @@ def generate(seed: int = 0, scenario: Optional[str] = None, **overrides) -> Trac
                 rq["done"] += n
             elif rq["spec"]:
                 table[:spec_width] = rq["slots"]
-                acc = rng.randint(1, spec_width)
-                step.append((spec_width, rq["id"], SPEC, table, True, rq["accepted"], acc))
+                n = rng.randint(2, spec_width) if kb.spec_variable else spec_width
+                acc = rng.randint(1, n)
+                step.append((n, rq["id"], SPEC, table, True, rq["accepted"], acc))
                 rq["accepted"] = acc
                 rq["decodes"] -= 1
             else:
