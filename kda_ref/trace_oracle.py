@@ -74,7 +74,7 @@ def trace_oracle(tr: Trace, chunk_size: int = 64, block_tokens: int = 256,
     ``threads``: the CPU threads torch uses while a step is computed (restored before each
     yield; None leaves torch's setting): a step's arrays are small (a state of H = 8,
     K = V = 128 is 1 MB), and on a shared 2-core machine two threads contending for the cores
-    made the steps of the test traces 10-50x slower than one."""
+    made the steps of the test traces 5-50x slower than one."""
     steps = _trace_steps(tr, chunk_size, block_tokens, iter_plan(tr) if plans is None else plans)
     while True:
         prev = torch.get_num_threads()
