@@ -134,7 +134,8 @@ class CacheSpec:
             val = getattr(self, name)
             _req(isinstance(val, int) and not isinstance(val, bool) and val >= (0 if name == "guard_rows" else 1),
                  f"cache.{name}: expected an integer >= {0 if name == 'guard_rows' else 1}, got {val!r}")
-        _req(self.layout in CACHE_LAYOUTS, f"cache.layout: expected one of {'|'.join(CACHE_LAYOUTS)}, got {self.layout!r}")
+        _req(self.layout in CACHE_LAYOUTS,
+             f"cache.layout: expected one of {'|'.join(CACHE_LAYOUTS)}, got {self.layout!r}")
         _req(self.dtype in CACHE_DTYPES, f"cache.dtype: expected one of {'|'.join(CACHE_DTYPES)}, got {self.dtype!r}")
         _req(self.pad in PAD_CONVENTIONS, f"cache.pad: expected one of {'|'.join(PAD_CONVENTIONS)}, got {self.pad!r}")
         if self.slot_stride is not None:
@@ -304,7 +305,8 @@ def validate_trace(tr: Trace) -> Trace:
          and sr.dtype != torch.bool, f"step_rows: expected an integer tensor [S+1] with S >= 1, got "
                                      f"{shape_of(sr) if isinstance(sr, torch.Tensor) else type(sr).__name__}")
     R = tr.rows if isinstance(tr.row_len, torch.Tensor) and tr.row_len.dim() == 1 else -1
-    _req(R >= 1, f"row_len: expected an integer tensor [R] with R >= 1, got {shape_of(tr.row_len) if isinstance(tr.row_len, torch.Tensor) else tr.row_len!r}")
+    _req(R >= 1, f"row_len: expected an integer tensor [R] with R >= 1, got "
+                 f"{shape_of(tr.row_len) if isinstance(tr.row_len, torch.Tensor) else type(tr.row_len).__name__}")
     _int_tensor("row_len", tr.row_len, (R,))
     s = sr.tolist()
     _req(s[0] == 0 and s[-1] == R, f"step_rows: expected to run from 0 to R={R}, got {s[0]} .. {s[-1]}")
@@ -323,7 +325,8 @@ def validate_trace(tr: Trace) -> Trace:
     _int_tensor("accepted", tr.accepted, (R,))
     lens = tr.row_len.tolist()
     neg = [i for i, x in enumerate(lens) if x < 0]
-    _req(not neg, f"row_len: expected >= 0 tokens per row, got {lens[neg[0]] if neg else 0} at row {neg[0] if neg else 0}")
+    if neg:
+        raise TraceError(f"row_len: expected >= 0 tokens per row, got {lens[neg[0]]} at row {neg[0]}")
     _req(sum(lens) == tr.tokens, f"row_len: expected to sum to the {tr.tokens} tokens of q, got {sum(lens)}")
     ph = tr.row_phase.tolist()
     odd = [i for i, x in enumerate(ph) if x not in (PAD, PREFILL, DECODE, SPEC)]
@@ -410,82 +413,80 @@ def iter_plan(tr: Trace) -> Iterator[StepPlan]:
         rows, pads, reads, writes_at = [], [], {}, {}
         tok0 = tok
         in_step = set()
+
+        def where(n: int) -> str:          # messages only: "step s row i (request r, phase)"
+            return _where(s, n - bounds[s], reqs[n], phs[n])
+
+        def bad(n: int, msg: str):
+            raise TraceError(f"{where(n)}: {msg}")
+
         for n in range(bounds[s], bounds[s + 1]):
             r, ph, T = reqs[n], phs[n], lens[n]
             if r < 0 or ph == PAD:
                 if not (r < 0 and ph == PAD):
-                    raise TraceError(f"{_where(s, n - bounds[s], r, ph)}: expected row_request -1 exactly when row_phase is -1, "
-                                          f"got request {r} phase {ph}")
-                if not (all(x == pad for x in table[n])):
-                    raise TraceError(f"{_where(s, n - bounds[s], r, ph)}: state_indices: expected only the pad slot {pad} on a padding row, got {table[n]}")
+                    bad(n, f"expected row_request -1 exactly when row_phase is -1, got request {r} phase {ph}")
+                if any(x != pad for x in table[n]):
+                    bad(n, f"state_indices: expected only the pad slot {pad} on a padding row, got {table[n]}")
                 pads.append(n - bounds[s])
                 tok += T
                 continue
-            if not (r not in in_step):
-                raise TraceError(f"{_where(s, n - bounds[s], r, ph)}: expected each request at most once per step, got request {r} twice")
+            if r in in_step:
+                bad(n, f"expected each request at most once per step, got request {r} twice")
             in_step.add(r)
-            if not (T >= 1):
-                raise TraceError(f"{_where(s, n - bounds[s], r, ph)}: row_len: expected >= 1 token on a live row, got {T}")
-            if not (ph != DECODE or T == 1):
-                raise TraceError(f"{_where(s, n - bounds[s], r, ph)}: row_len: expected 1 token on a decode row, got {T}")
-            if not (ph != SPEC or T <= W):
-                raise TraceError(f"{_where(s, n - bounds[s], r, ph)}: row_len: expected at most W={W} tokens on a spec row "
-                                       f"(one slot per token), got {T}")
-            a = acc[n]
-            if not ((a == T) if ph != SPEC else (1 <= a <= T)):
-                raise TraceError(f"{_where(s, n - bounds[s], r, ph)}: accepted: expected {T if ph != SPEC else f'1..{T}'}, got {a}")
-            na = nacc[n]
-            if not ((na == 1) if ph != SPEC else (1 <= na <= W)):
-                raise TraceError(f"{_where(s, n - bounds[s], r, ph)}: num_accepted_tokens: expected {1 if ph != SPEC else f'1..{W}'}, got {na}")
+            if T < 1:
+                bad(n, f"row_len: expected >= 1 token on a live row, got {T}")
+            if ph == DECODE and T != 1:
+                bad(n, f"row_len: expected 1 token on a decode row, got {T}")
+            if ph == SPEC and T > W:
+                bad(n, f"row_len: expected at most W={W} tokens on a spec row (one slot per token), got {T}")
+            a, na = acc[n], nacc[n]
+            if not ((1 <= a <= T) if ph == SPEC else a == T):
+                bad(n, f"accepted: expected {f'1..{T}' if ph == SPEC else T}, got {a}")
+            if not ((1 <= na <= W) if ph == SPEC else na == 1):
+                bad(n, f"num_accepted_tokens: expected {f'1..{W}' if ph == SPEC else 1}, got {na}")
             has = r in cur
-            if not (ph == PREFILL or has):
-                raise TraceError(f"{_where(s, n - bounds[s], r, ph)}: expected a prefill before a {PHASES[ph]} row, got none for request {r}")
-            if not (bool(his[n]) == has):
-                raise TraceError(f"{_where(s, n - bounds[s], r, ph)}: has_initial_state: expected {str(has).lower()} (the request has {seen.get(r, 0)} "
-                 f"accepted tokens before this row), got {str(bool(his[n])).lower()}")
+            if ph != PREFILL and not has:
+                bad(n, f"expected a prefill before a {PHASES[ph]} row, got none for request {r}")
+            if bool(his[n]) != has:
+                bad(n, f"has_initial_state: expected {str(has).lower()} (the request has {seen.get(r, 0)} accepted "
+                       f"tokens before this row), got {str(bool(his[n])).lower()}")
             read = read_id = None
             if has:
                 col = na - 1 if ph == SPEC else 0
                 read = table[n][col]
-                if not (read != pad):
-                    raise TraceError(f"{_where(s, n - bounds[s], r, ph)}: state_indices[{col}]: expected the slot it reads, got the pad slot {pad}")
-                if not (slot_id.get(read) == cur[r]):
-                    raise TraceError(f"{_where(s, n - bounds[s], r, ph)}: reads slot {read} (state_indices[{col}]), which does not hold the request's current "
-                     f"state (after its {seen[r]} accepted tokens)")
+                if read == pad:
+                    bad(n, f"state_indices[{col}]: expected the slot it reads, got the pad slot {pad}")
+                if slot_id.get(read) != cur[r]:
+                    bad(n, f"reads slot {read} (state_indices[{col}]), which does not hold the request's current "
+                           f"state (after its {seen[r]} accepted tokens)")
                 read_id = cur[r]
                 reads[read] = n
-            cols = range(T) if ph == SPEC else [0]
             wr = []
-            for t in cols:
+            for t in (range(T) if ph == SPEC else [0]):
                 slot = table[n][t]
-                if not (slot != pad):
-                    raise TraceError(f"{_where(s, n - bounds[s], r, ph)}: state_indices[{t}]: expected a slot to write, got the pad slot {pad}")
-                if not (slot not in writes_at):
-                    raise TraceError(f"{_where(s, n - bounds[s], r, ph)}: writes slot {slot}, which "
-                                            f"{'this row' if writes_at.get(slot) == n else _where(s, writes_at.get(slot, 0) - bounds[s], reqs[writes_at.get(slot, 0)], phs[writes_at.get(slot, 0)])} "
-                                            f"also writes in this step")
+                if slot == pad:
+                    bad(n, f"state_indices[{t}]: expected a slot to write, got the pad slot {pad}")
+                if slot in writes_at:
+                    other = "this row" if writes_at[slot] == n else where(writes_at[slot])
+                    bad(n, f"writes slot {slot}, which {other} also writes in this step")
                 writes_at[slot] = n
-                wr.append((T - 1 if ph != SPEC else t, slot))
+                wr.append((t if ph == SPEC else T - 1, slot))
             new_ids = list(range(next_id, next_id + len(wr)))
             next_id += len(wr)
-            keep_t = a - 1
-            keep = next((i for (t, _), i in zip(wr, new_ids) if t == keep_t), None)
-            if keep is None:                  # cannot happen: spec writes every token, others the last
-                raise TraceError(f"{_where(s, n - bounds[s], r, ph)}: no slot receives the state after its last accepted token")
+            # the state after the last accepted token: spec rows write every token, others the last
+            keep = next(i for (t, _), i in zip(wr, new_ids) if t == a - 1)
             rows.append(RowPlan(row=n, request=r, phase=ph, tok0=tok, T=T, accepted=a, read=read, read_id=read_id,
                                 writes=wr, new_ids=new_ids, keep=keep))
             tok += T
         for slot, n in reads.items():
             w = writes_at.get(slot)
-            if not (w is None or w == n):
-                raise TraceError(f"{_where(s, w - bounds[s], reqs[w], phs[w]) if w is not None else ''}: writes "
-                                      f"slot {slot}, which {_where(s, n - bounds[s], reqs[n], phs[n])} reads in the same step")
+            if w is not None and w != n:
+                bad(w, f"writes slot {slot}, which {where(n)} reads in the same step")
         for slot, n in writes_at.items():
             held = current_of.get(slot_id.get(slot))
-            r = reqs[n]
-            if not (held is None or held == r or last_row[held] < bounds[s]):
-                raise TraceError(f"{_where(s, n - bounds[s], r, phs[n])}: writes slot {slot}, which holds the current state of "
-                 f"request {held} (not finished: its last row is row {last_row.get(held)})")
+            if held is not None and held != reqs[n]:       # finished requests hold no current state
+                bad(n, f"writes slot {slot}, which holds the current state of request {held} (not finished: "
+                       f"its last row is row {last_row[held]})")
         # apply: the step's writes, then the requests' new current states
         for rp in rows:
             for (_, slot), i in zip(rp.writes, rp.new_ids):
