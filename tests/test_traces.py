@@ -321,3 +321,17 @@ def test_validate_names_bad_fields():
     with pytest.raises(TraceError, match=r"^step_rows: expected strictly increasing \(every step has a row\), got 5 "
                                          r"then 5 at index 2"):
         validate_trace(tr)
+
+
+def test_generator_knobs_are_checked():
+    from kda_ref.trace_gen import knobs_for
+    with pytest.raises(TraceError, match=r"^scenario: expected one of mixed\|"):
+        knobs_for("bursty")
+    with pytest.raises(TraceError, match=r"^spec_kk: expected a trace knob \("):
+        knobs_for("spec", spec_kk=2)
+    with pytest.raises(TraceError, match=r"^slots: expected room for one request \(4 slots\), got 2"):
+        generate(0, "spec", slots=2)
+    tr = generate(0, "mixed", K=8, V=8, cache_dtype="bfloat16")
+    assert tr.cache.allocate().dtype == torch.bfloat16
+    with pytest.raises(TraceError, match=rf"^step: expected 0 <= step < {tr.steps}, got {tr.steps}"):
+        tr.step(tr.steps)
