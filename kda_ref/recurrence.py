@@ -22,6 +22,24 @@ from .preprocess import Prepared, pad_sequences, prepare, unpad_sequences
 from .problem import Problem
 
 
+def token_step(S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor,
+               beta: torch.Tensor, scale: float, out: Optional[torch.Tensor] = None):
+    """One token of the recurrence, float64, over any leading dims ``...`` (sequences, heads):
+    S [..., K, V] K-first, q k decay [..., K] (decay = exp(a)), v [..., V], beta [...].
+
+        S' = diag(decay) S;   d = beta (v - S'^T k);   S' += k d^T;   o = scale S'^T q
+
+    Returns (S' [..., K, V], o [..., V]).  S' is a new array, or ``out`` (an array of S's shape,
+    S itself for an update in place) when given.  Four passes over the state (the scaling, S'^T k,
+    the rank-1 update in place, S'^T q) and no temporaries of its size: a long decode trace is
+    bound by them."""
+    Sn = torch.mul(S, decay[..., None], out=out)                      # diag(exp a) S
+    d = (v - (k[..., None, :] @ Sn)[..., 0, :]).mul_(beta[..., None])  # beta (v - S^T k)
+    Sn.addcmul_(k[..., :, None], d[..., None, :])                      # + k d^T
+    o = (q[..., None, :] @ Sn)[..., 0, :].mul_(scale)                  # scale S^T q
+    return Sn, o
+
+
 @dataclass
 class RecurrenceResult:
     o: torch.Tensor                       # [Ttot, HV, V] float64, packed
@@ -44,10 +62,7 @@ def recurrence_prepared(pp: Prepared, chunk_size: Optional[int] = None) -> Recur
         states = S.new_zeros((S.shape[0], nc + 1) + tuple(S.shape[1:]))
         states[:, 0] = S
     for t in range(L):
-        S = decay[:, t, :, :, None] * S
-        d = beta[:, t, :, None] * (v[:, t] - torch.einsum("nhk,nhkv->nhv", k[:, t], S))
-        S = S + k[:, t, :, :, None] * d[:, :, None, :]
-        o[:, t] = pp.scale * torch.einsum("nhk,nhkv->nhv", q[:, t], S)
+        S, o[:, t] = token_step(S, q[:, t], k[:, t], v[:, t], decay[:, t], beta[:, t], pp.scale)
         if chunk_size and ((t + 1) % chunk_size == 0 or t + 1 == L):
             states[:, -(-(t + 1) // chunk_size)] = S  # past a sequence's end S stays its final state
     return RecurrenceResult(o=unpad_sequences(o, bounds, Ttot), final_state=S, chunk_states=states)
