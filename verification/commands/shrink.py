@@ -5,8 +5,9 @@
 
 The cell is run and judged as ``kda-verify run`` judges it; while it fails, the problem is
 reduced (verification/shrink.py) and DIR receives the bundle (verification/bundle.py):
-problem / truth / outputs safetensors, repro.py, REPORT.md, shrink.json.  Exit 0 with a
-shrunk failing problem written, 1 when the cell passes (nothing to shrink), 2 on bad input
+problem / truth / outputs safetensors, repro.py, REPORT.md, shrink.json; repro.py is run once
+in a fresh process from another directory and the outcome printed (and stated in REPORT.md).
+Exit 0 with a shrunk failing problem written, 1 when the cell passes (nothing to shrink), 2 on bad input
 (an unknown case or route, a backend that cannot run, a cell that is skipped here).
 """
 from __future__ import annotations
@@ -135,12 +136,15 @@ def run(args) -> int:
         argv += ["--fuzz-n", str(case.suite_opts["n"]), "--fuzz-seed", str(case.suite_opts["seed"])]
     if args.isolate:
         argv += ["--isolate"] + (["--timeout", str(args.timeout)] if args.timeout else [])
-    argv += ["--out", str(out)]
+    argv += ["--out", "."]                     # as REPORT.md gives it: from the bundle's directory, into it
     command = " ".join(shlex.quote(a) for a in argv)
-    write_bundle(out, res, lb, route, case, device, command)
+    data = write_bundle(out, res, lb, route, case, device, command)
     print(f"{shape_text(first.problem)} -> {shape_text(res.final.problem)} (size {size(first.problem)} -> "
           f"{size(res.final.problem)}), {len(res.trace)} steps, {res.runs} runs, {res.seconds:.1f} s ({res.stopped})")
     print(f"still fails: {res.final.signature.describe()}")
     have = "problem/truth/outputs" if (out / "outputs.safetensors").exists() else "problem/truth (no outputs: a crash)"
     print(f"bundle: {out}/ (REPORT.md, repro.py, {have}.safetensors)")
+    rc = data["repro_check"]
+    print(f"repro.py in a fresh process: exit {rc['exit']}: " + (
+          "REPRODUCED" if rc["reproduced"] else f"did NOT reproduce ({rc['last_line']})"))
     return 0
