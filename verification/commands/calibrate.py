@@ -34,7 +34,7 @@ def add_arguments(p):
     p.add_argument("--long", choices=("auto", "yes", "no"), default="auto", help="include long cases (auto: on CUDA)")
     p.add_argument("--headroom", type=float, default=2.0, metavar="FACTOR",
                    help="m = FACTOR times the worst observed ratio kernel/baseline, rounded up (default 2)")
-    p.add_argument("--tolerances", metavar="PATH", help="the file to diff against (default: the repo's tolerances.yaml)")
+    p.add_argument("--tolerances", metavar="PATH", help="the file to diff against (default: verification/tolerances.yaml)")
     p.add_argument("--out", metavar="PATH", help="also write the proposed entries as a YAML file")
 
 
