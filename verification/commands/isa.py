@@ -11,9 +11,9 @@ import sys
 NAME = "isa"
 HELP = "cross-compile the Triton FlashKDA kernels (sm90, gfx950, gfx1250, ...) and report their ISA"
 EXAMPLES = """\
-kda-verify isa --arch gfx950,sm90
+kda-verify isa --arch gfx950,sm90 --routes seg --states kv
 kda-verify isa --arch gfx1250 --routes unseg:BW=32 --states kv
-kda-verify isa --arch sm90 --routes seg --json
+kda-verify isa --arch sm90 --routes unseg:BW=32 --states kv --json
 """
 
 

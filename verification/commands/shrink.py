@@ -18,9 +18,9 @@ import sys
 NAME = "shrink"
 HELP = "reduce a failing cell to its smallest failing problem and write an upstream-ready bundle"
 EXAMPLES = """\
-kda-verify shrink --backend emulator-bad --route carry_scaled --case stress/weak-gate-lb-0.01 --out shrunk/carry
-kda-verify shrink --backend aiter --route triton:seg --case stress/empty-seq-middle --out shrunk/aiter-empty --isolate
-kda-verify shrink --from-results runs/aiter --cell 'aiter|triton:seg|stress/empty-seq-middle' --out shrunk/a
+kda-verify shrink --backend emulator-bad --route wrong_L_sign --case smoke/initial-state-kv-lb-5 --out shrunk/wrong-L
+kda-verify shrink --backend aiter --route triton:seg --case stress/empty-seq-middle --out shrunk/aiter-empty --isolate   # needs: cuda, aiter
+kda-verify shrink --from-results runs/bad --cell 'emulator-bad|wrong_L_sign|smoke/initial-state-kv-lb-5' --out shrunk/a
 """
 
 
