@@ -531,3 +531,22 @@ def test_isolate_shrinks_a_kernel_that_kills_its_process(tmp_path, monkeypatch, 
     assert main(["shrink", "--backend", "emulator", "--route", "flashkda", "--case", "smoke/dense-T64-lb-5",
                  "--out", str(out), "--timeout", "5"]) == 2
     assert "--timeout: expected together with --isolate" in capsys.readouterr().err
+
+
+def test_a_crash_bundle_reproduces_by_dying_and_a_broken_repro_is_not_reproduced(tmp_path, monkeypatch):
+    """The crasher's bundle: repro.py loads the backend by its spec (package.module:factory) and
+    the process dies as the cell did (exit 134), which the bundle states as reproduced; a repro that
+    fails itself (here: a backend it cannot load) exits 2, never 1 (Python's exit code for an
+    uncaught exception, which would read as REPRODUCED)."""
+    (tmp_path / "crashkernel.py").write_text(CRASHER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "b"
+    assert main(["shrink", "--backend", "crashkernel:crasher", "--route", "flashkda", "--case", "smoke/dense-T64-lb-5",
+                 "--out", str(out), "--isolate", "--max-runs", "2"]) == 0
+    data = json.loads((out / "shrink.json").read_text())
+    assert data["repro_check"]["exit"] == 134 and data["repro_check"]["reproduced"], data["repro_check"]
+    assert "# exit 134: the kernel kills the process: REPRODUCED" in (out / "REPORT.md").read_text()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}        # crashkernel not importable
+    r = subprocess.run([sys.executable, str(out / "repro.py")], capture_output=True, text=True, cwd=tmp_path,
+                       env=env, timeout=300)
+    assert r.returncode == 2 and "repro: error: the repro itself failed" in r.stderr, (r.returncode, r.stderr[-800:])

@@ -347,13 +347,21 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    try:
+        code = main(sys.argv[1:])
+    except Exception:  # noqa: BLE001 - the repro's own failure must not read as exit 1, REPRODUCED
+        import traceback
+        traceback.print_exc()
+        print("repro: error: the repro itself failed (above), so it cannot tell whether the bug reproduces",
+              file=sys.stderr)
+        code = 2
+    sys.exit(code)
 '''
 
 KERNEL_OWN = r'''
 
 def kernel(P):
-    """The project's own backend {backend!r}, route {route!r}, through kda_kernels."""
+    """The backend {spec!r} (kda_kernels' built-in name, or package.module:factory), route {route!r}."""
     import json
     if BACKEND == "triton" and not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")   # Triton's CPU interpreter, set before Triton is imported
@@ -366,7 +374,7 @@ def kernel(P):
                             qk_l2norm=P["qk_l2norm"], state_layout=P["state_layout"],
                             output_final_state=P["output_final_state"], meta=meta,
                             **{{k: P.get(k) for k in fields}}))
-    backend = load_backend(BACKEND)
+    backend = load_backend({spec!r})
     if hasattr(backend, "with_taps"):
         backend = backend.with_taps(TAPS)                 # the stored inverse, when a check names it
     routes = {{r.name: r for r in backend.routes()}}
@@ -530,14 +538,15 @@ def route_flags(backend: str, route) -> dict:
     return {k: v for k, v in flags.items() if isinstance(v, (str, int, float, bool, type(None)))}
 
 
-def repro_source(backend: str, route, checks: list) -> str:
-    """The text of repro.py for ``backend`` / ``route`` with ``checks``."""
+def repro_source(backend: str, route, checks: list, spec: str = "") -> str:
+    """The text of repro.py for ``backend`` / ``route`` with ``checks``; ``spec`` is how the
+    backend is loaded (its built-in name, or package.module:factory; default ``backend``)."""
     if backend in LIBRARY:
         needs = f" and {LIBRARY[backend]} (the kernel's own library)"
         body = {"moonshot": KERNEL_MOONSHOT, "fla": KERNEL_FLA, "aiter": KERNEL_AITER}[backend]
     else:
         needs = " and kda-verify's kda_kernels / kda_ref (the project's own backend)"
-        body = KERNEL_OWN.format(backend=backend, route=route.name)
+        body = KERNEL_OWN.format(spec=spec or backend, route=route.name)
     head = REPRO_HEAD.format(backend=backend, route=route.name, flags=json.dumps(route_flags(backend, route)),
                              checks=json.dumps(checks), needs=needs)
     return head + body + REPRO_TAIL
@@ -592,7 +601,7 @@ def write_bundle(out_dir, result, loaded, route, case, device: str, command: str
     if crashed:
         checks = [{"tensor": "run", "measure": "crash", "threshold": 0.0,
                    "observed": str(fin.record.get("reason", ""))[:300]}]
-    (out / "repro.py").write_text(repro_source(loaded.name, route, checks), encoding="utf-8")
+    (out / "repro.py").write_text(repro_source(loaded.name, route, checks, spec=loaded.spec), encoding="utf-8")
     env = environment(loaded.version, device)
     check_cmd = "(none: the kernel killed the process, so there are no outputs to judge)" if crashed else (
                  f"kda-verify check --inputs problem.safetensors --outputs outputs.safetensors "
@@ -614,17 +623,18 @@ def write_bundle(out_dir, result, loaded, route, case, device: str, command: str
         "stopped": result.stopped, "environment": env, "command": command, "check_command": check_cmd,
         "repro_command": "python repro.py",
     }
-    data["repro_check"] = verify_repro(out, device)
+    data["repro_check"] = verify_repro(out, device, checks)
     from verification.runner import jsonable
     (out / "shrink.json").write_text(json.dumps(jsonable(data), indent=1, allow_nan=False), encoding="utf-8")
     (out / "REPORT.md").write_text(report_md(data, p), encoding="utf-8")
     return data
 
 
-def verify_repro(out: Path, device: str, timeout_s: float = 600.0) -> dict:
+def verify_repro(out: Path, device: str, checks: list, timeout_s: float = 600.0) -> dict:
     """Run ``out``/repro.py once as a user would, in a fresh process whose working directory is
     another (empty, temporary) one, with this kda-verify's kda_kernels / kda_ref first on the
-    path: {"exit": code, "reproduced": exit == 1, "last_line": its last stdout line}."""
+    path and then this process's (a backend given as package.module:factory imports there too): {"exit": code, "reproduced": exit 1 (or, for a crash check, a process that died: any
+    exit but 0, 1, 2), "last_line": its last output line}."""
     import os
     import subprocess
     import sys
@@ -632,7 +642,8 @@ def verify_repro(out: Path, device: str, timeout_s: float = 600.0) -> dict:
 
     import kda_kernels
     root = str(Path(kda_kernels.__file__).resolve().parent.parent)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root] + [x for x in [os.environ.get("PYTHONPATH")] if x]))
+    path = [root] + [x for x in sys.path if x and os.path.isdir(x) and x != root]   # what shrink itself imports from
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
     with tempfile.TemporaryDirectory(prefix="kda-repro-") as cwd:
         try:
             r = subprocess.run([sys.executable, str(Path(out).resolve() / "repro.py"), "--device", str(device)],
@@ -640,7 +651,9 @@ def verify_repro(out: Path, device: str, timeout_s: float = 600.0) -> dict:
         except subprocess.TimeoutExpired:
             return {"exit": None, "reproduced": False, "last_line": f"timed out after {timeout_s:.0f} s"}
     lines = (r.stdout.strip() or r.stderr.strip() or "").splitlines()
-    return {"exit": r.returncode, "reproduced": r.returncode == 1, "last_line": lines[-1] if lines else ""}
+    crash = any(c.get("measure") == "crash" for c in checks)     # reproduced by the process dying
+    ok = r.returncode == 1 or (crash and r.returncode not in (0, 1, 2))
+    return {"exit": r.returncode, "reproduced": ok, "last_line": lines[-1] if lines else ""}
 
 
 def verdict_of(rec: dict) -> tuple[str, str]:
@@ -710,7 +723,9 @@ def report_md(d: dict, p) -> str:
         L.append(f"- what ran (the adapter's record): {ran}")
     L.append("")
     rc = d.get("repro_check") or {}
-    said = ("exit 1: REPRODUCED" if rc.get("reproduced") else
+    said = (f"exit {rc.get('exit')}: the kernel kills the process: REPRODUCED"
+            if rc.get("reproduced") and rc.get("exit") != 1 else
+            "exit 1: REPRODUCED" if rc.get("reproduced") else
             f"did NOT reproduce when the bundle was written (exit {rc.get('exit')}: {rc.get('last_line', '')})")
     L += ["## Reproduce", "",
           "The bundle holds problem.safetensors, truth.safetensors (float64), outputs.safetensors (what the "
