@@ -59,7 +59,7 @@ def add_arguments(p):
     p.add_argument("--device", metavar="DEVICE", help="torch device for problems, oracle and kernels "
                                                   "(default: cuda if available, else cpu)")
     p.add_argument("--max-cells", type=int, metavar="N", help="stop after running N cells (resume later)")
-    p.add_argument("--tolerances", metavar="PATH", help="tolerances file (default: tolerances.yaml of the repo)")
+    p.add_argument("--tolerances", metavar="PATH", help="tolerances file (default: verification/tolerances.yaml)")
     p.add_argument("--no-report", action="store_true", help="do not write the report at the end")
     p.add_argument("--allow-nothing-verified", action="store_true",
                    help="exit 0 when every cell was skipped (a CI job that expects an unavailable backend); "
