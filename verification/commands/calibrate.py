@@ -17,7 +17,7 @@ NAME = "calibrate"
 HELP = "measure a backend's routes on a suite and propose tolerances (a diff; the file is never rewritten)"
 EXAMPLES = """\
 kda-verify calibrate --backend emulator --from-results runs/emu
-kda-verify calibrate --backend triton --suite smoke --case smoke/dense-T64-lb-5 --out proposal.yaml
+kda-verify calibrate --backend triton --route seg --suite smoke --case smoke/dense-T64-lb-5 --out proposal.yaml
 kda-verify calibrate --backend fla --suite smoke,stress --out proposal-fla.yaml   # needs: cuda, fla
 """
 
