@@ -6,7 +6,7 @@ import shlex
 
 import pytest
 
-from verification.cli import build_parser
+from verification.cli import build_parser, example_parts
 
 PARSER = build_parser()
 SUB = next(a for a in PARSER._actions if isinstance(a, argparse._SubParsersAction))
@@ -30,7 +30,7 @@ def test_every_built_in_command_is_walked():
 def test_help_has_examples_that_parse(name):
     text = SUB.choices[name].format_help()
     assert "\nExamples:\n" in text, text
-    examples = [ln.strip() for ln in text.split("\nExamples:\n", 1)[1].splitlines() if ln.strip()]
+    examples = [example_parts(ln.strip())[0] for ln in text.split("\nExamples:\n", 1)[1].splitlines() if ln.strip()]
     assert examples and all(ln.startswith(f"kda-verify {name}") for ln in examples), examples
     for ln in examples:
         argv = shlex.split(ln)[1:]
@@ -65,3 +65,12 @@ def test_json_means_json_on_stdout(name):
             assert isinstance(a, argparse._StoreTrueAction), (name, a)
         if "--json-out" in a.option_strings:
             assert a.metavar == "PATH", (name, a)
+
+
+def test_run_help_names_every_backend_and_suite():
+    """run --help's lists are the backends and suites that exist (it had left out emulator-bad and long)."""
+    from kda_kernels.base import BUILTIN_BACKENDS
+    from verification.cases import SUITES
+    text = " ".join(SUB.choices["run"].format_help().split())
+    for name in list(BUILTIN_BACKENDS) + list(SUITES):
+        assert f" {name}," in text or f" {name})" in text or f"({name}," in text, name

@@ -58,8 +58,25 @@ def test_a_bad_field_names_the_file_line_and_field(extra):
     assert msg.startswith("t.yaml:9:") and ("seen_at" in msg or "seen_on" in msg or "shrink" in msg), msg
 
 
-def test_findings_prints_md_and_json(capsys):
+def test_findings_prints_short_lines_for_a_terminal(capsys):
+    """The register's reasons and evidence run to 1300+ characters a row: in the terminal every line
+    is at most 100 characters but the reproduce commands (whole, one a line), each finding keeps
+    its heading, its command and, where cut, a pointer to its tolerances.yaml line."""
     assert main(["findings"]) == 0
+    lines = capsys.readouterr().out.rstrip("\n").splitlines()
+    kfs = load_tolerances().known_failures
+    commands = [ln for ln in lines if ln.startswith("    reproduce: ")]
+    assert [ln[len("    reproduce: "):] for ln in commands] == [k.shrink or "(none recorded)" for k in kfs]
+    too_long = [ln for ln in lines if len(ln) > 100 and ln not in commands]
+    assert not too_long, f"{len(too_long)} lines over 100 characters, the longest {max(map(len, too_long))}"
+    assert [ln.split(" ", 1)[0] for ln in lines if ln.startswith("#")] == [f"#{i}" for i in range(1, len(kfs) + 1)]
+    long_ones = [k for k in kfs if len(k.reason) > 200 or len(k.evidence) > 200]
+    assert long_ones and sum("(whole text: tolerances.yaml line " in ln for ln in lines) == len(long_ones)
+    assert f"    (whole text: tolerances.yaml line {long_ones[0].line}; kda-verify findings --markdown)" in lines
+
+
+def test_findings_prints_md_and_json(capsys):
+    assert main(["findings", "--markdown"]) == 0
     md = capsys.readouterr().out.strip().splitlines()
     assert tuple(md[:2]) == HEADER and len(md) == 2 + len(load_tolerances().known_failures)
     assert main(["findings", "--json"]) == 0

@@ -216,3 +216,16 @@ def test_a_ws_inv_of_no_chunk_size_is_named_by_check(tmp_path, capsys, make, got
     rc = main(["check", "--inputs", pin, "--outputs", pout, "--recipe", "flashkda"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and err[0].startswith("kda-verify check: error: ws_inv: expected"), err
+
+
+@pytest.mark.parametrize("value,kind", [("[1, 2]", "array"), ('"case"', "string"), ("7", "number")])
+def test_meta_that_is_no_json_object_is_refused_in_one_line(tmp_path, value, kind, capsys):
+    """meta is Problem.meta, a dict: a JSON array (or scalar) is bad input naming the key, and
+    ``check`` on the file exits 2 with that one line (it raised AttributeError in the directory form)."""
+    from verification.cli import main
+    path = _write(tmp_path, build(RECIPES[0], 0), meta=value)
+    with pytest.raises(UsageError, match=rf"^meta: expected a JSON object .* got a JSON {kind} "):
+        load_problem(path)
+    assert main(["check", "--inputs", path, "--outputs", path, "--recipe", "flashkda"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("kda-verify check: error: meta: expected a JSON object"), err

@@ -192,6 +192,39 @@ def test_a_negative_control_shrinks_and_its_bundle_fails_as_the_cell_did(route, 
             assert shown, (c, r.stdout)
 
 
+def test_a_workspace_tap_failure_reproduces_from_a_moved_bundle(tmp_path, monkeypatch, capsys):
+    """wrong_L_sign shrinks to T=2, where only the stored inverse (the ws_inv tap) still fails: the
+    bundle's truth holds the oracle's inverse, repro.py asks the kernel for its tap and exits 1
+    REPRODUCED in a fresh process from another directory after the bundle was moved, and
+    REPORT.md names no absolute path (its commands run from the bundle's directory)."""
+    import shutil
+    out = tmp_path / "made" / "b"
+    assert main(["shrink", "--backend", "emulator-bad", "--route", "wrong_L_sign", "--case",
+                 "smoke/initial-state-kv-lb-5", "--out", str(out)]) == 0
+    assert "repro.py in a fresh process: exit 1: REPRODUCED" in capsys.readouterr().out
+    data = json.loads((out / "shrink.json").read_text())
+    assert data["final"]["failure"].startswith("ws_inv over its threshold")
+    outputs_margins = [t["margin"] for n, t in data["final"]["tensors"].items() if n != "ws_inv"]
+    assert outputs_margins and max(outputs_margins) <= 1, "not a tap-only failure: the test would not test taps"
+    assert [c["tensor"] for c in data["checks"]] == ["ws_inv"]
+    assert data["repro_check"] == {"exit": 1, "reproduced": True, "last_line": "REPRODUCED"}
+    report = (out / "REPORT.md").read_text()
+    assert str(tmp_path) not in report and "python repro.py          # exit 1: REPRODUCED" in report
+    assert str(tmp_path) not in json.dumps({k: data[k] for k in ("command", "check_command", "repro_command")})
+    moved = tmp_path / "elsewhere" / "bundle"
+    shutil.move(str(out), str(moved))
+    shutil.rmtree(tmp_path / "made")
+    (tmp_path / "cwd").mkdir()
+    r = subprocess.run([sys.executable, str(moved / "repro.py")], capture_output=True, text=True,
+                       cwd=tmp_path / "cwd", timeout=300)
+    assert r.returncode == 1 and r.stdout.strip().splitlines()[-1] == "REPRODUCED", r.stdout + r.stderr
+    observed = data["checks"][0]["observed"]
+    assert any(ln.startswith("check ws_inv rel_l2: ") and f"{observed:.4g}" in ln and ln.endswith("FAILS")
+               for ln in r.stdout.splitlines()), r.stdout
+    monkeypatch.chdir(moved)                                 # REPORT.md's check command, from the bundle
+    assert main(data["check_command"].split()[1:]) == 1
+
+
 def test_a_passing_cell_exits_1_and_writes_no_bundle(tmp_path, capsys):
     out = tmp_path / "b"
     assert main(["shrink", "--backend", "emulator", "--route", "flashkda", "--case", "smoke/dense-T64-lb-5",
@@ -528,3 +561,22 @@ def test_isolate_shrinks_a_kernel_that_kills_its_process(tmp_path, monkeypatch, 
     assert main(["shrink", "--backend", "emulator", "--route", "flashkda", "--case", "smoke/dense-T64-lb-5",
                  "--out", str(out), "--timeout", "5"]) == 2
     assert "--timeout: expected together with --isolate" in capsys.readouterr().err
+
+
+def test_a_crash_bundle_reproduces_by_dying_and_a_broken_repro_is_not_reproduced(tmp_path, monkeypatch):
+    """The crasher's bundle: repro.py loads the backend by its spec (package.module:factory) and
+    the process dies as the cell did (exit 134), which the bundle states as reproduced; a repro that
+    fails itself (here: a backend it cannot load) exits 2, never 1 (Python's exit code for an
+    uncaught exception, which would read as REPRODUCED)."""
+    (tmp_path / "crashkernel.py").write_text(CRASHER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "b"
+    assert main(["shrink", "--backend", "crashkernel:crasher", "--route", "flashkda", "--case", "smoke/dense-T64-lb-5",
+                 "--out", str(out), "--isolate", "--max-runs", "2"]) == 0
+    data = json.loads((out / "shrink.json").read_text())
+    assert data["repro_check"]["exit"] == 134 and data["repro_check"]["reproduced"], data["repro_check"]
+    assert "# exit 134: the kernel kills the process: REPRODUCED" in (out / "REPORT.md").read_text()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}        # crashkernel not importable
+    r = subprocess.run([sys.executable, str(out / "repro.py")], capture_output=True, text=True, cwd=tmp_path,
+                       env=env, timeout=300)
+    assert r.returncode == 2 and "repro: error: the repro itself failed" in r.stderr, (r.returncode, r.stderr[-800:])

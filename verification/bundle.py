@@ -1,13 +1,16 @@
 """The bundle of a shrunk failure: what an upstream bug report needs, in one directory.
 
     problem.safetensors   the shrunk problem (kda-verify-problem/1, verification.problem_file)
-    truth.safetensors     its float64 oracle outputs (o, final_state or state_cache)
+    truth.safetensors     its float64 oracle outputs (o, final_state or state_cache; ws_inv, the
+                          oracle's exact (I - L)^{-1} at the tap's chunk size, when the kernel's was tapped)
     outputs.safetensors   what the kernel returned on it (kda-verify-outputs/1; ws_inv when tapped);
                           absent when the kernel killed its process there (shrink --isolate)
-    repro.py              loads the problem, calls the kernel as the adapter does, compares with
-                          the truth, prints the error per tensor, exits 1 over the stated threshold
+    repro.py              loads the problem, calls the kernel as the adapter does (taps on when a
+                          check names ws_inv), compares with the truth, prints the error per tensor,
+                          exits 1 when a check fails (REPRODUCED), 0 when every check holds
     REPORT.md             what fails, observed and expected numbers, the shrunk shape, the shrink
-                          trace, the environment and the command that reproduces
+                          trace, the environment and the commands that reproduce, relative to the
+                          bundle's directory (no absolute path: the bundle can be moved)
     shrink.json           the same as data (the original and final records' verdicts, the trace)
 
 repro.py imports torch and safetensors, and the kernel's own library: ``flash_kda`` (moonshot),
@@ -15,7 +18,9 @@ repro.py imports torch and safetensors, and the kernel's own library: ``flash_kd
 triton) it imports ``kda_kernels`` and ``kda_ref``.  Its measures are the verdict's
 (verification.metrics, verification.verdict), re-implemented on plain tensors:
 
-    rel_l2       ||x - r|| / ||r||                        (the paged cache: written slots only)
+    rel_l2       ||x - r|| / ||r||                        (the paged cache: written slots only;
+                                                          ws_inv [HV*tiles, C, C]: rows i < Lc of each
+                                                          tile, columns j < i, as verification.metrics.inverse_metrics)
     tail_rel_l2  rel_l2 over the last half of every sequence (o); rel_l2 for a state
     slice        sqrt(e2 / max(r2, NEGLIGIBLE^2 * ms * count)), ms = the kind's total r2 / count,
                  over the slice the verdict named (o: (sequence, head), (sequence, 16-token
@@ -24,7 +29,9 @@ triton) it imports ``kda_kernels`` and ``kda_ref``.  Its measures are the verdic
 A check is (tensor, measure[, slice], threshold): the failure reproduces when the measure
 exceeds the threshold; for a non-finite failure when the tensor holds NaN or Inf; for a
 mistrusted one when more than 30% of it is exactly zero where the truth is not negligible
-(|r| > 2^-24 max|r|); for the paged cache when a slot the problem does not write changed.
+(|r| > 2^-24 max|r|); for the paged cache when a slot the problem does not write changed; for a
+kernel that raised, when it raises.  ``write_bundle`` runs repro.py once in a fresh process from
+another directory (``verify_repro``) and records whether it reproduced; REPORT.md states that outcome.
 """
 from __future__ import annotations
 
@@ -34,6 +41,12 @@ import shlex
 from pathlib import Path
 
 OWN_BACKENDS = ("emulator", "emulator-bad", "triton")
+CHECKED = ("o", "final_state", "state_cache", "ws_inv")     # ws_inv: the stored-inverse tap
+
+
+def underlying_status_of(rec: dict) -> str:
+    from verification.shrink import underlying_status
+    return underlying_status(rec)
 LIBRARY = {"moonshot": "flash_kda", "fla": "fla", "aiter": "aiter"}
 
 
@@ -44,8 +57,11 @@ def checks_from_record(rec: dict) -> list[dict]:
     """The failing measures of a cell record: one check per failing tensor measure."""
     from verification.shrink import _f
     out = []
+    if underlying_status_of(rec) == "error":           # the kernel raised: the repro holds it to that
+        out.append({"tensor": "run", "measure": "raises", "threshold": 0.0,
+                    "observed": str(rec.get("reason", ""))[:300]})
     for name, t in (rec.get("tensors") or {}).items():
-        if not isinstance(t, dict) or name not in ("o", "final_state", "state_cache"):
+        if not isinstance(t, dict) or name not in CHECKED:
             continue
         met = (rec.get("metrics") or {}).get(name) or {}
         if _f(met.get("nan_frac", 0.0)) > 0 or _f(met.get("inf_frac", 0.0)) > 0:
@@ -101,6 +117,7 @@ BACKEND = {backend!r}
 ROUTE = {route!r}
 FLAGS = json.loads({flags!r})
 CHECKS = json.loads({checks!r})
+TAPS = any(c["tensor"] == "ws_inv" for c in CHECKS)    # the failure is in the stored inverse: ask for it
 NEGLIGIBLE = 1e-2      # a slice whose reference rms is below this share of the whole is measured on the whole's scale
 SLICE_ROWS, START_ROWS = 16, 4
 
@@ -148,10 +165,24 @@ def _rel(d, r):
     return (0.0 if num == 0 else math.inf) if den == 0 else math.sqrt(num / den)
 
 
+def inverse_entries(P, C):
+    """[HV*tiles, C, C] bool: the entries of a stored inverse that carry information, rows i < Lc
+    of each tile (Lc its valid rows; tiles = every sequence's ceil(len / C) chunks, head-major)
+    and columns j < i."""
+    lens = [min(C, e - b - c * C) for b, e in seq_bounds(P) for c in range(-(-(e - b) // C))]
+    lc = torch.tensor(lens, dtype=torch.long).repeat(P["v"].shape[2])
+    i = torch.arange(C)
+    return (i[None, :, None] < lc[:, None, None]) & (i[None, None, :] < i[None, :, None])
+
+
 def measures(P, name, x, ref):
     """(d, r) of a tensor as the verdict compares it: o packed [rows, HV, V]; a state [N, HV, *, *]
-    (the paged cache: the written slots, in state_indices order)."""
+    (the paged cache: the written slots, in state_indices order); ws_inv the entries of
+    inverse_entries."""
     x, ref = x.double().cpu(), ref.double().cpu()
+    if name == "ws_inv":
+        used = inverse_entries(P, ref.shape[-1])
+        return x[used] - ref[used], ref[used]
     if name == "state_cache":
         idx = P["state_indices"].long().cpu()
         x, ref = x[idx], ref[idx]
@@ -218,6 +249,13 @@ def main(argv):
     except ImportError as e:
         print(f"repro: cannot import the kernel's library: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # noqa: BLE001 - a kernel that raises: what a "raises" check holds it to
+        if not any(c["measure"] == "raises" for c in CHECKS):
+            raise
+        print(f"check the kernel returns: it raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
+              f"-> FAILS")
+        print("REPRODUCED")
+        return 1
     print(f"{BACKEND}/{ROUTE} on {device}; lens {[e - b for b, e in seq_bounds(P)]}, "
           f"H {P['q'].shape[2]}, HV {P['v'].shape[2]}, K {P['q'].shape[3]}, V {P['v'].shape[3]}")
     print(f"{'tensor':12} {'rel_l2':>10} {'tail_rel_l2':>12} {'max_abs':>10} {'nan':>6} {'inf':>6}  dtype")
@@ -225,6 +263,9 @@ def main(argv):
         x = outs.get(name)
         if x is None:
             print(f"{name:12} missing from the kernel's outputs")
+            continue
+        if tuple(x.shape) != tuple(ref.shape):
+            print(f"{name:12} shape {list(x.shape)}, the truth's {list(ref.shape)}")
             continue
         d, r = measures(P, name, x, ref)
         nan, inf = int(torch.isnan(d).sum()), int(torch.isinf(d).sum())
@@ -238,6 +279,9 @@ def main(argv):
         if c["measure"] == "crash":
             print("check the kernel returns (it killed the process when the bundle was made): it returned -> holds")
             continue
+        if c["measure"] == "raises":
+            print("check the kernel returns (it raised when the bundle was made): it returned -> holds")
+            continue
         x = outs.get(name)
         if c["measure"] == "present":
             bad, got = x is None, "missing" if x is None else "present"
@@ -246,6 +290,10 @@ def main(argv):
             continue
         if x is None:
             print(f"check {name}: missing from the kernel's outputs -> FAILS")
+            failed += 1
+            continue
+        if name in truth and tuple(x.shape) != tuple(truth[name].shape):
+            print(f"check {name} shape: {list(x.shape)}, expected {list(truth[name].shape)} -> FAILS")
             failed += 1
             continue
         if c["measure"] == "dtype":
@@ -291,19 +339,29 @@ def main(argv):
         print(f"check {what}: {err:.4g} vs threshold {c['threshold']:.4g} -> {'FAILS' if bad else 'holds'}")
         failed += bad
     if not CHECKS:
-        print("no output-tensor check stated (the failure is in a workspace tap: judge it with kda-verify check)")
+        print("repro: no check stated: nothing to reproduce (judge the stored outputs with kda-verify check)",
+              file=sys.stderr)
+        return 2
     print("REPRODUCED" if failed else "NOT REPRODUCED")
     return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    try:
+        code = main(sys.argv[1:])
+    except Exception:  # noqa: BLE001 - the repro's own failure must not read as exit 1, REPRODUCED
+        import traceback
+        traceback.print_exc()
+        print("repro: error: the repro itself failed (above), so it cannot tell whether the bug reproduces",
+              file=sys.stderr)
+        code = 2
+    sys.exit(code)
 '''
 
 KERNEL_OWN = r'''
 
 def kernel(P):
-    """The project's own backend {backend!r}, route {route!r}, through kda_kernels."""
+    """The backend {spec!r} (kda_kernels' built-in name, or package.module:factory), route {route!r}."""
     import json
     if BACKEND == "triton" and not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")   # Triton's CPU interpreter, set before Triton is imported
@@ -316,11 +374,16 @@ def kernel(P):
                             qk_l2norm=P["qk_l2norm"], state_layout=P["state_layout"],
                             output_final_state=P["output_final_state"], meta=meta,
                             **{{k: P.get(k) for k in fields}}))
-    backend = load_backend(BACKEND)
+    backend = load_backend({spec!r})
+    if hasattr(backend, "with_taps"):
+        backend = backend.with_taps(TAPS)                 # the stored inverse, when a check names it
     routes = {{r.name: r for r in backend.routes()}}
     route = routes[ROUTE] if ROUTE in routes else backend.route(ROUTE)
     out = backend.run(prob, route)
-    return {{k: v for k, v in out.tensors().items()}}
+    res = {{k: v for k, v in out.tensors().items()}}
+    if TAPS and "ws_inv" in (getattr(out, "taps", None) or {{}}):
+        res["ws_inv"] = out.taps["ws_inv"]
+    return res
 '''
 
 KERNEL_MOONSHOT = r'''
@@ -524,8 +587,9 @@ def route_flags(backend: str, route) -> dict:
     return {k: v for k, v in flags.items() if isinstance(v, (str, int, float, bool, type(None)))}
 
 
-def repro_source(backend: str, route, checks: list) -> str:
-    """The text of repro.py for ``backend`` / ``route`` with ``checks``."""
+def repro_source(backend: str, route, checks: list, spec: str = "") -> str:
+    """The text of repro.py for ``backend`` / ``route`` with ``checks``; ``spec`` is how the
+    backend is loaded (its built-in name, or package.module:factory; default ``backend``)."""
     if backend in LIBRARY:
         needs = f" and {LIBRARY[backend]} (the kernel's own library)"
         body = {"moonshot": KERNEL_MOONSHOT, "fla": KERNEL_FLA, "aiter": KERNEL_AITER}[backend]
@@ -533,7 +597,7 @@ def repro_source(backend: str, route, checks: list) -> str:
             body = KERNEL_AITER_CHUNK_KDA
     else:
         needs = " and kda-verify's kda_kernels / kda_ref (the project's own backend)"
-        body = KERNEL_OWN.format(backend=backend, route=route.name)
+        body = KERNEL_OWN.format(spec=spec or backend, route=route.name)
     head = REPRO_HEAD.format(backend=backend, route=route.name, flags=json.dumps(route_flags(backend, route)),
                              checks=json.dumps(checks), needs=needs)
     return head + body + REPRO_TAIL
@@ -568,11 +632,17 @@ def write_bundle(out_dir, result, loaded, route, case, device: str, command: str
     p = fin.problem
     save_problem(str(out / "problem.safetensors"), p.to("cpu"))
     truth = {k: _cpu(v) for k, v in fin.truth.tensors().items() if k in ("o", "final_state", "state_cache")}
-    save_outputs(str(out / "truth.safetensors"), truth, {"what": "float64 oracle (kda_ref.truth, chunked C=64)"})
     crashed = fin.outputs is None          # the kernel killed its process on the final problem: no outputs
+    taps = {} if crashed else (getattr(fin.outputs, "taps", None) or {})
+    what = "float64 oracle (kda_ref.truth, chunked C=64)"
+    if "ws_inv" in taps:                   # the tap is judged against the oracle's exact inverse at its C
+        from kda_ref.workspace import workspace
+        C = int(taps["ws_inv"].shape[-1])
+        truth["ws_inv"] = _cpu(workspace(p, C=C, inverse="exact").ws_inv)
+        what += f"; ws_inv: kda_ref.workspace's exact (I - L)^-1 at C={C}"
+    save_outputs(str(out / "truth.safetensors"), truth, {"what": what})
     if not crashed:
         outs = {k: _cpu(v) for k, v in fin.outputs.tensors().items()}
-        taps = getattr(fin.outputs, "taps", None) or {}
         if "ws_inv" in taps:
             outs["ws_inv"] = _cpu(taps["ws_inv"])
         meta = {"backend": loaded.name, "route": route.name, "recipe": getattr(route, "recipe", "") or "",
@@ -582,11 +652,11 @@ def write_bundle(out_dir, result, loaded, route, case, device: str, command: str
     if crashed:
         checks = [{"tensor": "run", "measure": "crash", "threshold": 0.0,
                    "observed": str(fin.record.get("reason", ""))[:300]}]
-    (out / "repro.py").write_text(repro_source(loaded.name, route, checks), encoding="utf-8")
+    (out / "repro.py").write_text(repro_source(loaded.name, route, checks, spec=loaded.spec), encoding="utf-8")
     env = environment(loaded.version, device)
     check_cmd = "(none: the kernel killed the process, so there are no outputs to judge)" if crashed else (
-                 f"kda-verify check --inputs {shlex.quote(str(out / 'problem.safetensors'))} --outputs "
-                 f"{shlex.quote(str(out / 'outputs.safetensors'))} --recipe {getattr(route, 'recipe', 'flashkda')} "
+                 f"kda-verify check --inputs problem.safetensors --outputs outputs.safetensors "
+                 f"--recipe {getattr(route, 'recipe', 'flashkda')} "
                  f"--backend-name {shlex.quote(loaded.name)} --route {shlex.quote(route.name)}")
     data = {
         "backend": loaded.name, "backend_spec": loaded.spec, "route": route.name,
@@ -602,12 +672,39 @@ def write_bundle(out_dir, result, loaded, route, case, device: str, command: str
                   "verdict_reason": verdict_of(fin.record)[1]},
         "checks": checks, "trace": result.trace, "runs": result.runs, "seconds": result.seconds,
         "stopped": result.stopped, "environment": env, "command": command, "check_command": check_cmd,
-        "repro_command": f"python {shlex.quote(str(out / 'repro.py'))}",
+        "repro_command": "python repro.py",
     }
+    data["repro_check"] = verify_repro(out, device, checks)
     from verification.runner import jsonable
     (out / "shrink.json").write_text(json.dumps(jsonable(data), indent=1, allow_nan=False), encoding="utf-8")
     (out / "REPORT.md").write_text(report_md(data, p), encoding="utf-8")
     return data
+
+
+def verify_repro(out: Path, device: str, checks: list, timeout_s: float = 600.0) -> dict:
+    """Run ``out``/repro.py once as a user would, in a fresh process whose working directory is
+    another (empty, temporary) one, with this kda-verify's kda_kernels / kda_ref first on the
+    path and then this process's (a backend given as package.module:factory imports there too): {"exit": code, "reproduced": exit 1 (or, for a crash check, a process that died: any
+    exit but 0, 1, 2), "last_line": its last output line}."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    import kda_kernels
+    root = str(Path(kda_kernels.__file__).resolve().parent.parent)
+    path = [root] + [x for x in sys.path if x and os.path.isdir(x) and x != root]   # what shrink itself imports from
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
+    with tempfile.TemporaryDirectory(prefix="kda-repro-") as cwd:
+        try:
+            r = subprocess.run([sys.executable, str(Path(out).resolve() / "repro.py"), "--device", str(device)],
+                               cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return {"exit": None, "reproduced": False, "last_line": f"timed out after {timeout_s:.0f} s"}
+    lines = (r.stdout.strip() or r.stderr.strip() or "").splitlines()
+    crash = any(c.get("measure") == "crash" for c in checks)     # reproduced by the process dying
+    ok = r.returncode == 1 or (crash and r.returncode not in (0, 1, 2))
+    return {"exit": r.returncode, "reproduced": ok, "last_line": lines[-1] if lines else ""}
 
 
 def verdict_of(rec: dict) -> tuple[str, str]:
@@ -676,9 +773,15 @@ def report_md(d: dict, p) -> str:
     if ran:
         L.append(f"- what ran (the adapter's record): {ran}")
     L.append("")
+    rc = d.get("repro_check") or {}
+    said = (f"exit {rc.get('exit')}: the kernel kills the process: REPRODUCED"
+            if rc.get("reproduced") and rc.get("exit") != 1 else
+            "exit 1: REPRODUCED" if rc.get("reproduced") else
+            f"did NOT reproduce when the bundle was written (exit {rc.get('exit')}: {rc.get('last_line', '')})")
     L += ["## Reproduce", "",
           "The bundle holds problem.safetensors, truth.safetensors (float64), outputs.safetensors (what the "
-          "kernel returned) and repro.py:", "", "```bash", "python repro.py          # exit 1: reproduced", "```", "",
+          "kernel returned) and repro.py. From the bundle's directory (repro.py itself runs from any):", "",
+          "```bash", f"python repro.py          # {said}", "```", "",
           "With kda-verify: `" + d["check_command"] + "` judges the stored outputs; `" + d["command"]
           + "` shrinks again.", ""]
     return "\n".join(L)

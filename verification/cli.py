@@ -1,10 +1,13 @@
 """`kda-verify`: one subcommand per module in verification/commands/.
 
 Each command module defines ``NAME``, ``HELP``, ``add_arguments(parser)`` and
-``run(args) -> int``.  Exit codes (verification/policy.py, which decides them): 0 verified,
-1 a kernel failure, 2 bad input, a bad environment or nothing verified (one line, no
-traceback), 3 an internal error (one line naming the file that holds the traceback), 130
-interrupted.
+``run(args) -> int``, and ``EXAMPLES``: command lines its --help shows, each run as written by
+tests/test_help_examples.py.  A line may end in a note after ``  # `` (``example_parts``):
+``needs: cuda, fla`` (a CUDA device, then Python modules; the test skips it elsewhere, saying
+why) and/or ``exits 1: why`` (an exit code other than 0 that the example ends with), joined by "; ".
+Exit codes (verification/policy.py, which decides them): 0 verified, 1 a kernel failure, 2 bad
+input, a bad environment or nothing verified (one line, no traceback), 3 an internal error (one
+line naming the file that holds the traceback), 130 interrupted.
 """
 from __future__ import annotations
 
@@ -18,6 +21,24 @@ from kda_ref.problem import ProblemError  # noqa: F401 - re-exported (old import
 from .environment import check_triton
 from .errors import Interrupted, KernelFailure, UsageError, bad_input_errors, save_traceback  # noqa: F401
 from .policy import EXIT_CODES_HELP, EXIT_USAGE, exit_code
+
+
+def example_parts(line: str) -> tuple[str, tuple, int]:
+    """(command line, needs, exit code) of an example line (module docstring): the note after
+    "  # " parsed; a note of another form is a ValueError, so a typo cannot skip an example."""
+    import re
+    command, sep, note = line.partition("  # ")
+    needs, code = (), 0
+    for part in (note.split("; ") if sep else []):
+        part = part.strip()
+        m = re.fullmatch(r"needs: ([\w.]+(?:, [\w.]+)*)", part) or re.fullmatch(r"exits (\d+)(?:: .+)?", part)
+        if m is None:
+            raise ValueError(f"example note: expected 'needs: cuda, MODULE' or 'exits N: why', got {part!r} in {line!r}")
+        if part.startswith("needs"):
+            needs = tuple(m.group(1).split(", "))
+        else:
+            code = int(m.group(1))
+    return command.strip(), needs, code
 
 
 def _commands():

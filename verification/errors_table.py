@@ -358,6 +358,9 @@ def rows() -> list[Row]:
             alike=tuple((f"{k}: expected ", _file_row(meta={k: v})) for k, v in (
                 ("beta", "relu"), ("state_layout", "kvv"), ("qk_l2norm", "yes"), ("output_final_state", "1"),
                 ("scale", "nan"), ("lower_bound", "-five"), ("format", "other/9")))),
+        Row("meta not a JSON object (an array, a string, a number)", P, _file_row(meta={"meta": "[1, 2]"}),
+            alike=(("meta: expected a JSON object ({...}) in the metadata of P.safetensors, got a JSON string ",
+                    _file_row(meta={"meta": '"case"'})),)),
         Row("tensor missing from a file", P, _file_row(drop=("beta",))),
         Row("unknown tensor in a file", P, _file_row(add={"gamma": torch.zeros(3)})),
         Row("missing file", P, lambda: cli(["oracle", "--inputs", "none.safetensors", "--out", "T.safetensors"])),

@@ -2,7 +2,7 @@
 ``known_failures`` (backend, route and case globs, parameter conditions, reason, evidence,
 ``seen_on``: the library version or commit, ``shrink``: the command that reproduces it).
 
-    kda-verify findings [--json]                     # the register as a table (md) or JSON
+    kda-verify findings [--markdown | --json]        # the register for a terminal, as a table (md) or JSON
     python -m verification.findings --write          # replace docs/findings.md's findings table
     python -m verification.findings --check          # exit 1 when docs/findings.md's table differs
 
@@ -47,6 +47,34 @@ def markdown(items: list[dict]) -> str:
         out.append(f"| {i} | `{r['backend']}` / `{r['route']}` | {_cell(case)} | {_cell(r['seen_on']) or '(not recorded)'} "
                    f"| {_cell(r['reason'])} | {_cell(r['evidence'])} | {_cell(repro)} |")
     return "\n".join(out)
+
+
+WIDTH = 100          # the terminal form's lines (a reproduce command is never cut: it is copied whole)
+SHOWN = 200          # characters of a reason or an evidence shown there, cut at a word boundary
+
+
+def terminal(items: list[dict], width: int = WIDTH, shown: int = SHOWN) -> str:
+    """The register for a terminal: per finding a heading line (number, backend / route, case and
+    parameters, where seen), its reason and evidence cut to ``shown`` characters and wrapped to
+    ``width``, the command that reproduces it on a line of its own, and a pointer to the full text
+    (its tolerances.yaml line; --markdown prints the whole table, as docs/findings.md holds it)."""
+    import textwrap
+
+    from verification.runner import clip_words
+    out = []
+    for i, r in enumerate(items, 1):
+        case = r["case"] + (f" ({r['params']})" if r["params"] else "")
+        head = f"#{i} {r['backend']} / {r['route']}: {case}"
+        out += textwrap.wrap(head, width, subsequent_indent="    ")
+        for label, key in (("seen on", "seen_on"), ("why", "reason"), ("evidence", "evidence")):
+            text = _cell(r[key]) or "(not recorded)"
+            out += textwrap.wrap(clip_words(text, shown), width, initial_indent=f"    {label}: ",
+                                 subsequent_indent="      ")
+        out.append(f"    reproduce: {r['shrink']}" if r["shrink"] else "    reproduce: (none recorded)")
+        if len(_cell(r["reason"])) > shown or len(_cell(r["evidence"])) > shown:
+            out.append(f"    (whole text: tolerances.yaml line {r['line']}; kda-verify findings --markdown)")
+        out.append("")
+    return "\n".join(out).rstrip("\n")
 
 
 def doc_table(text: str) -> Optional[str]:

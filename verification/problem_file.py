@@ -12,7 +12,7 @@ dtype), and string metadata:
     qk_l2norm           true | false
     state_layout        kv | vk | paged
     output_final_state  true | false
-    meta                (optional) JSON of Problem.meta
+    meta                (optional) Problem.meta as a JSON object ({...}; an array or a scalar is refused)
 
 A missing metadata key takes the Problem's default, but the block itself is required: a
 file with no string metadata at all (``save_file(tensors)``) is refused naming the block, and
@@ -119,6 +119,9 @@ def _parse_choice(key: str, s: str, choices, path: str) -> str:
     return s
 
 
+_JSON_KIND = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
+
+
 def load_problem(path: str) -> Problem:
     """Read a problem file back into a Problem (not validated: call kda_ref.validate)."""
     tensors, meta = _open(path, "inputs")
@@ -154,6 +157,9 @@ def load_problem(path: str) -> Problem:
             kw["meta"] = json.loads(meta["meta"])
         except json.JSONDecodeError:
             raise _usage(f"meta: expected JSON in the metadata of {path}, got {meta['meta'][:40]!r}") from None
+        if not isinstance(kw["meta"], dict):
+            raise _usage(f"meta: expected a JSON object ({{...}}) in the metadata of {path}, got a JSON "
+                         f"{_JSON_KIND.get(type(kw['meta']), type(kw['meta']).__name__)} {meta['meta'][:40]!r}")
     return Problem(**kw)
 
 

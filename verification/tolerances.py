@@ -1,4 +1,5 @@
-"""Tolerances as data: ``tolerances.yaml`` at the repository root (docs/tolerances.md).
+"""Tolerances as data: ``verification/tolerances.yaml``, in the package so every install has it
+(docs/tolerances.md).
 
 Schema (version 1)::
 
@@ -82,7 +83,7 @@ OPTIONAL_FIELDS = ("note", "last_observed_margin")
 FIELDS = KEY_FIELDS + NUM_FIELDS + TEXT_FIELDS + OPTIONAL_FIELDS
 DTYPES = ("bf16", "fp16", "fp32")
 TENSORS = ("o", "final_state", "state_cache", "ws_inv")
-DEFAULT_PATH = Path(__file__).resolve().parents[1] / "tolerances.yaml"
+DEFAULT_PATH = Path(__file__).resolve().parent / "tolerances.yaml"     # in the package: installed with it
 
 
 @dataclass(frozen=True)
@@ -363,7 +364,7 @@ def _param_conditions(value, line: int, entry: str, path: str) -> tuple:
 
 
 def load_tolerances(path: Optional[str] = None) -> ToleranceDB:
-    """Load ``path`` (default: $KDA_TOLERANCES, else tolerances.yaml at the repository root)."""
+    """Load ``path`` (default: $KDA_TOLERANCES, else DEFAULT_PATH, the package's tolerances.yaml)."""
     path = path or os.environ.get("KDA_TOLERANCES") or str(DEFAULT_PATH)
     p = Path(path)
     if not p.is_file():

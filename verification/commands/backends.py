@@ -16,7 +16,7 @@ NOT_IMPLEMENTED = "adapter not implemented in this version"
 EXAMPLES = """\
 kda-verify backends
 kda-verify backends --json
-kda-verify backends --backend mypkg.kernels:make_backend
+kda-verify backends --backend mypkg.kernels:make_backend   # needs: mypkg
 """
 
 

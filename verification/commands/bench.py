@@ -10,9 +10,9 @@ from verification.policy import exit_code
 NAME = "bench"
 HELP = "time KDA forward routes side by side (CUDA events, median, L2 flushed between repetitions)"
 EXAMPLES = """\
-kda-verify bench --backend triton,fla --suite default
-kda-verify bench --shapes '1x16384x12;8x2048x16' --routes seg --graph --passes
-kda-verify bench --suite default --json-out bench.json
+kda-verify bench --backend triton,fla --suite default   # needs: cuda, fla
+kda-verify bench --shapes '1x16384x12;8x2048x16' --routes seg --graph --passes   # needs: cuda
+kda-verify bench --suite default --json-out bench.json   # needs: cuda
 """
 
 

@@ -17,8 +17,9 @@ from verification.policy import exit_code
 NAME = "calibrate"
 HELP = "measure a backend's routes on a suite and propose tolerances (a diff; the file is never rewritten)"
 EXAMPLES = """\
-kda-verify calibrate --backend fla --from-results runs/fla
-kda-verify calibrate --backend triton --suite smoke,stress --out proposal.yaml
+kda-verify calibrate --backend emulator --from-results runs/emu
+kda-verify calibrate --backend triton --route seg --suite smoke --case smoke/dense-T64-lb-5 --out proposal.yaml
+kda-verify calibrate --backend fla --suite smoke,stress --out proposal-fla.yaml   # needs: cuda, fla
 """
 
 
@@ -35,7 +36,7 @@ def add_arguments(p):
     p.add_argument("--long", choices=("auto", "yes", "no"), default="auto", help="include long cases (auto: on CUDA)")
     p.add_argument("--headroom", type=float, default=2.0, metavar="FACTOR",
                    help="m = FACTOR times the worst observed ratio kernel/baseline, rounded up (default 2)")
-    p.add_argument("--tolerances", metavar="PATH", help="the file to diff against (default: the repo's tolerances.yaml)")
+    p.add_argument("--tolerances", metavar="PATH", help="the file to diff against (default: verification/tolerances.yaml)")
     p.add_argument("--out", metavar="PATH", help="also write the proposed entries as a YAML file")
 
 
@@ -49,6 +50,11 @@ def run(args) -> int:
     if not (args.headroom >= 1.0):
         raise UsageError(f"--headroom: expected a number >= 1, got {args.headroom}")
     device = check_device(args.device)
+    if not args.from_results:                    # the triton backend on a machine without CUDA: the interpreter
+        from verification.selection import setup_interpreter
+        note = setup_interpreter([args.backend], device)
+        if note:
+            print(f"kda-verify calibrate: {note}", file=sys.stderr)
     tol_path = Path(args.tolerances or DEFAULT_PATH)
     db = load_tolerances(str(tol_path))
     long = args.long == "yes" or (args.long == "auto" and device.startswith("cuda"))

@@ -19,18 +19,22 @@ raised or crashed, 2 on bad input (a bad problem file among them: one line namin
 """
 from __future__ import annotations
 
+import sys
+
 NAME = "capture"
 HELP = "run a backend route on a problem file and save its outputs (for kda-verify check)"
 EXAMPLES = """\
 kda-verify capture --backend triton --route seg --inputs p.safetensors --out o.safetensors
 kda-verify capture --backend triton --route unseg --inputs p.safetensors --out o.safetensors --taps
-kda-verify capture --backend aiter --route gluon:seg --inputs problems/ --out outputs/ --resume
+kda-verify capture --backend emulator-bad --route carry_scaled --inputs problems/ --out outputs-bad/
+kda-verify capture --backend aiter --route gluon:seg --inputs problems/ --out outputs/ --resume   # needs: cuda, aiter
 """
 
 
 def add_arguments(p):
     p.add_argument("--backend", required=True, metavar="BACKEND", help="built-in name or package.module:factory")
-    p.add_argument("--route", default=None, metavar="ROUTE", help="route name (default: the backend's first route)")
+    p.add_argument("--route", default=None, metavar="ROUTE", help="route name, or a short name the backend looks up as run does (triton: seg, unseg, "
+                        "seg:cps=4; default: the backend's first route)")
     p.add_argument("--inputs", required=True, metavar="PATH",
                    help="problem file (kda-verify-problem/1), or a directory of them")
     p.add_argument("--out", required=True, metavar="PATH",
@@ -44,8 +48,14 @@ def add_arguments(p):
 def backend_route_device(args):
     """(backend, route, device) of a capture: --backend loaded and available, --route among its
     routes (default its first), --device or cuda if available, else cpu; one line otherwise."""
-    from kda_kernels.base import BackendError, load_backend
+    from kda_kernels.base import BackendError, LooksUpRoutes, load_backend
+    from verification.devices import check_device
     from verification.errors import UsageError
+    from verification.selection import setup_interpreter
+    device = check_device(args.device)
+    note = setup_interpreter([args.backend], device)   # the triton backend without CUDA: the interpreter
+    if note:
+        print(f"kda-verify capture: {note}", file=sys.stderr)
     backend = load_backend(args.backend)
     ok, why = backend.available()
     if not ok:
@@ -57,11 +67,16 @@ def backend_route_device(args):
         route = routes[0]
     else:
         match = [r for r in routes if r.name == args.route]
-        if not match:
+        if match:
+            route = match[0]
+        elif isinstance(backend, LooksUpRoutes):       # a short name ("seg", "seg:cps=4"), as run takes it
+            try:
+                route = backend.route(args.route)
+            except (ValueError, KeyError) as e:
+                raise UsageError(f"--route: backend {backend.name!r} cannot parse {args.route!r}: {e}") from None
+        else:
             raise UsageError(f"--route: expected one of {', '.join(r.name for r in routes)}, got {args.route!r}")
-        route = match[0]
-    from verification.devices import check_device
-    return backend, route, check_device(args.device)
+    return backend, route, device
 
 
 def run(args) -> int:

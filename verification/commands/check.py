@@ -19,7 +19,9 @@ With directories, every problem DIR/NAME.safetensors is judged against OUT/NAME.
 RESULTS/results.jsonl (default RESULTS = OUT) with the usual report (report.md / .html / .json);
 the recipe, backend name and route default to those the outputs file records.  A problem with
 no outputs is an ``error`` cell (``crashed`` where capture left NAME.crashed), one its route
-skipped (NAME.skipped) a skipped cell.  ``--resume`` keeps the cells already in results.jsonl.
+skipped (NAME.skipped) a skipped cell; a problem or outputs file that cannot be read (bad input
+in the file form) is that case's ``error`` cell naming the file, and the rest are judged.
+``--resume`` keeps the cells already in results.jsonl.
 Exit 0 when every judged cell passed (or is a known failure), 1 when one failed, 2 when none
 was judged.
 """
@@ -124,9 +126,12 @@ def run(args) -> int:
 # ----------------------------------------------------------------------------------------
 def _case_of(problem, stem: str):
     """(case id, suite, seed, params) of an exported problem: its meta's case when that id resolves
-    (the parameters a known failure may condition on), else the file's name."""
-    cid = str((problem.meta or {}).get("case") or stem.replace("__", "/", 1))
-    params, seed = {}, (problem.meta or {}).get("seed")
+    (the parameters a known failure may condition on), else the file's name (also for ``problem``
+    None, a file that could not be read)."""
+    meta = getattr(problem, "meta", None)          # None: a problem file that could not be read
+    meta = meta if isinstance(meta, dict) else {}
+    cid = str(meta.get("case") or stem.replace("__", "/", 1))
+    params, seed = {}, meta.get("seed")
     try:
         from verification.cases import get_case
         c = get_case(cid)
@@ -233,19 +238,25 @@ def run_dir(args) -> int:
     dir_meta = {}
     for f in files:
         if (outputs / f.name).exists():
-            dir_meta = load_outputs_metadata(str(outputs / f.name))
-            break
+            try:
+                dir_meta = load_outputs_metadata(str(outputs / f.name))
+                break
+            except UsageError:           # unreadable: that case's error row below, the next one names the capture
+                continue
     for f in files:
         stem = f.name[:-len(".safetensors")]
+        target = outputs / f.name
+        meta, bad = dict(dir_meta), None
         try:
             problem = validate(load_problem(str(f)).to(args.device))
         except (UsageError, ProblemError) as e:
-            raise UsageError(f"--inputs: {f.name}: {e}") from None
-        cid, suite, seed, params = _case_of(problem, stem)
-        target = outputs / f.name
-        meta = dict(dir_meta)
+            problem, bad = None, f"bad input: --inputs: {f.name}: {e}"
         if target.exists():
-            meta = load_outputs_metadata(str(target))
+            try:
+                meta = load_outputs_metadata(str(target))
+            except UsageError as e:
+                bad = bad or f"bad outputs file: {e}"
+        cid, suite, seed, params = _case_of(problem, stem)
         recipe = args.recipe or meta.get("recipe") or "flashkda"
         if recipe not in RECIPES:
             raise UsageError(f"--recipe: expected one of {', '.join(RECIPES)} (none given, and {target} records "
@@ -259,18 +270,27 @@ def run_dir(args) -> int:
             key=key, backend=backend, backend_spec=backend, backend_version=meta.get("version", ""),
             route=route_name, recipe=recipe, case=cid, suite=suite, seed=seed, params=jsonable(params),
             device=meta.get("device", "unknown"),
-            shape={"B": problem.B, "T": problem.T, "H": problem.H, "HV": problem.HV, "K": problem.K,
-                   "V": problem.V, "N": problem.N},
-            shape_key=[1, sum(e - b for b, e in problem.seq_bounds()), problem.H] if problem.cu_seqlens is not None
+            shape=None if problem is None else {"B": problem.B, "T": problem.T, "H": problem.H, "HV": problem.HV,
+                                                "K": problem.K, "V": problem.V, "N": problem.N},
+            shape_key=None if problem is None else
+            [1, sum(e - b for b, e in problem.seq_bounds()), problem.H] if problem.cu_seqlens is not None
             else [problem.B, problem.T, problem.H],
             repro=f"kda-verify check --inputs {f} --outputs {target} --recipe {recipe} --backend-name {backend} "
                   f"--route {route_name}",
             time_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             extra={"files": {"inputs": str(f), "outputs": str(target)}}).to_dict()
         from verification.metrics import dtype_name
-        rec["dtype"] = dtype_name(problem.v.dtype)
+        rec["dtype"] = None if problem is None else dtype_name(problem.v.dtype)
         skipped, crashed, error = (outputs / f"{stem}.{x}" for x in ("skipped", "crashed", "error"))
-        if problem.is_empty:
+        outs = None
+        if bad is None and target.exists() and not problem.is_empty:
+            try:
+                outs = load_outputs(str(target), problem)
+            except (UsageError, ProblemError) as e:
+                bad = f"bad outputs file: {e}"
+        if bad is not None:                     # this case's file cannot be judged: its row, the rest go on
+            rec.update(status="error", reason=bad)
+        elif problem.is_empty:
             rec.update(status="skipped", reason=f"not applicable: {problem.empty_reason()}")
         elif not target.exists():
             if skipped.exists():
@@ -282,7 +302,7 @@ def run_dir(args) -> int:
             else:
                 rec.update(status="error", reason=f"no outputs file {target} (was capture run on {args.inputs}?)")
         else:
-            outs = {k: v.to(args.device) for k, v in load_outputs(str(target), problem).items()}
+            outs = {k: v.to(args.device) for k, v in outs.items()}
             t0 = time.perf_counter()
             verdict, base = judge_files(problem, outs, recipe, backend, args.route or meta.get("route"), db, args.device)
             rec["timings"]["check_s"] = time.perf_counter() - t0

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import sys
 
 NAME = "debug"
 HELP = "run one pass of a backend's route on oracle-fed inputs and show where the error enters"
 EXAMPLES = """\
 kda-verify debug --backend triton --route seg:cps=4 --case stress/weak-gate-lb-0.01 --pass all
 kda-verify debug --backend triton --route unseg --inputs p.safetensors --pass K1 --taps
-kda-verify debug --backend fla --route chunk:safe_gate --case smoke/paged-lb-5 --pass h,o --json
+kda-verify debug --backend fla --route chunk:safe_gate --case smoke/paged-lb-5 --pass h,o --json   # needs: cuda, fla
 """
 
 
@@ -51,6 +52,10 @@ def run(args) -> int:
             raise UsageError(f"--threshold: expected a number after {name}=, got {val!r}") from None
     from verification.devices import check_device
     device = check_device(args.device)
+    from verification.selection import setup_interpreter
+    note = setup_interpreter([args.backend], device)   # the triton backend without CUDA: the interpreter
+    if note:
+        print(f"kda-verify debug: {note}", file=sys.stderr)
     backend = load_backend(args.backend)
     if not isinstance(backend, RunsPasses):
         raise UsageError(f"--backend: expected a backend with passes (triton, aiter, fla), got {args.backend!r}, "

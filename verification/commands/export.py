@@ -10,8 +10,8 @@ HELP = "write the inputs of a case (e.g. stress/weak-gate-lb-0.01) as a problem 
 EXAMPLES = """\
 kda-verify export --case stress/weak-gate-lb-0.01 --out p.safetensors
 kda-verify export --case smoke/dense-T64-lb-5 --case smoke/paged-lb-5 --out problems/
-kda-verify export --case fuzz/fuzz0-7 --fuzz-n 200 --out p.safetensors
-kda-verify export --suite k3-prefill,stress --out problems/
+kda-verify export --case fuzz/fuzz0-007 --fuzz-n 200 --out p.safetensors
+kda-verify export --suite smoke,stress --skip-long --out problems/
 """
 
 

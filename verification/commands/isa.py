@@ -12,10 +12,10 @@ from verification.policy import exit_code
 NAME = "isa"
 HELP = "cross-compile the Triton FlashKDA kernels (sm90, gfx950, gfx1250, ...) and report their ISA"
 EXAMPLES = """\
-kda-verify isa --arch gfx950,sm90
+kda-verify isa --arch gfx950,sm90 --routes seg --states kv
 kda-verify isa --arch gfx1250 --routes unseg:BW=32 --states kv
-kda-verify isa --arch sm90 --routes seg --json
-kda-verify isa --backend aiter --arch gfx1250,gfx950 --kernels chunk_kda
+kda-verify isa --arch sm90 --routes unseg:BW=32 --states kv --json
+kda-verify isa --backend aiter --arch gfx1250,gfx950 --kernels chunk_kda_prepare  # needs: aiter
 """
 
 

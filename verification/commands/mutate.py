@@ -11,9 +11,8 @@ NAME = "mutate"
 HELP = "mutation testing: run each mutant of our Triton FlashKDA through the harness (killed? localized?)"
 EXAMPLES = """\
 kda-verify mutate --list
-kda-verify mutate --mutant tail_gate_not_zeroed --suite smoke
-kda-verify mutate --json-out mutants.json
-kda-verify mutate --device cuda --jobs 8 --json-out mutants-cuda.json
+kda-verify mutate --mutant tail_gate_not_zeroed --case smoke/varlen-tail33-lb-5 --json-out mutants.json
+kda-verify mutate --device cuda --jobs 8 --json-out mutants-cuda.json   # needs: cuda
 """
 
 

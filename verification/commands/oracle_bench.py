@@ -25,10 +25,10 @@ from verification.policy import exit_code
 NAME = "oracle-bench"
 HELP = "time the float64 oracle (recurrence and workspace + segments + chunked) on a device"
 EXAMPLES = """\
-kda-verify oracle-bench --device cuda
-kda-verify oracle-bench --shapes 1x2048x4 --device cpu --recurrence-tokens 256 --json
-kda-verify oracle-bench --shapes 1x32768x2 --device cpu --no-recurrence --phases
-kda-verify oracle-bench --shapes 1x131072x12,1x262144x12,1x1048576x12,1x131072x96 --device cuda --no-recurrence
+kda-verify oracle-bench --device cuda   # needs: cuda
+kda-verify oracle-bench --shapes 1x1024x2 --device cpu --recurrence-tokens 128 --repeat 1 --json
+kda-verify oracle-bench --shapes 1x1024x2 --device cpu --no-recurrence --repeat 1 --phases
+kda-verify oracle-bench --shapes 1x131072x12,1x262144x12,1x1048576x12,1x131072x96 --device cuda --no-recurrence   # needs: cuda
 """
 
 H200_FP64_TFLOPS = 56.5

@@ -13,9 +13,8 @@ from verification.policy import exit_code
 NAME = "report"
 HELP = "write report.md, report.html, report.json and plots from a results directory"
 EXAMPLES = """\
-kda-verify report kda-runs/smoke
-kda-verify report runs/fla
-kda-verify report runs/long-part1 runs/long-part2 --out runs/long
+kda-verify report runs/emu
+kda-verify report runs/emu runs/bad --out runs/merged
 """
 
 

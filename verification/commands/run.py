@@ -27,22 +27,27 @@ from verification.selection import fuzz_args, select_cases, setup_interpreter, s
 NAME = "run"
 HELP = "run every (backend, route, case) cell of the chosen suites and write the report"
 EXAMPLES = """\
-kda-verify run --backend triton --route seg --suite smoke --out kda-runs/smoke
-kda-verify run --backend triton,fla --suite smoke,stress,default,k3-prefill --out runs/gpu
-kda-verify run --backend emulator --suite fuzz --fuzz-n 200 --fuzz-seed 1 --out runs/fuzz
-kda-verify run --backend triton --route seg --suite stress --case 'stress/weak-*' --out runs/weak
-kda-verify run --backend triton --suite smoke --out runs/r1 --resume --isolate --timeout 600
+kda-verify run --backend triton --route seg --suite smoke --case smoke/dense-T64-lb-5 --out kda-runs/dense
+kda-verify run --backend emulator --suite smoke --case 'smoke/dense-*' --out runs/dense
+kda-verify run --backend emulator-bad --route carry_scaled --suite stress --case stress/weak-gate-lb-0.01 --out runs/controls   # exits 1: a negative control fails
+kda-verify run --backend triton,fla --suite smoke,stress,default,k3-prefill --out runs/gpu   # needs: cuda, fla
+kda-verify run --backend triton --route seg --suite long --case 'long/T16384-*' --out runs/long   # needs: cuda
+kda-verify run --backend emulator --route flashkda --suite fuzz --fuzz-n 3 --fuzz-seed 1 --out runs/fuzz
+kda-verify run --backend triton --route seg --suite stress --case 'stress/weak-gate-lb-0.0*' --out runs/weak
+kda-verify run --backend emulator --suite smoke --out runs/r1 --resume --isolate --timeout 600 --max-cells 1
 """
 
 
 def add_arguments(p):
+    from kda_kernels.base import BUILTIN_BACKENDS
+    from verification.cases import SUITES
     p.add_argument("--backend", action="append", required=True, metavar="BACKEND",
-                   help="built-in name (emulator, triton, fla, aiter, moonshot) or package.module:factory; "
+                   help=f"built-in name ({', '.join(BUILTIN_BACKENDS)}) or package.module:factory; "
                         "repeatable or comma-separated")
     p.add_argument("--route", action="append", metavar="ROUTE",
                    help="route name (default: every route of the backend); repeatable or comma-separated")
     p.add_argument("--suite", action="append", required=True, metavar="SUITE",
-                   help="case suite (smoke, default, k3-prefill, stress, fuzz); repeatable or comma-separated")
+                   help=f"case suite ({', '.join(SUITES)}); repeatable or comma-separated")
     p.add_argument("--case", action="append", metavar="ID",
                    help="only cases whose id matches (exact or shell glob, e.g. 'stress/weak-*'); repeatable")
     add_fuzz_arguments(p)
@@ -59,7 +64,7 @@ def add_arguments(p):
     p.add_argument("--device", metavar="DEVICE", help="torch device for problems, oracle and kernels "
                                                   "(default: cuda if available, else cpu)")
     p.add_argument("--max-cells", type=int, metavar="N", help="stop after running N cells (resume later)")
-    p.add_argument("--tolerances", metavar="PATH", help="tolerances file (default: tolerances.yaml of the repo)")
+    p.add_argument("--tolerances", metavar="PATH", help="tolerances file (default: verification/tolerances.yaml)")
     p.add_argument("--no-report", action="store_true", help="do not write the report at the end")
     p.add_argument("--allow-nothing-verified", action="store_true",
                    help="exit 0 when every cell was skipped (a CI job that expects an unavailable backend); "

@@ -9,7 +9,7 @@ NAME = "selfcheck"
 HELP = "verify the float64 oracle: its forms against each other, NumPy, mpmath, and its inverses' residuals"
 EXAMPLES = """\
 kda-verify selfcheck --quick
-kda-verify selfcheck --json --device cuda
+kda-verify selfcheck --json --device cuda   # needs: cuda
 """
 
 

@@ -5,8 +5,9 @@
 
 The cell is run and judged as ``kda-verify run`` judges it; while it fails, the problem is
 reduced (verification/shrink.py) and DIR receives the bundle (verification/bundle.py):
-problem / truth / outputs safetensors, repro.py, REPORT.md, shrink.json.  Exit 0 with a
-shrunk failing problem written, 1 when the cell passes (nothing to shrink), 2 on bad input
+problem / truth / outputs safetensors, repro.py, REPORT.md, shrink.json; repro.py is run once
+in a fresh process from another directory and the outcome printed (and stated in REPORT.md).
+Exit 0 with a shrunk failing problem written, 1 when the cell passes (nothing to shrink), 2 on bad input
 (an unknown case or route, a backend that cannot run, a cell that is skipped here).
 """
 from __future__ import annotations
@@ -17,9 +18,9 @@ import sys
 NAME = "shrink"
 HELP = "reduce a failing cell to its smallest failing problem and write an upstream-ready bundle"
 EXAMPLES = """\
-kda-verify shrink --backend emulator-bad --route carry_scaled --case stress/weak-gate-lb-0.01 --out shrunk/carry
-kda-verify shrink --backend aiter --route triton:seg --case stress/empty-seq-middle --out shrunk/aiter-empty --isolate
-kda-verify shrink --from-results runs/aiter --cell 'aiter|triton:seg|stress/empty-seq-middle' --out shrunk/a
+kda-verify shrink --backend emulator-bad --route wrong_L_sign --case smoke/initial-state-kv-lb-5 --out shrunk/wrong-L
+kda-verify shrink --backend aiter --route triton:seg --case stress/empty-seq-middle --out shrunk/aiter-empty --isolate   # needs: cuda, aiter
+kda-verify shrink --from-results runs/bad --cell 'emulator-bad|wrong_L_sign|smoke/initial-state-kv-lb-5' --out shrunk/a
 """
 
 
@@ -135,12 +136,15 @@ def run(args) -> int:
         argv += ["--fuzz-n", str(case.suite_opts["n"]), "--fuzz-seed", str(case.suite_opts["seed"])]
     if args.isolate:
         argv += ["--isolate"] + (["--timeout", str(args.timeout)] if args.timeout else [])
-    argv += ["--out", str(out)]
+    argv += ["--out", "."]                     # as REPORT.md gives it: from the bundle's directory, into it
     command = " ".join(shlex.quote(a) for a in argv)
-    write_bundle(out, res, lb, route, case, device, command)
+    data = write_bundle(out, res, lb, route, case, device, command)
     print(f"{shape_text(first.problem)} -> {shape_text(res.final.problem)} (size {size(first.problem)} -> "
           f"{size(res.final.problem)}), {len(res.trace)} steps, {res.runs} runs, {res.seconds:.1f} s ({res.stopped})")
     print(f"still fails: {res.final.signature.describe()}")
     have = "problem/truth/outputs" if (out / "outputs.safetensors").exists() else "problem/truth (no outputs: a crash)"
     print(f"bundle: {out}/ (REPORT.md, repro.py, {have}.safetensors)")
+    rc = data["repro_check"]
+    print(f"repro.py in a fresh process: exit {rc['exit']}: " + (
+          "REPRODUCED" if rc["reproduced"] else f"did NOT reproduce ({rc['last_line']})"))
     return 0

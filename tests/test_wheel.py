@@ -1,0 +1,60 @@
+"""The installed package, not the checkout: a wheel built from the sources holds
+verification/tolerances.yaml, and installed with --no-deps into a directory of its own (no
+editable link, no repository next to it) ``load_tolerances()`` finds it there.  The wheel is built
+from a copy of the sources (pyproject.toml, README.md, the three packages), so the build leaves
+nothing in the checkout; --no-build-isolation uses the installed setuptools (no network)."""
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("kda_ref", "kda_kernels", "verification")
+
+pytest.importorskip("setuptools")
+pytest.importorskip("wheel")
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory):
+    src = tmp_path_factory.mktemp("src")
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(ROOT / name, src / name)
+    for pkg in PACKAGES:
+        shutil.copytree(ROOT / pkg, src / pkg, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    dist = tmp_path_factory.mktemp("dist")
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+                        "--wheel-dir", str(dist), str(src)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    wheels = sorted(dist.glob("kda_verify-*.whl"))
+    assert len(wheels) == 1, wheels
+    return wheels[0]
+
+
+def test_the_wheel_holds_the_tolerances(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "verification/tolerances.yaml" in names, sorted(n for n in names if not n.endswith(".py"))
+    assert not any(n == "tolerances.yaml" for n in names)
+
+
+def test_installed_from_the_wheel_the_default_tolerances_load(wheel, tmp_path):
+    target = tmp_path / "site"
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--target", str(target),
+                        str(wheel)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    code = ("import verification, verification.tolerances as t; db = t.load_tolerances(); "
+            "print(verification.__file__); print(t.DEFAULT_PATH); print(len(db))")
+    env = {k: v for k, v in os.environ.items() if k != "KDA_TOLERANCES"}
+    env["PYTHONPATH"] = str(target)
+    (tmp_path / "elsewhere").mkdir()
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path / "elsewhere", env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    module, path, entries = r.stdout.split()
+    assert Path(module).is_relative_to(target), f"imported {module}, not the wheel's copy under {target}"
+    assert Path(path) == target / "verification" / "tolerances.yaml"
+    assert int(entries) >= 5
