@@ -116,6 +116,15 @@ RECIPES: dict[str, Recipe] = {
                               "substitution with a bf16 block merge, stored bf16, bf16 state, bf16 beta logits",
                               beta_raw_dtype=BF16),
 }
+# Recipes of references, not of production kernels: a route may name one as its baseline, but they
+# take no part in a cap lift or a degenerate-baseline fallback (verification.baselines iterates
+# RECIPES only).  fp32: the eager fp32 references (kda_kernels/references.py: fla's naive_*_kda,
+# transformers' Kimi Linear functions), every product and storage IEEE fp32, o in the input dtype.
+REFERENCE_RECIPES: dict[str, Recipe] = {
+    "fp32": Recipe("fp32", 64, "fla", "block16", FP32, FP32, FP32, "substitution", FP32, FP32, FP32, FP32,
+                   FP32, FP32, FP32, FP32, FP32,
+                   "eager fp32 references (fla naive, transformers): C=64, everything fp32, o in the input dtype"),
+}
 
 
 # ----------------------------------------------------------------------------- rounding
@@ -450,9 +459,10 @@ def emulate(problem: Problem, recipe="flashkda", keep_f64: bool = False, taps: b
     times them."""
     validate(problem)
     if isinstance(recipe, str):
-        if recipe not in RECIPES:
-            raise ValueError(f"recipe: expected one of {', '.join(RECIPES)}, got {recipe!r}")
-        recipe = RECIPES[recipe]
+        known = {**RECIPES, **REFERENCE_RECIPES}
+        if recipe not in known:
+            raise ValueError(f"recipe: expected one of {', '.join(known)}, got {recipe!r}")
+        recipe = known[recipe]
     C = recipe.chunk
     bounds = problem.seq_bounds()
     Ttot, HV, K, V, N = problem.B * problem.T, problem.HV, problem.K, problem.V, problem.N
