@@ -16,7 +16,8 @@
 #
 # Carry .vendor (tools/vendor_flash_kda.sh with CUTLASS_SHARED=.vendor: cutlass-5c149f5, flashkda-1ce47ea,
 # flashkda-fwdsub; 33 MB) and .whl (fla-core 0.6.0).  transformers comes from the image (5.17).
-# Env: BUILD_JOBS (8 per build), STEPS (build,refs,fix,matrix,bench), SHAPES, BENCH_REPS (10), DRY=1
+# Env: BUILD_JOBS (8 per build), STEPS (build,refs,fix,matrix,bench), SHAPES, BENCH_REPS (10), DEADLINE (540 s:
+# every step is cut to what is left of it), DRY=1
 # (print the steps, run nothing that needs a GPU).  DIR gets at most 6 files: log.txt, refs.tgz, fix.tgz,
 # matrix.tgz, bench.json, bench_neumann.json.
 set -u -o pipefail
@@ -31,10 +32,14 @@ mkdir -p "$OUT"
 exec > >(tee -a "$OUT/log.txt") 2>&1
 T0=$(date +%s)
 at() { echo "+$(( $(date +%s) - T0 ))s"; }
-step() {   # step NAME TIMEOUT_S CMD...: run CMD bounded, log its wall time and exit status
+DEADLINE=${DEADLINE:-540}   # seconds: no step runs past it (the device call's limit is 600)
+left() { echo $(( DEADLINE - $(date +%s) + T0 )); }
+step() {   # step NAME TIMEOUT_S CMD...: run CMD bounded (and by DEADLINE), log its wall time and exit status
   local name=$1 lim=$2; shift 2
+  [ "$(left)" -lt "$lim" ] && lim=$(left)
   echo; echo "=== $name (limit ${lim}s, at $(at)): $*"
   [ "$DRY" = 1 ] && { echo "(dry run)"; return 0; }
+  [ "$lim" -gt 5 ] || { echo "=== $name: skipped, past the deadline"; return 0; }
   local t=$(date +%s); timeout "$lim" "$@"; local rc=$?
   echo "=== $name: exit $rc after $(( $(date +%s) - t ))s"
 }
@@ -63,7 +68,7 @@ if want build; then
     src=${pair%%:*} tgt=${pair##*:}
     echo "=== build $src -> $tgt (background, at $(at))"
     if [ "$DRY" != 1 ]; then
-      ( MAX_JOBS=$BUILD_JOBS NVCC_THREADS=2 FLASH_KDA_TARGET=$tgt timeout 330 tools/build_flash_kda.sh "$src" \
+      ( MAX_JOBS=$BUILD_JOBS NVCC_THREADS=2 FLASH_KDA_TARGET=$tgt timeout 300 tools/build_flash_kda.sh "$src" \
           > "$OUT/build-$(basename "$src").txt" 2>&1; echo "build $src exit $? at $(at)" >> "$OUT/build-$(basename "$src").txt" ) &
       BUILDS+=($!)
     fi
@@ -122,7 +127,7 @@ fi
 
 # 4. bench, the same shapes for every backend; moonshot's Neumann build alone afterwards
 if want bench; then
-  step bench 120 env PYTHONPATH="$K2:$PYTHONPATH" $PY -m verification.cli bench \
+  step bench 150 env PYTHONPATH="$K2:$PYTHONPATH" $PY -m verification.cli bench \
     --backend triton,fla-pinned,moonshot,fla-naive,transformers --routes seg:BW=64:inv=bf16x6 \
     --shapes "$SHAPES" --reps "$BENCH_REPS" --warmup 2 --json-out "$OUT/bench.json"
   step bench-neumann 40 env PYTHONPATH="$K1:$PYTHONPATH" $PY -m verification.cli bench --backend moonshot \
