@@ -173,6 +173,8 @@ BUILTIN_BACKENDS: dict[str, str] = {
     "fla": "kda_kernels.fla:FlaBackend",
     "aiter": "kda_kernels.aiter:AiterBackend",
     "moonshot": "kda_kernels.moonshot:MoonshotBackend",
+    "fla-naive": "kda_kernels.references:FlaNaiveBackend",
+    "transformers": "kda_kernels.references:TransformersBackend",
 }
 
 

@@ -44,7 +44,8 @@ from kda_ref.preprocess import F64, gate_activation
 from kda_ref.problem import Problem
 
 from .base import Outputs, Route
-from .emulator import BF16, DEFAULT_HOOKS, RECIPES, EmulatorBackend, build_inverse, emulate, rnd, valid_rows
+from .emulator import (BF16, DEFAULT_HOOKS, RECIPES, REFERENCE_RECIPES, EmulatorBackend, build_inverse, emulate, rnd,
+                       valid_rows)
 
 NEGATIVE_CONTROLS: dict[str, str] = {
     "carry_scaled": "the state carried across every chunk boundary is scaled by 0.99",
@@ -116,18 +117,19 @@ def _transpose_final_state(problem: Problem, out: Outputs) -> Outputs:
     return out
 
 
-def run_in_recipe(problem: Problem, name: str, taps: bool = False) -> Outputs:
-    """The in-recipe control ``name`` (NEGATIVE_CONTROLS) on ``problem``: the flashkda recipe with
-    its one slip; ``taps`` as for ``emulate`` (the ws_inv tap in the dtype the control stores)."""
+def run_in_recipe(problem: Problem, name: str, taps: bool = False, recipe: str = "flashkda") -> Outputs:
+    """The in-recipe control ``name`` (NEGATIVE_CONTROLS) on ``problem``: ``recipe`` (default the
+    flashkda recipe; any name ``emulate`` knows, e.g. the fp32 references' "fp32") with its one slip;
+    ``taps`` as for ``emulate`` (the ws_inv tap in the dtype the control stores)."""
     if name not in NEGATIVE_CONTROLS:
         raise ValueError(f"control: expected one of {', '.join(NEGATIVE_CONTROLS)}, got {name!r}")
-    recipe = RECIPES["flashkda"]
+    recipe = {**RECIPES, **REFERENCE_RECIPES}[recipe]
     if name == "inv_bf16":
         recipe = replace(recipe, inv_dtype=BF16, mqk_dtype=BF16, u_dtype=BF16, U_mqk_dtype=BF16)
     out = emulate(problem, recipe, taps=taps, hooks=HOOKS.get(name, DEFAULT_HOOKS))
     if name == "state_transposed":
         out = _transpose_final_state(problem, out)
-    out.info = {"route_ran": f"flashkda+{name}"}
+    out.info = {"route_ran": f"{recipe.name}+{name}"}
     return out
 
 

@@ -35,6 +35,10 @@ Recipes (docs/tolerances.md, Baselines):
               chunks; per chunk
                   tmp = bf16(kd.S); v' = bf16(bf16(v - tmp) bf16(beta)); U = bf16(INV.v')
                   o = qd.S + Mqk.U;  S <- bf16(S*gt + kr^T.U)
+    moonshot-fwdsub  flash_kda from commit 7afb9f45 on (FlashKDA issue #34): moonshot with L kept
+              fp32 (L = fp32(fp32(kd.ki) beta), the raw fp32 accumulator, masked and scaled in fp32)
+              and INV by 8x8 fp32 forward substitution plus a bf16 block merge (``_fwdsub8``),
+              stored bf16; everything else as moonshot
 
 The steps a recipe does not parametrize (how rows are laid into chunk tiles and which are
 valid, the Mqk mask, the inverse construction, the state update) are the fields of ``Hooks``;
@@ -69,7 +73,7 @@ class Recipe:
     qk_dtype: object          # l2-normed q, k
     factor_dtype: object      # anchored factors of the L / Mqk products
     tile_dtype: object        # kd, qd, kr (fla: qg, kg, w, u, v_new)
-    inverse: str              # "doubling" (Neumann, 16-wide blocks, merges) | "substitution" (fla)
+    inverse: str              # "doubling" (Neumann, 16-wide blocks, merges) | "substitution" (fla) | "fwdsub8"
     inv_build_dtype: object   # what every product of the inverse construction is rounded to
     inv_dtype: object         # INV as stored
     mqk_dtype: object         # Mqk (fla: Aqk) as stored
@@ -127,6 +131,23 @@ RECIPES: dict[str, Recipe] = {
                        BF16, BF16, BF16, BF16, FP32,
                        "Moonshot CUTLASS FlashKDA: C=16, no pivot, fp16-accumulated inverse stored bf16, "
                        "bf16 state, bf16 beta logits", beta_raw_dtype=BF16),
+    # flash_kda at 7afb9f45 (csrc/smxx/utils.cuh:167-368, csrc/smxx/fwd_kernel1.cuh:478-511 there):
+    # L = k_decayed.k_inv^T stored as the raw fp32 accumulator (mma_m16n16_bf16bf16fp32_1warp), masked
+    # and scaled by sigmoid(beta) in fp32; inverse_fwdsub8 below; INV stored bf16 as before
+    "moonshot-fwdsub": Recipe("moonshot-fwdsub", 16, "moonshot", "start", BF16, BF16, BF16, "fwdsub8", FP32, BF16,
+                              BF16, BF16, BF16, BF16, BF16, BF16, FP32,
+                              "Moonshot CUTLASS FlashKDA from 7afb9f45: C=16, no pivot, fp32 L, 8x8 fp32 forward "
+                              "substitution with a bf16 block merge, stored bf16, bf16 state, bf16 beta logits",
+                              beta_raw_dtype=BF16),
+}
+# Recipes of references, not of production kernels: a route may name one as its baseline, but they
+# take no part in a cap lift or a degenerate-baseline fallback (verification.baselines iterates
+# RECIPES only).  fp32: the eager fp32 references (kda_kernels/references.py: fla's naive_*_kda,
+# transformers' Kimi Linear functions), every product and storage IEEE fp32, o in the input dtype.
+REFERENCE_RECIPES: dict[str, Recipe] = {
+    "fp32": Recipe("fp32", 64, "fla", "block16", FP32, FP32, FP32, "substitution", FP32, FP32, FP32, FP32,
+                   FP32, FP32, FP32, FP32, FP32,
+                   "eager fp32 references (fla naive, transformers): C=64, everything fp32, o in the input dtype"),
 }
 
 
@@ -272,8 +293,43 @@ def _substitution(L: torch.Tensor, op, acc) -> torch.Tensor:
     return X
 
 
+def inverse_fwdsub8(L: torch.Tensor, build=FP32, merge=BF16) -> torch.Tensor:
+    """flash_kda's inverse from 7afb9f45 (inv_fwd_subst_fused_1warp, csrc/smxx/utils.cuh:194-368
+    there) of X = I - L [.., 16, 16] (L fp32, strictly lower; the kernel's seed is -L):
+
+        X = [A 0; C B]; A^-1, B^-1 by row elimination in fp32, one rounding per FMA: for s = 0..6 and
+            every row i > s, r = -X_is; Y_ip <- fp32(r Y_sp + Y_ip) (p < s); Y_is <- r
+        P = bf16(blockdiag(A^-1, B^-1)); M = [0 0; bf16(C) 0]
+        dc = fp32(P.M); o = fp32(bf16(-dc).P); INV = P + bf16(o) (disjoint blocks: exact)
+
+    (fp32 = ``build``, bf16 = ``merge``: the recipe's inv_build_dtype and inv_dtype.)  Returns INV
+    (``merge`` values, float64 tensor).  No power of L is formed, unlike the moonshot recipe's doubling."""
+    C = L.shape[-1]
+    if C != 16:
+        raise ValueError(f"inverse_fwdsub8: expected 16x16 chunks, got {C}x{C}")
+    X = rnd(-L, build)                                                   # the kernel's seed, fp32
+    Y = torch.zeros_like(X)
+    for b in (0, 8):
+        blk = X[..., b:b + 8, b:b + 8]
+        inv = torch.where(torch.eye(8, dtype=torch.bool, device=L.device), torch.ones_like(blk), blk).clone()
+        for s_ in range(7):
+            r = -inv[..., s_ + 1:, s_:s_ + 1]                                # rows i > s: -X_is
+            if s_:
+                inv[..., s_ + 1:, :s_] = rnd(r * inv[..., s_:s_ + 1, :s_] + inv[..., s_ + 1:, :s_], build)
+            inv[..., s_ + 1:, s_:s_ + 1] = r
+        Y[..., b:b + 8, b:b + 8] = torch.tril(inv)
+    P = rnd(Y, merge)
+    M = torch.zeros_like(X)
+    M[..., 8:, :8] = rnd(X[..., 8:, :8], merge)
+    dc = mm(P, M, build)
+    o = mm(rnd(-dc, merge), P, build)
+    return P + rnd(o, merge)
+
+
 def build_inverse(L: torch.Tensor, recipe: Recipe, op) -> torch.Tensor:
     """INV = (I - L)^{-1} [.., C, C] as the recipe builds it (``op``: fla's operand dtype)."""
+    if recipe.inverse == "fwdsub8":
+        return inverse_fwdsub8(L, recipe.inv_build_dtype, recipe.inv_dtype)
     if recipe.inverse == "doubling":
         return _doubling(rnd(L, recipe.inv_build_dtype), recipe.inv_build_dtype)
     return _substitution(L, op, recipe.inv_build_dtype)
@@ -430,9 +486,10 @@ def emulate(problem: Problem, recipe="flashkda", keep_f64: bool = False, taps: b
     times them."""
     validate(problem)
     if isinstance(recipe, str):
-        if recipe not in RECIPES:
-            raise ValueError(f"recipe: expected one of {', '.join(RECIPES)}, got {recipe!r}")
-        recipe = RECIPES[recipe]
+        known = {**RECIPES, **REFERENCE_RECIPES}
+        if recipe not in known:
+            raise ValueError(f"recipe: expected one of {', '.join(known)}, got {recipe!r}")
+        recipe = known[recipe]
     C = recipe.chunk
     bounds = problem.seq_bounds()
     Ttot, HV, K, V, N = problem.B * problem.T, problem.HV, problem.K, problem.V, problem.N
@@ -588,7 +645,7 @@ class EmulatorBackend:
         documents lower_bound in [-5, 0]; the flashkda pivot factors overflow for |lb| >= 5.55."""
         lb = problem.lower_bound if problem.gate == "lower_bound" else None
         recipe = route.recipe
-        if recipe == "moonshot" and lb is not None and lb < -5.0:
+        if recipe.startswith("moonshot") and lb is not None and lb < -5.0:
             return False, f"not applicable: the moonshot recipe documents lower_bound in [-5, 0], got {lb:g}"
         if recipe == "flashkda" and lb is not None and lb <= -5.55:
             return False, f"not applicable: flashkda pivot factors 2^(23.08*|lb|) overflow for lb <= -5.55, got {lb:g}"

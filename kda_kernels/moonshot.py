@@ -21,6 +21,13 @@ The kernel computes with a bf16 state whatever the state dtype: an fp32 initial 
 rounded to bf16 on load, and an fp32 final state is the bf16 state widened.  It dispatches
 on (HasStateIn, HasStateOut, StateFP32, IsVarlen); the route that ran records those four.
 
+Builds: FlashKDA replaced its fp16 Neumann-series inverse by an 8x8 fp32 forward substitution
+in commit 7afb9f45 (FlashKDA issue #34), so a route's recipe is the build's: ``moonshot-fwdsub``
+when the installed flash_kda's local version names ``fwdsub``, ``moonshot`` (the Neumann
+inverse) otherwise.  tools/build_flash_kda.sh writes that word from the source it builds
+(``0.0.1+1ce47ea.neumann``, ``0.0.1+<commit>.fwdsub``); ``version()`` reports the distribution
+beside the module that imported, so two builds side by side (PYTHONPATH) are told apart.
+
 Routes: ``cutlass:state=fp32`` and ``cutlass:state=bf16`` pass the states in that dtype
 (in and out).  What the adapter converts, and nothing else: a K-first ("kv") problem state is
 transposed to V-first (and the final state back); the state goes to the route's dtype; A_log,
@@ -45,6 +52,8 @@ from .base import Outputs, Route
 D = 128
 LB_RANGE = (-5.0, 0.0)          # the lower_bound range flash_kda documents (and does not check)
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+INVERSE_RECIPES = {"fwdsub": "moonshot-fwdsub", "neumann": "moonshot"}   # build label word -> emulator recipe
+DEFAULT_RECIPE = "moonshot"     # a build whose label names no inverse (e.g. installed without tools/build_flash_kda.sh)
 BUILD_HINT = ("build it from source for SM90 (CUDA >= 12.9): tools/vendor_flash_kda.sh then "
               "tools/build_flash_kda.sh SRC (docs/backends.md)")
 
@@ -135,16 +144,45 @@ class MoonshotBackend:
             return False, f"flash_kda needs an NVIDIA GPU of SM90 or newer, got SM{cap[0]}{cap[1]}"
         return True, ""
 
+    def _dist_version(self) -> Optional[str]:
+        """The version of the flash_kda distribution installed beside the module that imports
+        (a --target directory or site-packages), None when there is none."""
+        import importlib.metadata as md
+        import os
+        import sys
+        mod = sys.modules.get("flash_kda")
+        if mod is None:
+            try:
+                import flash_kda as mod  # noqa: F811
+            except Exception:  # noqa: BLE001
+                return None
+        where = os.path.dirname(os.path.dirname(os.path.abspath(getattr(mod, "__file__", None) or "")))
+        for d in md.distributions(path=[where]):
+            if (d.metadata["Name"] or "").replace("-", "_").lower() == "flash_kda":
+                return d.version
+        return None
+
+    def recipe(self) -> str:
+        """The emulator recipe of the installed build: its local version's inverse word
+        (INVERSE_RECIPES), else DEFAULT_RECIPE."""
+        local = (self._dist_version() or "").partition("+")[2].lower()
+        hits = [r for w, r in INVERSE_RECIPES.items() if w in local]
+        return hits[0] if len(hits) == 1 else DEFAULT_RECIPE
+
     def version(self) -> str:
-        try:
-            from importlib.metadata import version
-            return f"flash_kda {version('flash_kda')}"
-        except Exception:  # noqa: BLE001
+        v = self._dist_version()
+        if v is None:
             return "flash_kda not installed"
+        import sys
+        where = getattr(sys.modules.get("flash_kda"), "__file__", "") or ""
+        return f"flash_kda {v} (recipe {self.recipe()}{', ' + where if where else ''})"
 
     def routes(self) -> list[Route]:
-        return [Route(f"cutlass:state={n}", recipe="moonshot", flags=(("state_dtype", n),),
-                      description=f"flash_kda.fwd with {n} initial/final states (computes with a bf16 state)")
+        recipe = self.recipe()
+        inv = ("fp16 Neumann inverse" if recipe == "moonshot" else "8x8 fp32 forward-substitution inverse")
+        return [Route(f"cutlass:state={n}", recipe=recipe, flags=(("state_dtype", n),),
+                      description=f"flash_kda.fwd with {n} initial/final states (computes with a bf16 state; "
+                                  f"this build: {inv})")
                 for n in STATE_DTYPES]
 
     def accepts(self, p: Problem, route: Route) -> tuple[bool, str]:

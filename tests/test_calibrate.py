@@ -84,7 +84,7 @@ def test_from_results_reuses_an_earlier_run_and_leaves_known_failures_out(tmp_pa
     capsys.readouterr()
     assert main(["calibrate", "--backend", "emulator", "--from-results", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "3 cells (1 known-fail, 2 pass)" in text
+    assert "4 cells (1 known-fail, 3 pass)" in text                 # flashkda, fla, moonshot-fwdsub pass
     assert "moonshot smoke/correlated" not in text                  # its error is not the level to expect
     # calibrated_on names the earlier run's device (a CPU run records "gpu": "none"), date and commit
     prov = json.loads((out / "run.json").read_text())["runs"][-1]

@@ -222,3 +222,38 @@ def test_a_pack_is_each_sequence_emulated_alone(recipe, monkeypatch):
         alone = emulate(sequence_problem(p, n, S0[n]), recipe)
         assert torch.equal(alone.o[0], out.o.reshape(-1, p.HV, p.V)[bos:eos]), n
         assert torch.equal(alone.final_state[0], out.final_state[n]), n
+
+
+# ------------------------------------------------- moonshot-fwdsub: flash_kda from 7afb9f45 on
+def test_fwdsub_inverse_keeps_collinear_chunks_where_fp16_doubling_loses_them():
+    # identical keys, beta ~ 1, gate off: the kernel's seed is ~1 everywhere below the diagonal,
+    # whose inverse is bidiagonal (1, -1) while the Neumann powers reach C(15, 7) = 6435
+    from kda_kernels.emulator import FP16, _doubling, inverse_fwdsub8, rnd
+    L = -0.99966 * torch.tril(torch.ones(16, 16, dtype=torch.float64), -1)
+    exact = torch.linalg.inv(torch.eye(16, dtype=torch.float64) - L)
+    fwd = inverse_fwdsub8(L)
+    neu = rnd(_doubling(rnd(L, FP16), FP16), torch.bfloat16)
+    assert rel_l2(fwd, exact) < 5e-3 < 0.1 < rel_l2(neu, exact)
+    assert torch.equal(fwd, torch.tril(fwd)) and torch.equal(fwd.to(torch.bfloat16).double(), fwd)
+
+
+def test_fwdsub_inverse_is_the_blockwise_row_elimination():
+    # diagonal 8x8 blocks: the fp32 elimination rounded to bf16 (within one bf16 step of the exact
+    # block inverse); off-diagonal block -(B^-1 C) A^-1 through bf16 operands
+    from kda_kernels.emulator import inverse_fwdsub8
+    torch.manual_seed(3)
+    L = torch.tril(torch.randn(6, 16, 16, dtype=torch.float64) * 0.4, -1)
+    X = torch.eye(16, dtype=torch.float64) - L
+    Y = inverse_fwdsub8(L)
+    for b in (0, 8):
+        blk = torch.linalg.inv(X[:, b:b + 8, b:b + 8])
+        assert (Y[:, b:b + 8, b:b + 8] - blk).abs().max() <= 2 ** -7 * blk.abs().max()
+    assert rel_l2(Y, torch.linalg.inv(X)) < 5e-3
+    assert torch.count_nonzero(Y[:, :8, 8:]) == 0
+
+
+def test_moonshot_fwdsub_recipe_keeps_the_correlated_keys_case(problems):
+    # the same case the fp16 doubling loses (test above): the 7afb9f45 inverse errs at the bf16 level
+    p, tr = problems["stress/correlated-keys-rho1-lb-0.01"]
+    m = compare(emulate(p, "moonshot-fwdsub").tensors(), tr.tensors(), p)
+    assert m["o"]["rel_l2"] < 0.05 and m["final_state"]["rel_l2"] < 0.05, m

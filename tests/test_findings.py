@@ -94,3 +94,17 @@ def test_a_pipe_in_a_reason_does_not_break_the_table():
 def test_replace_table_keeps_the_text_around_it():
     text = f"intro\n{BEGIN}\nold\n{END}\noutro\n"
     assert replace_table(text, "new") == f"intro\n{BEGIN}\nnew\n{END}\noutro\n"
+
+
+def test_fixed_in_and_still_fails_in_are_parsed_and_rendered_as_a_column():
+    db = parse_tolerances(ENTRY.format(extra='    fixed-in: "flash_kda 0.0.1+7afb9f4.fwdsub"\n'
+                                             '    still-fails-in: "flash_kda 0.0.1+1ce47ea.neumann"\n'))
+    kf = db.known_failures[0]
+    assert (kf.fixed_in, kf.still_fails_in) == ("flash_kda 0.0.1+7afb9f4.fwdsub", "flash_kda 0.0.1+1ce47ea.neumann")
+    table = markdown(rows(db))
+    assert table.splitlines()[0].endswith("| fixed in / still fails in |")
+    assert table.splitlines()[2].endswith(
+        "| fixed in flash_kda 0.0.1+7afb9f4.fwdsub; still fails in flash_kda 0.0.1+1ce47ea.neumann |")
+    assert markdown(rows(parse_tolerances(ENTRY.format(extra="")))).endswith("| (not rechecked) |")
+    with pytest.raises(ToleranceError, match="fixed-in: expected a non-empty string"):
+        parse_tolerances(ENTRY.format(extra="    fixed-in: ''\n"), path="t.yaml")

@@ -137,3 +137,13 @@ def test_bad_arguments_are_named(problems):
         inv.varlen_slice(Broken(None), route, problems["batch"])
     with pytest.raises(ValueError, match=r"^split: expected 0 < split < T=80, got 80"):
         inv.split_carry(Broken(None), route, problems["one"], split=80)
+
+
+def test_the_chunk_size_of_a_route_is_its_recipes():
+    # the fixed FlashKDA build's recipe (moonshot-fwdsub) keeps moonshot's 16-token chunks: its
+    # causality prefix and bitwise split points are multiples of 16, not of the unknown-recipe 64
+    from kda_kernels.base import Route
+    from verification.invariance import CAUSAL_ALIGN, chunk_size_of
+    assert [chunk_size_of(Route("r", recipe=n)) for n in ("flashkda", "fla", "moonshot", "moonshot-fwdsub")] == \
+        [32, 64, 16, 16]
+    assert chunk_size_of(Route("r", recipe="fp32")) == chunk_size_of(Route("r", recipe="nope")) == CAUSAL_ALIGN

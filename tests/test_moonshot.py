@@ -351,3 +351,25 @@ def test_bench_side_by_side_table_has_every_backend_per_shape_with_its_floor(cap
 def test_bench_backend_names_are_checked_in_one_line():
     from verification.cli import main as cli
     assert cli(["bench", "--backend", "triton,cutlass"]) == 2
+
+
+# ---------------------------------------------------------------------------- which build ran
+@pytest.mark.parametrize("version,recipe", [("0.0.1+1ce47ea.neumann", "moonshot"),
+                                            ("0.0.1+1ce47ea.fwdsub7afb9f4", "moonshot-fwdsub"),
+                                            ("0.0.1+7afb9f4.fwdsub", "moonshot-fwdsub"),
+                                            ("0.0.1", "moonshot")])
+def test_the_build_beside_the_imported_module_picks_the_recipe_and_names_itself(tmp_path, monkeypatch, version,
+                                                                                 recipe):
+    # two builds side by side (pip --target dirs): the one on sys.path first is the one that runs,
+    # its version (tools/build_flash_kda.sh writes the inverse it compiled) picks the baseline
+    for other, d in (("0.0.1+0000000.other", tmp_path / "b"), (version, tmp_path / "a")):
+        (d / "flash_kda").mkdir(parents=True)
+        (d / "flash_kda" / "__init__.py").write_text("def fwd(**kw):\n    pass\n")
+        (d / f"flash_kda-{other}.dist-info").mkdir()
+        (d / f"flash_kda-{other}.dist-info" / "METADATA").write_text(f"Metadata-Version: 2.1\nName: flash_kda\nVersion: {other}\n")
+    monkeypatch.delitem(sys.modules, "flash_kda", raising=False)
+    monkeypatch.syspath_prepend(str(tmp_path / "b"))
+    monkeypatch.syspath_prepend(str(tmp_path / "a"))
+    b = moon.MoonshotBackend()
+    assert {r.recipe for r in b.routes()} == {recipe}
+    assert b.version().startswith(f"flash_kda {version} (recipe {recipe}, {tmp_path / 'a'}")

@@ -279,9 +279,11 @@ def adapter_callable(backend: str, route: str) -> Callable:
 
 
 CALLABLES = {"triton": triton_callable, "fla": fla_callable, "fla-pinned": fla_pinned_callable,
-             "moonshot": moonshot_callable, "aiter": lambda route: adapter_callable("aiter", route)}
+             "moonshot": moonshot_callable, "aiter": lambda route: adapter_callable("aiter", route),
+             "fla-naive": lambda route: adapter_callable("fla-naive", route),
+             "transformers": lambda route: adapter_callable("transformers", route)}
 DEFAULT_ROUTES = {"fla": "chunk:safe_gate", "fla-pinned": "chunk:safe_gate", "moonshot": "cutlass:state=fp32",
-                  "aiter": "triton:seg"}
+                  "aiter": "triton:seg", "fla-naive": "naive:chunk", "transformers": "torch:chunk"}
 
 
 def moonshot_available() -> tuple[bool, str]:

@@ -1,6 +1,7 @@
 """The findings register: every explained failure, recorded once in tolerances.yaml's
 ``known_failures`` (backend, route and case globs, parameter conditions, reason, evidence,
-``seen_on``: the library version or commit, ``shrink``: the command that reproduces it).
+``seen_on``: the library version or commit, ``shrink``: the command that reproduces it,
+``fixed-in`` / ``still-fails-in``: the versions where that repro was run and passed / failed).
 
     kda-verify findings [--markdown | --json]        # the register for a terminal, as a table (md) or JSON
     python -m verification.findings --write          # replace docs/findings.md's findings table
@@ -20,9 +21,11 @@ from typing import Optional
 BEGIN = "<!-- findings register: made by `python -m verification.findings --write` from tolerances.yaml; do not edit by hand -->"
 END = "<!-- end of the findings register -->"
 DOC = Path(__file__).resolve().parent.parent / "docs" / "findings.md"
-COLUMNS = ("backend", "route", "case", "params", "seen_on", "reason", "evidence", "shrink", "line")
-HEADER = ("| # | backend / route | case (parameters) | seen on | why it fails | evidence | reproduce |",
-          "|---|---|---|---|---|---|---|")
+COLUMNS = ("backend", "route", "case", "params", "seen_on", "reason", "evidence", "shrink", "fixed_in",
+           "still_fails_in", "line")
+HEADER = ("| # | backend / route | case (parameters) | seen on | why it fails | evidence | reproduce "
+          "| fixed in / still fails in |",
+          "|---|---|---|---|---|---|---|---|")
 
 
 def rows(db=None) -> list[dict]:
@@ -31,7 +34,8 @@ def rows(db=None) -> list[dict]:
     db = load_tolerances() if db is None else db
     return [{"backend": kf.backend, "route": kf.route, "case": kf.case, "params": kf.describe_params(),
              "seen_on": kf.seen_on, "reason": kf.reason, "evidence": kf.evidence, "shrink": kf.shrink,
-             "line": kf.line} for kf in db.known_failures]
+             "fixed_in": kf.fixed_in, "still_fails_in": kf.still_fails_in, "line": kf.line}
+            for kf in db.known_failures]
 
 
 def _cell(text: str) -> str:
@@ -44,8 +48,11 @@ def markdown(items: list[dict]) -> str:
     for i, r in enumerate(items, 1):
         case = f"`{r['case']}`" + (f" ({r['params']})" if r["params"] else "")
         repro = f"`{r['shrink']}`" if r["shrink"] else "(none recorded)"
+        status = "; ".join(f"{w} {_cell(r.get(k, ''))}" for w, k in (("fixed in", "fixed_in"),
+                                                                     ("still fails in", "still_fails_in"))
+                           if r.get(k)) or "(not rechecked)"
         out.append(f"| {i} | `{r['backend']}` / `{r['route']}` | {_cell(case)} | {_cell(r['seen_on']) or '(not recorded)'} "
-                   f"| {_cell(r['reason'])} | {_cell(r['evidence'])} | {_cell(repro)} |")
+                   f"| {_cell(r['reason'])} | {_cell(r['evidence'])} | {_cell(repro)} | {status} |")
     return "\n".join(out)
 
 

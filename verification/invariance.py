@@ -291,8 +291,11 @@ def strided_vs_packed(backend, route, problem: Problem) -> InvarianceResult:
 
 
 def chunk_size_of(route) -> int:
-    """The chunk size of a route's recipe (flashkda 32, fla 64, moonshot 16; 64 when unknown)."""
-    return CHUNK_SIZES.get(getattr(route, "recipe", None), CAUSAL_ALIGN)
+    """The chunk size of a route's recipe (flashkda 32, fla 64, moonshot and moonshot-fwdsub 16, any
+    other production recipe's own; 64 when unknown)."""
+    from verification.baselines import recipe_chunk
+    recipe = getattr(route, "recipe", None)
+    return CHUNK_SIZES.get(recipe) or recipe_chunk(recipe) or CAUSAL_ALIGN
 
 
 def causality(backend, route, problem: Problem, prefix: Optional[int] = None, chunk_size: Optional[int] = None,

@@ -24,6 +24,8 @@ Schema (version 1)::
         evidence: what was measured, where
         seen_on: optional: the library version or commit it was seen on
         shrink: optional: the kda-verify shrink command that reproduces it (the findings register)
+        fixed-in: optional: the library versions or commits where the shrink repro passes (measured)
+        still-fails-in: optional: the versions or commits where it still fails (measured)
 
 A cell matches an entry when its backend, route and case id match the globs and, where the entry
 has ``params``, every condition holds on the case's parameters (``Case.params``: the named
@@ -73,7 +75,7 @@ from verification.errors import ToleranceError
 
 TOP_KEYS = ("schema", "entries", "known_failures")
 KNOWN_FIELDS = ("backend", "route", "case", "reason", "evidence")
-KNOWN_OPTIONAL = ("params", "seen_on", "shrink")
+KNOWN_OPTIONAL = ("params", "seen_on", "shrink", "fixed-in", "still-fails-in")
 PARAM_OPS = (">=", "<=", ">", "<", "==")     # two-character operators first (parsing order)
 DERIVED_PARAMS = ("empty_seqs_before_last", "empty_seqs", "initial_states")   # match_params computes them
 KEY_FIELDS = ("backend", "route", "dtype", "tensor")
@@ -176,6 +178,8 @@ class KnownFailure:
     params: tuple = ()       # ParamCondition, all of which must hold; () = no condition on parameters
     seen_on: str = ""        # the library version or commit the failure was seen on
     shrink: str = ""         # the kda-verify shrink command that reproduces it
+    fixed_in: str = ""       # versions / commits where the repro passes (yaml ``fixed-in``)
+    still_fails_in: str = "" # versions / commits where it still fails (yaml ``still-fails-in``)
 
     def matches(self, backend: str, route: str, case_id: str, params: Optional[Mapping] = None) -> bool:
         """Backend, route and case id match the globs and every ``params`` condition holds on
@@ -323,12 +327,12 @@ def parse_tolerances(text: str, path: str = "<string>") -> ToleranceDB:
             if "params" in fields:
                 entry = f"known failure {text['backend']}/{text['route']}/{text['case']}"
                 conditions = _param_conditions(*fields["params"], entry=entry, path=path)
-            for f in ("seen_on", "shrink"):          # optional text: the findings register's columns
+            for f in ("seen_on", "shrink", "fixed-in", "still-fails-in"):   # optional text: register columns
                 if f in fields:
                     val, ln = fields[f]
                     if not isinstance(val, str) or not val.strip():
                         raise _err(path, ln, f"{f}: expected a non-empty string, got {val!r}")
-                    text[f] = val.strip()
+                    text[f.replace("-", "_")] = val.strip()
             known.append(KnownFailure(line=line, params=conditions, **text))
     return ToleranceDB(entries, path, known)
 

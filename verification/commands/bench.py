@@ -115,6 +115,7 @@ def run(args) -> int:
     shapes = _shapes(args)
     if not torch.cuda.is_available():
         raise UsageError("--device: bench needs a CUDA device (device-event timing); none is visible here")
+    from kda_kernels.base import load_backend
     from verification.devices import check_device
     device = torch.device(check_device(args.device or "cuda"))
     cells = [("triton", r) for r in routes] if "triton" in backends else []
@@ -123,7 +124,7 @@ def run(args) -> int:
     for b in backends:
         if b == "triton":
             continue
-        ok, why = checks[b]()
+        ok, why = checks[b]() if b in checks else load_backend(b).available()
         if ok:
             cells.append((b, bench.DEFAULT_ROUTES[b]))
         else:

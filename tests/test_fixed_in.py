@@ -1,0 +1,61 @@
+"""tools/fixed_in.py: the shrink repros of a backend's findings, and their reruns turned into the
+register's fixed-in / still-fails-in fields."""
+import importlib.util
+import json
+from pathlib import Path
+
+from verification.cases import get_case
+from verification.record import Record
+from verification.tolerances import load_tolerances, parse_tolerances
+
+ROOT = Path(__file__).resolve().parent.parent
+spec = importlib.util.spec_from_file_location("fixed_in", ROOT / "tools" / "fixed_in.py")
+fixed_in = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(fixed_in)
+
+NEUMANN, FWDSUB = "flash_kda 0.0.1+1ce47ea.neumann", "flash_kda 0.0.1+1ce47ea.fwdsub7afb9f4"
+
+
+def test_every_moonshot_finding_has_a_repro_the_job_can_run(capsys):
+    assert fixed_in.main(["cases", "--backend", "moonshot"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    mine = [kf for kf in load_tolerances().known_failures if kf.backend == "moonshot"]
+    assert len(lines) == len(mine) >= 3
+    for ln in lines:
+        args = ln.split("\t")[1].split()
+        case = args[args.index("--case") + 1]
+        assert args[args.index("--suite") + 1] == case.split("/")[0] and args[args.index("--route") + 1]
+        get_case(case, n=int(args[args.index("--fuzz-n") + 1]) if "--fuzz-n" in args else None)
+
+
+def _results(d: Path, version: str, status: str, case="smoke/correlated-weak-lb-0.01"):
+    d.mkdir(parents=True)
+    c = get_case(case)
+    rec = Record(key=f"moonshot|cutlass:state=fp32|{case}", backend="moonshot", backend_version=f"{version} (recipe x)",
+                 route="cutlass:state=fp32", case=case, params=dict(c.params), status=status)
+    (d / "results.jsonl").write_text(json.dumps(rec.to_dict(version=True)) + "\n")
+    return d
+
+
+def test_reruns_become_fixed_in_and_still_fails_in(tmp_path):
+    db = load_tolerances()
+    a = _results(tmp_path / "a", NEUMANN, "known-fail")
+    b = _results(tmp_path / "b", FWDSUB, "pass")
+    res = fixed_in.verdicts([a, b], db)
+    kf = next(k for k in db.known_failures if k.backend == "moonshot" and k.params
+              and "lb" in k.describe_params())
+    assert res[kf.line] == {"fixed": [FWDSUB], "fails": [NEUMANN]}
+    text = fixed_in.write_fields(fixed_in.TOL.read_text(), kf.line, {"fixed-in": FWDSUB, "still-fails-in": NEUMANN})
+    again = parse_tolerances(text)
+    kf2 = next(k for k in again.known_failures if k.line == kf.line)
+    assert (kf2.fixed_in, kf2.still_fails_in, kf2.reason) == (FWDSUB, NEUMANN, kf.reason)
+    assert len(again.known_failures) == len(db.known_failures)
+    # rewriting replaces, never duplicates
+    text2 = fixed_in.write_fields(text, kf.line, {"fixed-in": "x", "still-fails-in": ""})
+    kf3 = next(k for k in parse_tolerances(text2).known_failures if k.line == kf.line)
+    assert (kf3.fixed_in, kf3.still_fails_in) == ("x", "")
+
+
+def test_a_directory_without_results_is_one_line_exit_2(tmp_path, capsys):
+    assert fixed_in.main(["verdict", str(tmp_path)]) == 2
+    assert "results.jsonl" in capsys.readouterr().err
