@@ -27,7 +27,7 @@ from verification.record import load_records  # noqa: E402
 from verification.tolerances import load_tolerances  # noqa: E402
 
 FAILED = ("fail", "known-fail", "mistrusted", "crashed")
-TOL = ROOT / "tolerances.yaml"
+TOL = ROOT / "verification" / "tolerances.yaml"
 
 
 def repro_args(shrink: str) -> list:
