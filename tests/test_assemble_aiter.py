@@ -41,6 +41,9 @@ def _trees(tmp_path):
     (base / "aiter" / "ops" / "triton" / "attention").mkdir(parents=True)
     (base / "aiter" / "ops" / "triton" / "attention" / "old.py").write_text("OLD = 1\n")
     (base / "COMMIT").write_text("e" * 40 + "\n")
+    for _shim, dest, _what, _why in upstream.APPENDS:
+        (base / dest).parent.mkdir(parents=True, exist_ok=True)
+        (base / dest).write_text("import os\n")
     src = tmp_path / "src"
     files = []
     for repo, commit, path, dest, body in (
@@ -67,11 +70,19 @@ def test_assembly_overlays_checked_files_and_records_them(tmp_path, monkeypatch,
     assert [(f["repo"], f["commit"], f["dest"], f["sha256"]) for f in rec["files"]] == \
         [(r, c, d or p, s) for r, c, p, d, s, _ in files]
     assert rec["not_provided"] == upstream.NOT_PROVIDED
+    # the project's stand-ins are copied and the appends made, each recorded with its source
+    assert [(st["file"], st["source"]) for st in rec["stubs"]] == \
+        [(d, f"tools/aiter_shims/{s}") for s, d, _w in upstream.STUBS]
+    for s, d, _w in upstream.STUBS:
+        assert (out / d).read_bytes() == (TOOLS / "aiter_shims" / s).read_bytes(), d
+    assert [t["file"] for t in rec["transforms"]] == [d for _s, d, _w, _y in upstream.APPENDS]
+    for s, d, _w, _y in upstream.APPENDS:
+        assert (out / d).read_text() == "import os\n" + (TOOLS / "aiter_shims" / s).read_text(), d
     # a second run replaces its own output
     assert upstream.main(["--base", str(base), "--src", str(src), "--out", str(out)]) == 0
 
 
-@pytest.mark.parametrize("damage", ["sha", "missing", "foreign_out", "no_base"])
+@pytest.mark.parametrize("damage", ["sha", "missing", "foreign_out", "no_base", "no_append_target"])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys, damage):
     base, src, files = _trees(tmp_path)
     monkeypatch.setattr(upstream, "FILES", files)
@@ -84,6 +95,8 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys, damage)
         f.unlink()
     elif damage == "foreign_out":
         out.mkdir()
+    elif damage == "no_append_target":
+        (base / upstream.APPENDS[0][1]).unlink()
     else:
         base = tmp_path / "nowhere"
     with pytest.raises(SystemExit) as e:
@@ -92,16 +105,21 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys, damage)
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("assemble_aiter_upstream: "), err
     assert {"sha": "expected sha256", "missing": "got no file", "foreign_out": "not made by this script",
-            "no_base": "--base: expected"}[damage] in err
+            "no_base": "--base: expected", "no_append_target": "to append"}[damage] in err
 
 
 def test_upstream_table_names_commits_and_sha256_only():
-    """Every row: a 40-hex commit, a sha256, a reason; the fork rows are the configs ROCm/aiter
-    publishes no copy of."""
+    """Every row: a 40-hex commit, a sha256, a reason; every fork row says it is a fork copy and
+    why (ROCm/aiter publishes none at that path, or none that fits); every stand-in and append
+    names its shim and says why."""
     for repo, commit, path, dest, digest, why in upstream.FILES:
         assert len(commit) == 40 and int(commit, 16) >= 0 and len(digest) == 64 and why, path
-    forks = [(r, p) for r, _c, p, _d, _s, _w in upstream.FILES if r != "ROCm/aiter"]
-    assert forks and all(p.endswith(".json") for _r, p in forks)
+    forks = [(p, w) for r, _c, p, _d, _s, w in upstream.FILES if r != "ROCm/aiter"]
+    assert forks and all(w.startswith("fork copy") for _p, w in forks), forks
+    for shim, _dest, why in upstream.STUBS:
+        assert (TOOLS / "aiter_shims" / shim).is_file() and why, shim
+    for shim, _dest, what, why in upstream.APPENDS:
+        assert (TOOLS / "aiter_shims" / shim).is_file() and what and why, shim
 
 
 def _git(cwd, *args):

@@ -46,6 +46,7 @@ P = "aiter/ops/triton/"
 G1250 = P + "_gluon_kernels/gfx1250/attention/"
 G950 = P + "_gluon_kernels/gfx950/attention/"
 CFG = P + "configs/"
+TK = P + "_triton_kernels/kimi_delta_attn/"
 BASE_COMMIT = "e4048607a535ace3a2b51ded31b1c8c2d45c0879"
 
 # (owner/repo, commit, path in that repo, path in OUT if not the same, sha256, why)
@@ -101,11 +102,79 @@ FILES = (
     ("yhl-amd/aiter", "6c7a9958aa3074a9c4ee3d66ed952e3274b19645", CFG + "gfx950-KDA_DECODE-DEFAULT.json", None,
      "9ed35b8c44c3106aca062e56674e6ab5439ac303891136f011ed1f1965a8ebce",
      "fork copy (ROCm/aiter publishes none): the gfx950 decode buckets"),
+    # The Triton FlashKDA package chunk_kda.py's fallback calls (kimi_delta_attn, renamed from the
+    # base's chunk_delta_attn): the host with out= / state_cache=, its forward and FlashKDA itself.
+    ("ROCm/aiter", "15c56cc4831e93351e7086f514f44fe8f5192763", P + "kimi_delta_attn/__init__.py", None,
+     "3865e1bb5af807ab546ea7ed3e6f7edc28e805dc5ead1110de9990f7d2676284",
+     "exports chunk_kimi_delta_attn"),
+    ("ROCm/aiter", "15c56cc4831e93351e7086f514f44fe8f5192763", P + "kimi_delta_attn/chunk_delta_attn.py", None,
+     "d07a13b3182da74948190b3801a2bcf95dae8e4306228ccb305f1954da61aa9b",
+     "chunk_kimi_delta_attn(..., out=, state_cache=, state_indices=, has_initial_state=, "
+     "state_v_first=), the signature chunk_kda.py @ 4d306a4's fallback calls (c3434619, the newest "
+     "stored version, has no out= / state_cache=)"),
+    ("ROCm/aiter", "15c56cc4831e93351e7086f514f44fe8f5192763", TK + "__init__.py", None,
+     "fa67cf21106ab4dddf7f80e12243b69d687d10aaad8e1012b3bdcbd478b02e10",
+     "the kernels package: chunk_delta_attn_fwd / _bwd, flash_kda_fwd and the default pipeline's parts"),
+    ("ROCm/aiter", "98b24361959fdc1c87df80ff1a445b599ce8d372", TK + "chunk_fwd.py", None,
+     "868c0637bfcda4a703a34dbb77b8c494de2aa70a5e43840c2d8704a4c99572ee",
+     "chunk_delta_attn_fwd: FlashKDA under AITER_FDA_ENABLE when flash_kda_supported, passing out= / "
+     "state_cache= / state_indices= / has_initial_state= on"),
+    ("ROCm/aiter", "c1397349419e0d8d56f6b0327dc9c31b5e6de0ff", TK + "flash_kda.py", None,
+     "70ac0c9922870687bcf4a40bcfd0076e61de619faf6fa12777b2923e43687eff",
+     "flash_kda_fwd(..., chunks_per_seg, out, state_cache, state_indices, has_initial_state): K1, the "
+     "segment kernel (passes A / C), the segment scan; the newest of its 8 stored versions, whose "
+     "keywords are the ones chunk_fwd.py @ 98b2436 passes"),
+    ("yuychang/aiter", "ef61f69175d74dee92b9c53e1571d08e02589edb", TK + "fast_launch.py", None,
+     "f279b3f1b5144bb84e6d7db183953592cb5c4c6798066c3e46fb4633410f6a06",
+     "fork copy (ROCm/aiter publishes none at this path): fast_launch, which flash_kda.py wraps its "
+     "three kernels in; the only stored copy under kimi_delta_attn/"),
+    ("yuychang/aiter", "ef61f69175d74dee92b9c53e1571d08e02589edb", TK + "utils/index.py", None,
+     "bca48618d0842b51157029035df838ba807da32e7defb4d10df7941174a61642",
+     "fork copy (ROCm/aiter publishes none at this path): prepare_chunk_indices for varlen calls"),
+)
+
+# Written by this project (tools/aiter_shims), each recorded in ASSEMBLY.json: (shim, path in OUT, why)
+STUBS = (
+    ("kimi_delta_attn/chunk_delta_attn_utils.py", TK + "chunk_delta_attn_utils.py",
+     "no stored copy (ROCm/aiter or fork) at this path: re-exports the base's chunk_delta_attn_utils "
+     "and adds chunk_delta_attn_tuned_config(backend=), _tuned_config_shortlist and "
+     "input_guard(skip=), which flash_kda.py imports"),
+    ("kimi_delta_attn/chunk_bwd.py", TK + "chunk_bwd.py",
+     "the backward (ROCm/aiter 15c56cc4, 69 kB) is not vendored: chunk_delta_attn_bwd raises; only a "
+     "call that needs grad reaches it"),
+) + tuple(
+    (f"kimi_delta_attn/{m}.py", TK + f"{m}.py",
+     f"re-exports the base's chunk_delta_attn/{m}.py (upstream's kimi_delta_attn copy is not vendored); "
+     "only the default, non-FlashKDA pipeline calls it")
+    for m in ("gate", "gla_output", "intra_attn", "wy_fast", "utils/cumsum", "utils/l2norm")
+) + (
+    ("kimi_delta_attn/utils/__init__.py", TK + "utils/__init__.py", "package marker"),
+    ("gated_delta_net/__init__.py", P + "_triton_kernels/gated_delta_net/__init__.py", "package marker"),
+    ("gated_delta_net/__init__.py", P + "_triton_kernels/gated_delta_net/prefill/__init__.py",
+     "package marker"),
+    ("gated_delta_net/chunk_delta_h.py", P + "_triton_kernels/gated_delta_net/prefill/chunk_delta_h.py",
+     "chunk_fwd.py imports the renamed gated_delta_net: re-exports the base's "
+     "gated_delta_rule/prefill/chunk_delta_h.py (default pipeline only)"),
+)
+
+# Appended to base files (tools/aiter_shims/<shim>): (shim, path in OUT, what, why)
+APPENDS = (
+    ("upstream_compat.py", P + "utils/tuned_config_utils.py",
+     "autotune_configs(op, configs, default_config): every config when <op>_TRITON_AUTOTUNE is on, "
+     "else the default (the base's chunk_delta_attn_autotune_configs rule)",
+     "flash_kda.py @ c1397349 imports it; the base has none"),
+    ("logger_compat.py", P + "utils/logger.py",
+     "AiterTritonLogger's levels take %-style arguments",
+     "flash_kda.py and chunk_delta_attn.py log with them; the base's take one message"),
 )
 
 NOT_PROVIDED = [
-    "the Triton fallback chunk_kda takes off gfx1250 / gfx950 (aiter.ops.triton.kimi_delta_attn."
-    "chunk_kimi_delta_attn with state_cache=): the base tree's kimi_delta_attn has no paged cache",
+    "upstream's kimi_delta_attn chunk_bwd.py, gate.py, gla_output.py, intra_attn.py, wy_fast.py, "
+    "utils/cumsum.py, utils/l2norm.py (stand-ins re-export the base's chunk_delta_attn ones; the "
+    "FlashKDA routes and chunk_kda's fallback never call them) and a chunk_delta_attn_utils.py at "
+    "the kimi_delta_attn path (no stored copy anywhere; a stand-in)",
+    "the gfx950 Gluon K1 / K2 under _gluon_kernels/gfx950/kimi_delta_attn/ (flash_kda.py imports "
+    "them only on gfx950); the CHUNK_DELTA_ATTN DEFAULT.json tuned configs (K1 / K2 fall back)",
     "utils/device_info.get_num_sms asks the GPU (the walk's config rule reads it): callers without "
     "one set it (kda-verify isa: 256 CUs)",
 ]
@@ -122,8 +191,17 @@ def main(argv=None) -> int:
     sources = core.check_sources(a.src, FILES)
     base_commit = core.start_tree(a.base, a.out)
     core.overlay(a.out, sources)
+    stubs = core.add_stubs(a.out, STUBS)
+    transforms = []
+    for shim, dest, what, why in APPENDS:
+        target = a.out / dest
+        if not target.is_file():
+            core.fail(f"--base: expected {dest} in the base tree (to append {shim} to), got no file")
+        target.write_text(target.read_text() + (core.SHIMS / shim).read_text())
+        transforms.append(dict(file=dest, what=f"appended tools/aiter_shims/{shim}: {what}", why=why))
     record = dict(base=dict(repo="ROCm/aiter", commit=base_commit, tree=str(a.base)),
-                  files=[s[2] for s in sources], stubs=[], transforms=[], not_provided=NOT_PROVIDED)
+                  files=[s[2] for s in sources], stubs=stubs, transforms=transforms,
+                  not_provided=NOT_PROVIDED)
     core.finish(a.out, record)
     return 0
 
