@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from kda_kernels.controls import NEGATIVE_CONTROLS, run_in_recipe
+from kda_kernels.emulator import RECIPES
 from kda_ref.truth import truth
 from verification.cases import get_case
 from verification.cli import main
@@ -71,7 +72,7 @@ def test_bad_input_is_one_line_and_exit_two(files, capsys, tmp_path):
     inputs, _ = paths["stress/weak-gate-lb-1"]
     assert main(["check", "--inputs", inputs, "--outputs", inputs, "--recipe", "fp8"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--recipe: expected one of flashkda, fla, moonshot, got 'fp8'" in err[0]
+    assert len(err) == 1 and f"--recipe: expected one of {', '.join(RECIPES)}, got 'fp8'" in err[0]
     assert main(["check", "--inputs", str(tmp_path / "no.safetensors"), "--outputs", inputs, "--recipe", "fla"]) == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
     assert main(["capture", "--backend", "emulator", "--route", "nope", "--inputs", inputs,

@@ -10,6 +10,9 @@ from verification.policy import FAILING
 from verification.record import RESULTS_FILE, read_records
 from verification.runner import run_matrix as _run_matrix
 from kda_test_backends import write_tolerances
+from kda_kernels.emulator import EmulatorBackend
+
+EMULATOR_ROUTES = [r.name for r in EmulatorBackend().routes()]
 
 SMOKE = get_suite("smoke")
 DENSE = next(c for c in SMOKE if c.id == "smoke/dense-T64-lb-5")
@@ -76,7 +79,7 @@ def test_an_interrupted_run_resumes_without_losing_or_repeating_a_cell(tmp_path,
     with pytest.raises(UsageError, match="--resume"):
         run_matrix(["emulator"], cases, tmp_path, device="cpu", progress_stream=_quiet())
     s = run_matrix(["emulator"], cases, tmp_path, device="cpu", resume=True, progress_stream=_quiet())
-    total = 2 * 3
+    total = 2 * len(EMULATOR_ROUTES)
     assert s.resumed == 3 and s.ran == total - 3
     keys = [r["key"] for r in read_records(tmp_path / RESULTS_FILE, strict=True)]
     assert len(keys) == total and len(set(keys)) == total
