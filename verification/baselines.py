@@ -1,7 +1,7 @@
 """Baselines: what the route's recipe, emulated, errs against the same oracle on the same case.
 
-A cell's yardstick is the emulator's run of the route's recipe (``Route.recipe``: flashkda,
-fla or moonshot, kda_kernels/emulator.py) measured against the float64 truth with the same
+A cell's yardstick is the emulator's run of the route's recipe (``Route.recipe``: a name of
+``RECIPES`` of kda_kernels/emulator.py) measured against the float64 truth with the same
 metrics as the kernel (``baseline_metrics``); a problem off unit scale is measured at unit
 scale (``unit_scale``).  ``BaselineCache`` computes each (case, recipe) once per run;
 ``recipe_baselines`` gives every production recipe's (for a cap lift or a degenerate baseline,
