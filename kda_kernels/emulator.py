@@ -975,13 +975,17 @@ class EmulatorBackend:
 
     def accepts(self, problem: Problem, route: Route):
         """Every valid Problem, except what a recipe's kernel documents it cannot take: Moonshot
-        documents lower_bound in [-5, 0]; the flashkda pivot factors overflow for |lb| >= 5.55."""
+        documents lower_bound in [-5, 0]; the flashkda pivot factors overflow for |lb| >= 5.55;
+        aiter's chunk_kda host asserts lower_bound >= -5.5."""
         lb = problem.lower_bound if problem.gate == "lower_bound" else None
         recipe = route.recipe
         if recipe == "moonshot" and lb is not None and lb < -5.0:
             return False, f"not applicable: the moonshot recipe documents lower_bound in [-5, 0], got {lb:g}"
         if recipe == "flashkda" and lb is not None and lb <= -5.55:
             return False, f"not applicable: flashkda pivot factors 2^(23.08*|lb|) overflow for lb <= -5.55, got {lb:g}"
+        if recipe in CHUNK_KDA_GLUON_RECIPES.values() and lb is not None and lb < -5.5:
+            return False, (f"not applicable: aiter's chunk_kda asserts -5.5 <= lower_bound < 0 (its 16-token "
+                           f"bands' 2^-lc overflow fp32 beyond), got {lb:g}")
         return True, ""
 
     def run(self, problem: Problem, route: Route) -> Outputs:

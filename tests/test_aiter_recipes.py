@@ -158,6 +158,17 @@ def test_a_paged_empty_fresh_sequence_keeps_its_slot_on_gfx950_only():
     assert torch.equal(g1250.state_cache[other], g950.state_cache[other])
 
 
+def test_the_emulator_refuses_what_the_host_asserts():
+    from kda_kernels.base import Route
+    from kda_kernels.emulator import EmulatorBackend
+    emu = EmulatorBackend()
+    p = _case("t", "lb", B=1, T=16, H=1, lb=-5.6).build()
+    for name in AITER:
+        ok, why = emu.accepts(p, Route(name=name, recipe=name))
+        assert not ok and "lower_bound" in why and "-5.6" in why
+    assert emu.accepts(_case("t", "lb", B=1, T=16, H=1, lb=-5.5).build(), Route(name=AITER[0], recipe=AITER[0]))[0]
+
+
 def test_the_route_recipe_map():
     assert CHUNK_KDA_GLUON_RECIPES == {"gfx1250": "aiter-gfx1250", "gfx950": "aiter-gfx950"}
     assert chunk_kda_gluon_recipe("gfx950") == "aiter-gfx950" and chunk_kda_gluon_recipe("gfx942") == "flashkda"
