@@ -78,6 +78,7 @@ def plot(rows: list, png: str) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--T", default="1024,4096,16384,65536", help="comma-separated token counts")
+    ap.add_argument("--lb", default="-0.05,-5", help="comma-separated gates of GATES to run (default both)")
     ap.add_argument("--out", help="JSON file the rows are appended to")
     ap.add_argument("--plot", help="JSON file to plot instead of measuring")
     ap.add_argument("--png", help="where the plot goes (with --plot)")
@@ -91,10 +92,22 @@ def main(argv=None) -> int:
     except ValueError:
         print(f"--T: expected comma-separated integers, got {a.T!r}", file=sys.stderr)
         return 2
+    try:
+        want = {float(x) for x in a.lb.split(",")}
+    except ValueError:
+        print(f"--lb: expected comma-separated numbers, got {a.lb!r}", file=sys.stderr)
+        return 2
+    gates = [g for g in GATES if g[0] in want]
+    if not gates:
+        print(f"--lb: expected some of {', '.join(f'{lb:g}' for lb, _ in GATES)}, got {a.lb!r}", file=sys.stderr)
+        return 2
+    if not a.out:
+        print("--out: expected a JSON file to append the rows to, got none", file=sys.stderr)
+        return 2
     out = Path(a.out)
     rows = json.loads(out.read_text()) if out.exists() else []
     for T in Ts:
-        for lb, state in GATES:
+        for lb, state in gates:
             row = measure(T, lb, state)
             rows.append(row)
             out.write_text(json.dumps(rows, indent=1))
