@@ -613,7 +613,7 @@ class GroupedWalk:
     at the end of group g (1 <= g <= G-2, more chunks following) the walked state is replaced
     by the scan's entry_{g+1}.  G = 1 and G = 2 are the ordinary walk, bit for bit."""
 
-    def __init__(self, recipe: Recipe, chunks_of: list, HV: int, K: int, V: int, device):
+    def __init__(self, recipe: Recipe, chunks_of: list, HV: int):
         N = len(chunks_of)
         G = recipe.walk_groups
         if G == "auto":
@@ -811,7 +811,7 @@ def emulate(problem: Problem, recipe="flashkda", keep_f64: bool = False, taps: b
     out_dt, state_dt = (F64, F64) if keep_f64 else (problem.v.dtype, FP32)
     o = torch.zeros(Ttot, HV, V, dtype=out_dt, device=dev)
     inv_all = torch.zeros(N, NC, HV, C, C, dtype=FP32, device=dev) if taps else None
-    walker = GroupedWalk(recipe, chunks_of, HV, K, V, dev) if recipe.walk_groups != 1 else None
+    walker = GroupedWalk(recipe, chunks_of, HV) if recipe.walk_groups != 1 else None
     walker = walker if walker is not None and walker.active else None
     c0 = 0
     while c0 < NC:
