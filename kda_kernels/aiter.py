@@ -103,7 +103,8 @@ CHUNK_KDA_GLUON_KERNELS = (("prepare", "chunk_kda_prepare_kernel", "gluon:prepar
 # (flashkda).  The Gluon prepare/walk pair chunks at 64 with 16-row bands and an fp32 inverse by
 # doubling and block substitution: of the recipes here the fla one (C = 64, 16-row anchors, fp32
 # inverse) is the closest; a recipe of its own replaces it once one exists.
-CHUNK_KDA_ROUTES = {"chunk_kda:gluon": ("gluon", "fla"), "chunk_kda:triton": ("triton", "flashkda")}
+# route -> (kernels, recipe); the Gluon route's recipe is its GPU's (``_gluon_recipe``)
+CHUNK_KDA_ROUTES = {"chunk_kda:gluon": ("gluon", None), "chunk_kda:triton": ("triton", "flashkda")}
 _ROUTE_RE = re.compile(r"^(triton|gluon|gluon-k1|gluon-k2):(unseg|seg(?::cps=(\d+))?)(?::prefetch=(on|off))?$")
 
 
@@ -233,6 +234,15 @@ class AiterBackend:
             return f"sm{arch}"
         return str(arch or current_arch())
 
+    def _gluon_recipe(self) -> str:
+        """The emulator recipe of chunk_kda's Gluon kernels on this GPU (aiter-gfx1250 / aiter-gfx950,
+        which round where those kernels' sources round); off those archs, where the route is not
+        applicable, the gfx1250 one names it."""
+        from kda_kernels.emulator import CHUNK_KDA_GLUON_RECIPES
+        ck = self._load_chunk_kda() if self._load() is not None else None
+        arch = self._chunk_kda_arch(ck) if ck is not None else str(current_arch())
+        return CHUNK_KDA_GLUON_RECIPES.get(arch, CHUNK_KDA_GLUON_RECIPES["gfx1250"])
+
     def available(self) -> tuple[bool, str]:
         if self._load() is None:
             return False, self._why
@@ -266,6 +276,7 @@ class AiterBackend:
             flags = tuple(sorted(r.items(), key=lambda kv: kv[0]))
             if r["entry"] == "chunk_kda":
                 kernels, recipe = CHUNK_KDA_ROUTES[name]
+                recipe = recipe or self._gluon_recipe()
                 what = ("the Gluon prepare and walk (gfx1250 / gfx950)" if kernels == "gluon" else
                         "the Triton fallback (chunk_kimi_delta_attn -> flash_kda_fwd) on other archs")
                 out.append(Route(name, recipe=recipe, flags=flags, description=f"chunk_kda: {what}"))

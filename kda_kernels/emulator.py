@@ -39,6 +39,17 @@ Recipes (docs/tolerances.md, Baselines):
               fp32 (L = fp32(fp32(kd.ki) beta), the raw fp32 accumulator, masked and scaled in fp32)
               and INV by 8x8 fp32 forward substitution plus a bf16 block merge (``_fwdsub8``),
               stored bf16; everything else as moonshot
+    aiter-gfx1250, aiter-gfx950
+              ROCm/aiter's Gluon chunk_kda (form "aiter", C=64; the section "aiter chunk_kda" below
+              cites each rounding point by file, commit and line): the prepare kernel's fp32
+              l2norm / gate / beta, 16-token bands anchored at their start (bf16 factors, fp32
+              WMMA products), (I - N)^-1 by fp32 doubling on the diagonal blocks and fp32 block
+              substitution, A = bf16(X diag(beta)), qg / w / u / kg / aqk in the input dtype,
+              decay 2^G_last fp32; the walk per chunk
+                  Sb = bf16(S); v_new = bf16(u - w.Sb); S <- (S*gt + kg_0^T v_0) + kg_1^T v_1
+                  o = (scale qg.Sb + aqk.v_new) by token halves
+              gfx950 also walks long sequences in G groups (pass 1 / scan / pass 2: transfer
+              matrices in the input dtype, each group's entry state through a bf16 operand).
 
 The steps a recipe does not parametrize (how rows are laid into chunk tiles and which are
 valid, the Mqk mask, the inverse construction, the state update) are the fields of ``Hooks``;
@@ -85,14 +96,23 @@ class Recipe:
     acc_dtype: object = FP32  # accumulators, gates, decays
     description: str = ""
     beta_raw_dtype: object = F64  # the raw beta (logits) as the kernel reads it, before its activation
+    # aiter chunk_kda (form "aiter") only:
+    prep: str = "f64"             # l2norm, gate, beta: "f64" = the float64 preprocessing rounded to qk_dtype /
+                                  # acc_dtype; "gfx1250" / "gfx950": the prepare kernel's fp32 formulas on the raw
+                                  # inputs (aiter_token_inputs)
+    inv_beta_dtype: object = F64  # A_inv diag(beta) as the operand of w and u
+    walk_groups: object = 1       # the walk's chunk groups: 1, a number, or "auto" (gfx950's host rule)
+    transfer_dtype: object = F64  # gfx950: a group's transfer matrix M_g as stored
+    scan_operand_dtype: object = F64  # gfx950: the entry state as the scan's operand
+    paged_store_empty: bool = True    # a paged zero-length sequence still writes its slot
 
 
 def exact_recipe(recipe: "Recipe") -> "Recipe":
     """The same algorithm with no rounding at all: it must reproduce the float64 oracle."""
     dt = {f: F64 for f in ("qk_dtype", "factor_dtype", "tile_dtype", "inv_build_dtype", "inv_dtype", "mqk_dtype",
                           "state_dtype", "operand_dtype", "u_dtype", "U_mqk_dtype", "U_kr_dtype", "acc_dtype",
-                          "beta_raw_dtype")}
-    return replace(recipe, name=recipe.name + "-exact", **dt)
+                          "beta_raw_dtype", "inv_beta_dtype", "transfer_dtype", "scan_operand_dtype")}
+    return replace(recipe, name=recipe.name + "-exact", prep="f64", **dt)
 
 
 @dataclass(frozen=True)
@@ -139,6 +159,20 @@ RECIPES: dict[str, Recipe] = {
                               "Moonshot CUTLASS FlashKDA from 7afb9f45: C=16, no pivot, fp32 L, 8x8 fp32 forward "
                               "substitution with a bf16 block merge, stored bf16, bf16 state, bf16 beta logits",
                               beta_raw_dtype=BF16),
+    # ROCm/aiter chunk_kda, Gluon prepare + walk (docs/backends.md gives every rounding point with
+    # its file, commit and line; the form "aiter" below cites them where it rounds)
+    "aiter-gfx1250": Recipe("aiter-gfx1250", 64, "aiter", "band16", FP32, BF16, INPUT, "aiter", FP32, FP32, INPUT,
+                            FP32, BF16, BF16, BF16, BF16, FP32,
+                            "aiter chunk_kda Gluon gfx1250: C=64, 16-token bands, bf16 WMMA factors, fp32-WMMA "
+                            "inverse, bf16 A_inv diag(beta), workspace in the input dtype, fp32 state with a bf16 "
+                            "operand", prep="gfx1250", inv_beta_dtype=BF16),
+    "aiter-gfx950": Recipe("aiter-gfx950", 64, "aiter", "band16", FP32, BF16, INPUT, "aiter", FP32, FP32, INPUT,
+                           FP32, BF16, BF16, BF16, BF16, FP32,
+                           "aiter chunk_kda Gluon gfx950: the gfx1250 numerics (MFMA), and the grouped walk of "
+                           "long sequences (pass 1 / scan / pass 2: transfer matrices in the input dtype, entry "
+                           "states through a bf16 operand)", prep="gfx950", inv_beta_dtype=BF16,
+                           walk_groups="auto", transfer_dtype=INPUT, scan_operand_dtype=BF16,
+                           paged_store_empty=False),
 }
 # Recipes of references, not of production kernels: a route may name one as its baseline, but they
 # take no part in a cap lift or a degenerate-baseline fallback (verification.baselines iterates
@@ -149,6 +183,15 @@ REFERENCE_RECIPES: dict[str, Recipe] = {
                    FP32, FP32, FP32, FP32, FP32,
                    "eager fp32 references (fla naive, transformers): C=64, everything fp32, o in the input dtype"),
 }
+
+# the recipe of aiter's chunk_kda Gluon route on each GPU architecture (its host dispatches on it)
+CHUNK_KDA_GLUON_RECIPES = {"gfx1250": "aiter-gfx1250", "gfx950": "aiter-gfx950"}
+
+
+def chunk_kda_gluon_recipe(arch: str) -> str:
+    """The emulator recipe that is the baseline of aiter's chunk_kda Gluon kernels on ``arch``
+    (gfx1250 | gfx950); any other arch runs chunk_kda's Triton fallback (the flashkda recipe)."""
+    return CHUNK_KDA_GLUON_RECIPES.get(arch, "flashkda")
 
 
 # ----------------------------------------------------------------------------- rounding
@@ -332,6 +375,8 @@ def build_inverse(L: torch.Tensor, recipe: Recipe, op) -> torch.Tensor:
         return inverse_fwdsub8(L, recipe.inv_build_dtype, recipe.inv_dtype)
     if recipe.inverse == "doubling":
         return _doubling(rnd(L, recipe.inv_build_dtype), recipe.inv_build_dtype)
+    if recipe.inverse == "aiter":
+        return aiter_inverse(L, recipe.inv_build_dtype)
     return _substitution(L, op, recipe.inv_build_dtype)
 
 
@@ -355,7 +400,8 @@ class Hooks:
     mqk_mask(C, device)              [C, C] bool, the entries of Mqk that exist
     build_inverse(L, recipe, op)     INV = (I - L)^{-1} as the recipe stores it before its final rounding
     state_update(S, gt, upd, recipe) the next chunk's state from S, the chunk decay gt [.., K, 1] and
-                                     upd = kr^T U"""
+                                     upd = kr^T U (the form "aiter" rounds its update in two token
+                                     halves, ``aiter_state_update``, and does not call this hook)"""
     tiles: Callable = zero_tail_tiles
     valid: Callable = valid_rows
     mqk_mask: Callable = mqk_mask
@@ -364,6 +410,351 @@ class Hooks:
 
 
 DEFAULT_HOOKS = Hooks()
+
+
+# ------------------------------------------------------------- aiter chunk_kda (form "aiter")
+# ROCm/aiter's Gluon chunk_kda: a prepare kernel writes the walk's workspace (qg, w, u, kg_t, aqk
+# in the input dtype, decay fp32), a walk kernel carries the fp32 state across the chunks.  The
+# sources modelled, and the short names the comments below cite them by (line numbers are those
+# of these commits):
+#   P1250  aiter/ops/triton/_gluon_kernels/gfx1250/attention/chunk_kda/prepare.py @ 13cdcede35
+#   W1250  aiter/ops/triton/_gluon_kernels/gfx1250/attention/chunk_kda/walk.py    @ 13cdcede35
+#   P950   aiter/ops/triton/_gluon_kernels/gfx950/attention/chunk_kda/prepare.py  @ 9c25252d1d
+#   W950   aiter/ops/triton/_gluon_kernels/gfx950/attention/chunk_kda/walk.py     @ 4d306a447a
+#   HOST   aiter/ops/triton/attention/chunk_kda.py                                @ 4d306a447a
+# Both prepares compute the same products in the same order (P950 line = P1250 line unless named);
+# they differ in the gate and beta formulas only.  Modelling conventions: every fp32 operation is
+# one rounding of its exact result; a WMMA / MFMA call is one rounding of (its accumulator input +
+# the exact dot), although the hardware splits K into 32-wide (bf16) or 4-wide (fp32) instructions
+# with an fp32 rounding between them (2^-24 relative, below the bf16 operand roundings by 2^16).
+AITER_BAND = 16        # P1250:61 BC = 16: "2^-lc stays finite over 16 tokens"
+
+
+def aiter_gfx950_groups(N: int, HV: int, NT: int, sms: int = 256) -> int:
+    """G, the chunk groups of gfx950's walk: W950 _get_config (lines 13-33) with the tuned config
+    (the fork yhl-amd/aiter @ 22f2e2dc, configs/gfx950/gluon/attention/chunk_kda/DEFAULT.json:
+    BV 64, split_programs_per_cu 1, split_min_group_chunks 4, split_max_groups 32,
+    split_min_chunks 24, split_min_groups 4) and ``sms`` compute units (MI355X: 256).  NT is the
+    batch's chunk count, so G depends on the whole batch: cps = NT // N chunks per sequence,
+    G = min(sms // (2 N HV), cps // 4, 32), 1 when cps < 24 or G < 4, at most cps."""
+    cps = NT // max(N, 1)
+    programs = max(N * HV * (128 // 64), 1)
+    g = min(1 * sms // programs, cps // 4, 32)
+    G = 1 if (cps < 24 or g < 4) else g
+    return max(1, min(G, cps))
+
+
+def walk_group_bounds(nc: int, G: int) -> list:
+    """[(c_lo, c_hi)] of the G groups of a sequence of nc chunks (W950, chunk_kda_walk_kernel:
+    base = nc // G, rmd = nc - base G, c_lo = g base + min(max(g - 1, 0), rmd), c_hi = c_lo + base
+    + [1 <= g <= rmd]): group 0 has base chunks, groups 1..rmd one more."""
+    base, rmd = divmod(nc, G)
+    out = []
+    for g in range(G):
+        lo = g * base + min(max(g - 1, 0), rmd)
+        out.append((lo, lo + base + (1 if 1 <= g <= rmd else 0)))
+    return out
+
+
+def _f32(x) -> torch.Tensor:
+    return torch.as_tensor(x).to(FP32)
+
+
+def aiter_token_inputs(problem: Problem, pieces: list, pp, recipe: Recipe):
+    """(q, k, gk, beta) of the packed rows of ``pieces`` [n, HV, .] float64, as the prepare kernel
+    holds them in fp32: gk the per-token gate in log2 units.  With ``recipe.prep`` "gfx1250" /
+    "gfx950" (and an fp32 recipe) from the raw inputs by the kernel's fp32 formulas:
+
+        l2norm   x * rsqrt(sum x^2 + 1e-6)                                  P1250:186, 209
+        gk       gfx1250  lb log2(e)/2 (1 + tanh(z a' + a' dt)), a' = exp(A_log)/2   P1250:157-168
+                 gfx950   lb log2(e) / (1 + 2^(z c1 + c0)), c1 = -log2(e) exp(A_log), c0 = c1 dt
+                                                                            P950:122-124, 158-165
+        beta     gfx1250  1/2 + tanh(b/2)/2 (common/utils.py sigmoid)       P1250:226
+                 gfx950   1 / (1 + 2^(-log2(e) b))                          P950:234-241
+
+    each operation one fp32 rounding (torch float32 arithmetic).  Otherwise (prep "f64", an exact
+    recipe, or inputs the kernel does not take: another gate or beta kind, no l2norm) the float64
+    preprocessing ``pp`` rounded to qk_dtype / acc_dtype."""
+    acc = recipe.acc_dtype
+    q, k = rnd(pp.q, recipe.qk_dtype), rnd(pp.k, recipe.qk_dtype)
+    gk = rnd(LOG2E * rnd(pp.a, acc), acc)
+    beta = rnd(pp.beta, acc)
+    if recipe.prep == "f64" or acc != FP32:
+        return q, k, gk, beta
+    from kda_ref.preprocess import expand_gva
+    Tt, HV = problem.B * problem.T, problem.HV
+
+    def raw(x, shape):
+        return torch.cat([x.reshape(shape)[t0:t1] for t0, t1 in pieces if t1 > t0]).to(FP32)
+
+    gfx950 = recipe.prep == "gfx950"
+    if problem.qk_l2norm:
+        def l2(x):
+            return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + _f32(1e-6))
+        q = expand_gva(l2(raw(problem.q, (Tt, problem.H, problem.K))), HV).to(F64)
+        k = expand_gva(l2(raw(problem.k, (Tt, problem.H, problem.K))), HV).to(F64)
+    if problem.gate == "lower_bound":
+        z = raw(problem.g, (Tt, HV, problem.K))
+        A_log = _f32(problem.A_log if problem.A_log is not None else torch.zeros(HV)).reshape(HV, 1)
+        dt = _f32(problem.dt_bias if problem.dt_bias is not None else torch.zeros(HV, problem.K)).reshape(HV, -1)
+        lb = _f32(float(problem.lower_bound))
+        if gfx950:
+            c1 = torch.exp(A_log) * _f32(-LOG2E)
+            c0 = c1 * dt
+            g32 = (lb * _f32(LOG2E)) * (_f32(1.0) / (_f32(1.0) + torch.exp2(z * c1 + c0)))
+        else:
+            a_exp = _f32(0.5) * torch.exp(A_log)
+            g32 = (lb * _f32(0.7213475204444817)) * (_f32(1.0) + torch.tanh(z * a_exp + a_exp * dt))
+        gk = g32.to(F64)
+    if problem.beta_kind == "sigmoid":
+        b = raw(problem.beta, (Tt, HV))
+        if gfx950:
+            b32 = _f32(1.0) / (_f32(1.0) + torch.exp2(b * _f32(-LOG2E)))
+        else:
+            b32 = _f32(0.5) + _f32(0.5) * torch.tanh(_f32(0.5) * b)
+        beta = b32.to(F64)
+    return q, k, gk, beta
+
+
+def _scan_rows(x: torch.Tensor, dim: int, acc) -> torch.Tensor:
+    """Inclusive running sum along ``dim``, each step rounded to ``acc`` (tl.cumsum in fp32)."""
+    out = x.clone()
+    n = x.shape[dim]
+    for i in range(1, n):
+        cur = out.narrow(dim, i, 1)
+        cur.copy_(rnd(out.narrow(dim, i - 1, 1) + cur, acc))
+    return out
+
+
+def aiter_inverse(L: torch.Tensor, acc) -> torch.Tensor:
+    """X = (I - L)^{-1} [.., C, C] for a strictly lower L (the kernel's N = -beta Akk) as the
+    prepare builds it in fp32 WMMA / MFMA (AF/BF operands are fp32, instr_shape [16, 16, 4]):
+
+      diagonal 16x16 blocks D_b:  P = D D; X = D + I; then three times X <- X + X P, P <- P P
+                                  (not after the last): (I + D)(I + D^2)(I + D^4)(I + D^8)
+                                  P1250:273-291 (P950:282-300)
+      off-diagonal blocks:        X_{b,b-d} = X_bb (sum_{s=1..d} N_{b,b-s} X_{b-s,b-d}), the sum
+                                  accumulated in s order (each WMMA adds into the running fp32
+                                  accumulator), d = 1, 2, 3
+                                  P1250:303-318 (P950:309-323)
+
+    each product, sum and accumulation rounded to ``acc``."""
+    C = L.shape[-1]
+    BS = AITER_BAND
+    NB = C // BS
+    sh = L.shape[:-2]
+    blk = L.reshape(sh + (NB, BS, NB, BS)).transpose(-3, -2)          # [.., NB(row), NB(col), BS, BS]
+    D = torch.stack([blk[..., b, b, :, :] for b in range(NB)], dim=-3)  # [.., NB, BS, BS]
+    eye = torch.eye(BS, dtype=F64, device=L.device)
+    P = rnd(D @ D, acc)
+    x = rnd(D + eye, acc)
+    for i in range(3):
+        x = rnd(x + rnd(x @ P, acc), acc)
+        if i < 2:
+            P = rnd(P @ P, acc)
+    X = torch.zeros_like(blk)
+    for b in range(NB):
+        X[..., b, b, :, :] = x[..., b, :, :]
+    for d in range(1, NB):
+        for b in range(d, NB):
+            a = torch.zeros_like(eye.expand(sh + (BS, BS)))
+            for s in range(1, d + 1):
+                a = rnd(a + blk[..., b, b - s, :, :] @ X[..., b - s, b - d, :, :], acc)
+            X[..., b, b - d, :, :] = rnd(x[..., b, :, :] @ a, acc)
+    return X.transpose(-3, -2).reshape(sh + (C, C))
+
+
+def aiter_chunk_work(q, k, v, gk, beta, valid, scale, recipe: Recipe, problem: Problem, hooks: "Hooks"):
+    """The prepare kernel on one group of chunk tiles ([.., C, D], C = 64, rows past a sequence's
+    end zero): its workspace as float64 values.  With G the in-chunk cumsum of gk, cut into four
+    16-token bands b (lc: the inclusive cumsum within the band, e_b: the exclusive cumsum of the
+    band totals, so G = e_b + lc):
+
+      lc = cumsum_band(gk), tot_b = sum_band(gk), G_last = sum_b tot_b, e = cumsum(tot) - tot
+                                                                       P1250:170-174 (P950:167-175)
+      decay = 2^G_last (fp32)                                          P1250:175 (P950:170)
+      bridge[J, b] = 2^min(e_b - e_J, 0) (fp32)                        P1250:183
+      ki = bf16(k 2^-lc)    kn = bf16(k 2^lc)    kb = bf16(k 2^lc 2^e)  P1250:188, 205, 207 (P950:200, 205, 208)
+      qn = bf16(q (2^lc scale))                                         P1250:211 (P950:213)
+      qg = in(q 2^lc 2^e)   kg = in(k 2^((G_last - e) - lc))            P1250:213, 190/199 (P950:216, 190)
+      per column band J:  b_J = bf16(ki_J bridge[J, b]) for each row band b
+                          Akk = fp32(kn . b_J), Aqk = fp32(qn . b_J)    P1250:254-256 (P950:260-262)
+      aqk = in(Aqk masked i >= j)                                       P1250:259 (P950:265)
+      N = fp32(-beta_i Akk) for i > j                                   P1250:262 (P950:271)
+      X = (I - N)^{-1} (``aiter_inverse``), A = bf16(X diag(beta))      P1250:336 (P950:332)
+      w = in(fp32(A . kb)),  u = in(fp32(A . v))                        P1250:345-356 (P950:344-361)
+
+    (in = the input dtype: HOST allocates qg, w, u, kg_t, aqk with q.dtype).  The pair products
+    thus anchor each row band at its own start (k_i 2^lc_i) and each column band at 2^-lc_j, bridged
+    by 2^(e_b - e_J): every bf16 factor is within 2^(16 |gk|max) of k, which is why the host asserts
+    lower_bound >= -5.5 (HOST chunk_kda_prepare)."""
+    C, BS = recipe.chunk, AITER_BAND
+    NB = C // BS
+    acc, f = recipe.acc_dtype, recipe.factor_dtype
+    tile = _dtype(recipe.tile_dtype, problem)
+    sh = q.shape[:-2]
+    K = q.shape[-1]
+
+    def band(x):
+        return x.reshape(sh + (NB, BS, x.shape[-1]))
+
+    gb = band(gk)
+    lc = _scan_rows(gb, -2, acc)                                   # [.., NB, BS, K]
+    tot = rnd(gb.sum(-2), acc)                                     # [.., NB, K]
+    g_last = rnd(tot.sum(-2), acc)                                 # [.., K]
+    e = rnd(_scan_rows(tot, -2, acc) - tot, acc)                   # [.., NB, K]
+    decay = rnd(torch.exp2(g_last), acc)
+    kB, qB = band(k), band(q)
+    el = rnd(torch.exp2(lc), acc)
+    ee = rnd(torch.exp2(e), acc)[..., None, :]                     # [.., NB, 1, K]
+    ki = rnd(rnd(kB * rnd(torch.exp2(-lc), acc), acc), f)
+    kel = rnd(kB * el, acc)
+    kn = rnd(kel, f)
+    kb = rnd(rnd(kel * ee, acc), f)
+    scale_a = rnd(torch.tensor(scale, dtype=F64, device=q.device), acc)      # a constexpr fp32 scale
+    qn = rnd(rnd(qB * rnd(el * scale_a, acc), acc), f)
+    qg = rnd(rnd(rnd(qB * el, acc) * ee, acc), tile)
+    kg = rnd(rnd(kB * rnd(torch.exp2(rnd(rnd(g_last[..., None, None, :] - e[..., None, :], acc) - lc, acc)), acc),
+                 acc), tile)
+    bridge = rnd(torch.exp2(torch.clamp(e[..., :, None, :] - e[..., None, :, :], max=0.0)), acc)   # [.., b, J, K]
+    Pk = torch.zeros(sh + (C, C), dtype=F64, device=q.device)
+    Pq = torch.zeros_like(Pk)
+    for J in range(NB):
+        bj = rnd(rnd(ki[..., J:J + 1, :, :] * bridge[..., :, J, None, :], acc), f)   # [.., NB(b), BS(j), K]
+        cols = slice(J * BS, (J + 1) * BS)
+        Pk[..., cols] = rnd(kn @ bj.transpose(-1, -2), acc).reshape(sh + (C, BS))
+        Pq[..., cols] = rnd(qn @ bj.transpose(-1, -2), acc).reshape(sh + (C, BS))
+    i = torch.arange(C, device=q.device)
+    strict, incl = i[:, None] > i[None, :], hooks.mqk_mask(C, q.device)
+    zero = torch.zeros((), dtype=F64, device=q.device)
+    mqk = rnd(torch.where(incl, Pq, zero), _dtype(recipe.mqk_dtype, problem))
+    L = torch.where(strict, rnd(-beta[..., :, None] * Pk, acc), zero)
+    X = hooks.build_inverse(L, recipe, None)
+    A = rnd(rnd(X * beta[..., None, :], acc), recipe.inv_beta_dtype)
+    vm = valid[..., None]
+    kb = kb.reshape(sh + (C, K))
+    out = {"gt": decay, "inv": rnd(X, _dtype(recipe.inv_dtype, problem)), "mqk": mqk, "beta": beta, "valid": valid,
+           "qg": torch.where(vm, qg.reshape(sh + (C, K)), zero), "kg": torch.where(vm, kg.reshape(sh + (C, K)), zero),
+           "w": torch.where(vm, rnd(mm(A, kb, acc), tile), zero), "u": torch.where(vm, rnd(mm(A, v, acc), tile), zero)}
+    return out
+
+
+def aiter_state_update(S: torch.Tensor, gt: torch.Tensor, kg: torch.Tensor, v_new: torch.Tensor,
+                       recipe: Recipe) -> torch.Tensor:
+    """The walk's state update, in two token halves into the fp32 accumulator:
+    S <- fp32(fp32(fp32(S gt) + kg_0^T v_0) + kg_1^T v_1)   W1250:126-129 (W950:139-148)."""
+    acc = recipe.acc_dtype
+    h = kg.shape[-2] // 2
+    S1 = rnd(rnd(S * gt, acc) + kg[..., :h, :].transpose(-1, -2) @ v_new[..., :h, :], acc)
+    return rnd(rnd(S1 + kg[..., h:, :].transpose(-1, -2) @ v_new[..., h:, :], acc), recipe.state_dtype)
+
+
+def aiter_carry(S, ch, recipe: Recipe, problem: Problem):
+    """One chunk of the walk: Sb = bf16(S) (W1250:116, W950:114), v_new = bf16(fp32(u - fp32(w Sb)))
+    (W1250:118-124, W950:124-137), then ``aiter_state_update``.  Returns (S, (Sb, v_new))."""
+    acc = recipe.acc_dtype
+    vm = ch["valid"][..., None]
+    zero = torch.zeros((), dtype=F64, device=S.device)
+    Sb = rnd(S, recipe.operand_dtype)
+    v_new = torch.where(vm, rnd(rnd(ch["u"] - mm(ch["w"], Sb, acc), acc), recipe.u_dtype), zero)
+    return aiter_state_update(S, ch["gt"][..., :, None], ch["kg"], rnd(v_new, recipe.U_kr_dtype), recipe), (Sb, v_new)
+
+
+def aiter_outputs(w, Sb, v_new, recipe: Recipe, scale: float) -> torch.Tensor:
+    """o of the walk: y = fp32(qg Sb) (W1250:122-123, W950:131), then by token half
+    o_0 = fp32(fp32(y_0 scale) + aqk_00 v_0), o_1 = fp32(fp32(fp32(y_1 scale) + aqk_10 v_0) + aqk_11 v_1)
+    (W1250:132-138, W950:150-159; gfx950's single 64-row o adds aqk_01 v_1 = 0 to o_0), stored in
+    the output dtype (W1250:139-140, W950:267)."""
+    acc = recipe.acc_dtype
+    C = w["qg"].shape[-2]
+    h = C // 2
+    scale_a = rnd(torch.tensor(scale, dtype=F64, device=Sb.device), acc)
+    ys = rnd(mm(w["qg"], Sb, acc) * scale_a, acc)
+    a = w["mqk"]
+    v = rnd(v_new, recipe.U_mqk_dtype)
+    o0 = rnd(ys[..., :h, :] + a[..., :h, :h] @ v[..., :h, :], acc)
+    o1 = rnd(rnd(ys[..., h:, :] + a[..., h:, :h] @ v[..., :h, :], acc) + a[..., h:, h:] @ v[..., h:, :], acc)
+    return torch.cat([o0, o1], dim=-2)
+
+
+class GroupedWalk:
+    """gfx950's walk of long sequences in G chunk groups (W950 chunk_kda_walk_kernel PASS 1 / 2 and
+    chunk_kda_scan_kernel; HOST _walk_gfx950), applied around the chunk-by-chunk walk of ``emulate``:
+
+      pass 1, group 0:       the ordinary walk from S0; its end state is the entry of group 1
+      pass 1, 1 <= g <= G-2: B_g = the walk of the group from 0, and the transfer T_g = the walk
+                             of the group from the identity with u = 0 (``u_keep`` 0: the
+                             programs whose state rows start as ``S = where(ck == krow, 1, 0)``);
+                             B_g stored fp32, T_g stored in the input dtype (``S.to(mg_ptr...)``)
+      scan:                  entry_{g+1} = fp32(T_g bf16(entry_g) + B_g) (``_scan_step``:
+                             ``s_x.store(S.to(gl.bfloat16))``, ``mfma(s_x.load(A_OP), c, b)``)
+      pass 2:                every group walks again from its entry state and writes o; the
+                             group holding the last chunk writes the final state
+
+    (K-first here: the kernel's state rows are columns, so T_g is the transpose of its M_g.)
+    In the emulation, pass 2 of a group and pass 1's B/T of the same group run side by side, and
+    at the end of group g (1 <= g <= G-2, more chunks following) the walked state is replaced
+    by the scan's entry_{g+1}.  G = 1 and G = 2 are the ordinary walk, bit for bit."""
+
+    def __init__(self, recipe: Recipe, chunks_of: list, HV: int):
+        N = len(chunks_of)
+        G = recipe.walk_groups
+        if G == "auto":
+            G = aiter_gfx950_groups(N, HV, sum(chunks_of))
+        self.G = int(G)
+        self.recipe = recipe
+        self.bounds = [walk_group_bounds(nc, self.G) if nc else [] for nc in chunks_of]
+        self.chunks_of = chunks_of
+        self.aug = {}       # sequence -> [HV, K, V + K]: pass 1's (B | T) of its current group
+        self.entry = {}     # sequence -> [HV, K, V]: the entry state of its current group
+
+    @property
+    def active(self) -> bool:
+        return self.G > 2
+
+    def _group(self, n: int, c: int):
+        for g, (lo, hi) in enumerate(self.bounds[n]):
+            if lo <= c < hi:
+                return g, lo, hi
+        raise AssertionError((n, c))
+
+    def before(self, c: int, act: list, S: torch.Tensor) -> None:
+        """At chunk position ``c``: a sequence entering a pass-1 group (1 <= g <= G-2) keeps its
+        entry state and starts B = 0, T = I."""
+        for row, n in enumerate(act):
+            g, lo, _ = self._group(n, c)
+            if lo == c and 1 <= g <= self.G - 2:
+                HV, K, V = S.shape[1], S.shape[2], S.shape[3]
+                self.entry[n] = S[row].clone()
+                eye = torch.eye(K, dtype=S.dtype, device=S.device).expand(HV, K, K)
+                self.aug[n] = torch.cat([torch.zeros_like(S[row]), eye], dim=-1)
+
+    def after(self, c: int, act: list, S: torch.Tensor, ch: dict, problem: Problem, carry) -> torch.Tensor:
+        """After chunk ``c`` ran on S (rows ``act``): pass 1 steps (B | T) on the same chunk, and a
+        group that ends here with chunks after it hands the scan's entry state to the next."""
+        rows = [row for row, n in enumerate(act) if n in self.aug]
+        if not rows:
+            return S
+        idx = torch.tensor(rows, device=S.device)
+        sub = {key: val[idx] for key, val in ch.items()}
+        K = S.shape[2]
+        sub["u"] = torch.cat([sub["u"], sub["u"].new_zeros(sub["u"].shape[:-1] + (K,))], dim=-1)
+        aug = torch.stack([self.aug[act[r]] for r in rows])
+        aug, _ = carry(aug, sub, self.recipe, problem)
+        rc = self.recipe
+        acc = rc.acc_dtype
+        V = S.shape[3]
+        for i, row in enumerate(rows):
+            n = act[row]
+            self.aug[n] = aug[i]
+            g, _, hi = self._group(n, c)
+            if c + 1 == hi:
+                B, T = aug[i][..., :V], aug[i][..., V:]
+                if hi < self.chunks_of[n]:
+                    S[row] = rnd(rnd(rnd(T, _dtype(rc.transfer_dtype, problem))
+                                     @ rnd(self.entry[n], rc.scan_operand_dtype) + B, acc), rc.state_dtype)
+                del self.aug[n], self.entry[n]
+        return S
 
 
 # ------------------------------------------------------------------------------ emulate
@@ -504,6 +895,8 @@ def emulate(problem: Problem, recipe="flashkda", keep_f64: bool = False, taps: b
     out_dt, state_dt = (F64, F64) if keep_f64 else (problem.v.dtype, FP32)
     o = torch.zeros(Ttot, HV, V, dtype=out_dt, device=dev)
     inv_all = torch.zeros(N, NC, HV, C, C, dtype=FP32, device=dev) if taps else None
+    walker = GroupedWalk(recipe, chunks_of, HV) if recipe.walk_groups != 1 else None
+    walker = walker if walker is not None and walker.active else None
     c0 = 0
     while c0 < NC:
         act = [n for n in range(N) if chunks_of[n] > c0]        # the sequences still running at c0
@@ -513,20 +906,27 @@ def emulate(problem: Problem, recipe="flashkda", keep_f64: bool = False, taps: b
         c0 += ng
         pieces = _group_pieces([bounds[n] for n in act], sl.start, sl.stop, C)
         pp, sub = _group_inputs(problem, pieces)
-        beta_act = pp.beta
-        if recipe.beta_raw_dtype not in (None, F64):   # the kernel takes the raw beta in this dtype only
-            raw = problem.beta.reshape(Ttot, HV)
-            braw = rnd(torch.cat([raw[t0:t1] for t0, t1 in pieces]).to(F64), recipe.beta_raw_dtype)
-            beta_act = beta_activation(braw, problem.beta_kind)
-        beta_p = rnd(beta_act, recipe.acc_dtype)
-        a_p = rnd(pp.a, recipe.acc_dtype)
-        qt = hooks.tiles(pp.q, sub, ng, C)
-        kt = hooks.tiles(pp.k, sub, ng, C)
+        if recipe.form == "aiter":     # the prepare kernel's own l2norm, gate and beta (aiter_token_inputs)
+            q_p, k_p, a_p, beta_p = aiter_token_inputs(problem, pieces, pp, recipe)
+        else:
+            beta_act = pp.beta
+            if recipe.beta_raw_dtype not in (None, F64):   # the kernel takes the raw beta in this dtype only
+                raw = problem.beta.reshape(Ttot, HV)
+                braw = rnd(torch.cat([raw[t0:t1] for t0, t1 in pieces]).to(F64), recipe.beta_raw_dtype)
+                beta_act = beta_activation(braw, problem.beta_kind)
+            q_p, k_p, a_p, beta_p = pp.q, pp.k, rnd(pp.a, recipe.acc_dtype), rnd(beta_act, recipe.acc_dtype)
+            del beta_act
+        qt = hooks.tiles(q_p, sub, ng, C)
+        kt = hooks.tiles(k_p, sub, ng, C)
         vt = hooks.tiles(pp.v, sub, ng, C)
         at = hooks.tiles(a_p, sub, ng, C)
         bt = hooks.tiles(beta_p[..., None], sub, ng, C)[..., 0]
-        del pp, a_p, beta_p, beta_act
-        w = _chunk_work(qt, kt, vt, at, bt, valid[sel, sl], lens[sel, sl], problem.scale_value, recipe, problem, hooks)
+        del pp, q_p, k_p, a_p, beta_p
+        if recipe.form == "aiter":     # at: the per-token gate in log2 units
+            w = aiter_chunk_work(qt, kt, vt, at, bt, valid[sel, sl], problem.scale_value, recipe, problem, hooks)
+        else:
+            w = _chunk_work(qt, kt, vt, at, bt, valid[sel, sl], lens[sel, sl], problem.scale_value, recipe, problem,
+                            hooks)
         del qt, kt, vt, at, bt
         if recipe.acc_dtype != F64:   # what the chunk steps read is held at fp32 (stored values are exact there)
             w = {key: rnd(val, FP32) if val.is_floating_point() else val for key, val in w.items()}
@@ -536,7 +936,12 @@ def emulate(problem: Problem, recipe="flashkda", keep_f64: bool = False, taps: b
         Sb_all = S.new_empty(len(act), ng, HV, K, V)     # per chunk position: what its output needs
         X_all = S.new_empty(len(act), ng, HV, C, V)      # (U, or fla's v_new)
         for j in range(ng):
-            Sg, (Sb, X) = _carry(Sg, {key: val[:, j] for key, val in w.items()}, recipe, problem, hooks)
+            ch = {key: val[:, j] for key, val in w.items()}
+            if walker is not None:
+                walker.before(sl.start + j, act, Sg)
+            Sg, (Sb, X) = _carry(Sg, ch, recipe, problem, hooks)
+            if walker is not None:
+                Sg = walker.after(sl.start + j, act, Sg, ch, problem, aiter_carry)
             Sb_all[:, j], X_all[:, j] = Sb, X
         S[sel] = Sg
         o_t = _outputs(w, Sb_all, X_all, recipe, problem, problem.scale_value)
@@ -548,7 +953,8 @@ def emulate(problem: Problem, recipe="flashkda", keep_f64: bool = False, taps: b
         del o_t, rows
     o = o.reshape(problem.B, problem.T, HV, V)
     final = S.to(state_dt)
-    out = _finish(problem, o, final, recipe.name)
+    unwritten = [] if recipe.paged_store_empty else [n for n in range(N) if lens_list[n] == 0]
+    out = _finish(problem, o, final, recipe.name, unwritten)
     if taps:
         inv_dt = _dtype(recipe.inv_dtype, problem)
         out.taps["ws_inv"] = _head_major_tiles(inv_all, lens).to(inv_dt if not keep_f64 else F64)
@@ -571,6 +977,8 @@ def _carry(S, ch, recipe: Recipe, problem: Problem, hooks: Hooks):
     zero = torch.zeros((), dtype=F64, device=S.device)
     gt = ch["gt"][..., :, None]                                     # [N,HV,K,1]
     acc = recipe.acc_dtype
+    if recipe.form == "aiter":
+        return aiter_carry(S, ch, recipe, problem)
     if recipe.form == "fla":
         op = _op_dtype(recipe, problem)
         tile = _dtype(recipe.tile_dtype, problem)
@@ -600,17 +1008,26 @@ def _outputs(w, Sb, X, recipe: Recipe, problem: Problem, scale: float):
         flashkda, moonshot:  o = acc(qd.Sb + Mqk.U_mqk(U))
         fla:                 o = acc(acc(scale qg.op(Sb)) + Aqk.op(v_new))"""
     acc = recipe.acc_dtype
+    if recipe.form == "aiter":
+        return aiter_outputs(w, Sb, X, recipe, scale)
     if recipe.form == "fla":
         op = _op_dtype(recipe, problem)
         return rnd(rnd(scale * mm(rnd(w["qg"], op), Sb, acc), acc) + mm(rnd(w["mqk"], op), rnd(X, op), acc), acc)
     return rnd(mm(w["qd"], Sb, acc) + mm(w["mqk"], rnd(X, recipe.U_mqk_dtype), acc), acc)
 
 
-def _finish(problem: Problem, o: torch.Tensor, final_kfirst: torch.Tensor, recipe: str) -> Outputs:
+def _finish(problem: Problem, o: torch.Tensor, final_kfirst: torch.Tensor, recipe: str,
+            unwritten: list = ()) -> Outputs:
+    """Outputs in the Problem's layouts; a paged cache gets every sequence's final state in its
+    slot except the sequences in ``unwritten`` (gfx950's walk stores a slot only from the group
+    holding a sequence's last chunk, so a zero-length sequence leaves its slot as it was: W950
+    ``do_store = last & (slot1 >= 0) & (slot1 < num_slots)`` with ``last = (c_hi == nc) & (ncg > 0)``)."""
     info = {"route_ran": recipe}
     if problem.paged:
         cache = problem.state_cache.detach().clone().to(final_kfirst.dtype)
-        cache[problem.state_indices.long()] = final_kfirst.transpose(-1, -2).to(cache.device)
+        keep = [n for n in range(final_kfirst.shape[0]) if n not in set(unwritten)]
+        idx = problem.state_indices.long()[keep]
+        cache[idx] = final_kfirst[keep].transpose(-1, -2).to(cache.device)
         return Outputs(o=o, state_cache=cache, info=info)
     if not problem.output_final_state:
         return Outputs(o=o, info=info)
@@ -642,13 +1059,17 @@ class EmulatorBackend:
 
     def accepts(self, problem: Problem, route: Route):
         """Every valid Problem, except what a recipe's kernel documents it cannot take: Moonshot
-        documents lower_bound in [-5, 0]; the flashkda pivot factors overflow for |lb| >= 5.55."""
+        documents lower_bound in [-5, 0]; the flashkda pivot factors overflow for |lb| >= 5.55;
+        aiter's chunk_kda host asserts lower_bound >= -5.5."""
         lb = problem.lower_bound if problem.gate == "lower_bound" else None
         recipe = route.recipe
         if recipe.startswith("moonshot") and lb is not None and lb < -5.0:
             return False, f"not applicable: the moonshot recipe documents lower_bound in [-5, 0], got {lb:g}"
         if recipe == "flashkda" and lb is not None and lb <= -5.55:
             return False, f"not applicable: flashkda pivot factors 2^(23.08*|lb|) overflow for lb <= -5.55, got {lb:g}"
+        if recipe in CHUNK_KDA_GLUON_RECIPES.values() and lb is not None and lb < -5.5:
+            return False, (f"not applicable: aiter's chunk_kda asserts -5.5 <= lower_bound < 0 (its 16-token "
+                           f"bands' 2^-lc overflow fp32 beyond), got {lb:g}")
         return True, ""
 
     def run(self, problem: Problem, route: Route) -> Outputs:

@@ -138,7 +138,10 @@ def test_routes_and_recipes():
     b, *_ = _backend()
     by = {r.name: r for r in b.routes()}
     assert by["chunk_kda:triton"].recipe == "flashkda"        # the fallback is aiter's Triton FlashKDA
-    assert by["chunk_kda:gluon"].recipe == "fla"              # C = 64, 16-row bands, fp32 inverse
+    assert by["chunk_kda:gluon"].recipe == "aiter-gfx1250"    # off gfx: the gfx1250 recipe names it
+    for arch in ("gfx1250", "gfx950"):                         # on its GPU, that GPU's recipe
+        g, *_ = _backend(arch)
+        assert {r.name: r for r in g.routes()}["chunk_kda:gluon"].recipe == f"aiter-{arch}"
     assert dict(by["chunk_kda:gluon"].flags)["entry"] == "chunk_kda"
     assert dict(by["triton:unseg"].flags)["entry"] == "flash_kda"
 

@@ -1,7 +1,7 @@
 """Baselines: what the route's recipe, emulated, errs against the same oracle on the same case.
 
-A cell's yardstick is the emulator's run of the route's recipe (``Route.recipe``: flashkda,
-fla or moonshot, kda_kernels/emulator.py) on the problem as given, measured against the float64
+A cell's yardstick is the emulator's run of the route's recipe (``Route.recipe``: a name of
+``RECIPES`` of kda_kernels/emulator.py) on the problem as given, measured against the float64
 truth with the same metrics as the kernel (``baseline_metrics``).  On a problem whose magnitudes
 lie off the typical range (``off_range``) each tensor's metrics also carry ``in_range``: the same
 recipe with its fp16 storage given fp32's exponent range (``in_range_recipe``), what the recipe

@@ -9,7 +9,7 @@ cap) of tolerances.yaml for (backend, route, input dtype, tensor):
     margin = err / threshold (the worse of the two; > 1 fails)
 
 The cap never asks for more than bf16 can give on the case: when even the best production
-recipe (the least error over the emulated recipes flashkda, fla, moonshot on the same case,
+recipe (the least error over the emulated recipes of RECIPES on the same case,
 ``recipe_baselines``) errs above the cap on a tensor, no rounding meets the cap there and that
 tensor's cap is lifted to m * max(best, the route's own baseline) + floor, so the tensor is held
 to m x its own baseline; the record says so (``cap_lifted``).  Example: one token whose q^.k^ is
