@@ -77,7 +77,7 @@ def test_bad_input_is_one_line_and_exit_two(files, capsys, tmp_path):
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
     assert main(["capture", "--backend", "emulator", "--route", "nope", "--inputs", inputs,
                  "--out", str(tmp_path / "x.safetensors")]) == 2
-    assert "--route: expected one of flashkda, fla, moonshot, got 'nope'" in capsys.readouterr().err
+    assert f"--route: expected one of {', '.join(RECIPES)}, got 'nope'" in capsys.readouterr().err
 
 
 def test_export_then_oracle_then_check_from_the_command_line(tmp_path):
