@@ -29,12 +29,33 @@ def test_every_moonshot_finding_has_a_repro_the_job_can_run(capsys):
 
 
 def _results(d: Path, version: str, status: str, case="smoke/correlated-weak-lb-0.01"):
+    """A results directory of one moonshot cell; a known-fail names the entry that excused it, as
+    the runner records it (the first entry of the register that matches)."""
     d.mkdir(parents=True)
     c = get_case(case)
+    extra = {}
+    if status == "known-fail":
+        kf = next(k for k in load_tolerances().known_failures if k.matches("moonshot", "cutlass:state=fp32", case,
+                                                                           dict(c.params)))
+        extra["known_failure"] = {"line": kf.line}
     rec = Record(key=f"moonshot|cutlass:state=fp32|{case}", backend="moonshot", backend_version=f"{version} (recipe x)",
-                 route="cutlass:state=fp32", case=case, params=dict(c.params), status=status)
-    (d / "results.jsonl").write_text(json.dumps(rec.to_dict(version=True)) + "\n")
+                 route="cutlass:state=fp32", case=case, params=dict(c.params), status=status, extra=extra)
+    with open(d / "results.jsonl", "a") as f:
+        f.write(json.dumps(rec.to_dict(version=True)) + "\n")
     return d
+
+
+def test_a_known_failure_counts_only_for_the_entry_that_excused_it(tmp_path):
+    """The collinear-keys case (rho 1, beta_raw 8, g_shift -12) also meets the gate-shift entry's
+    parameters; its known-fail, excused by the collinear entry, is no evidence that the gate-shift
+    failure persists (on the H200 the fixed build failed the one and passed the other)."""
+    db = load_tolerances()
+    a = _results(tmp_path / "a", FWDSUB, "known-fail", case="stress/collinear-keys-T16384-gate-12-beta8-lb-5")
+    res = fixed_in.verdicts([a], db)
+    collinear = next(k for k in db.known_failures if k.backend == "moonshot" and "collinear" in k.case)
+    shift = next(k for k in db.known_failures if k.backend == "moonshot" and "g_shift" in k.describe_params())
+    assert res[collinear.line] == {"fixed": [], "fails": [FWDSUB]}
+    assert shift.line not in res
 
 
 def test_reruns_become_fixed_in_and_still_fails_in(tmp_path):
