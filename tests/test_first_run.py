@@ -161,8 +161,11 @@ def test_ci_runs_the_readmes_install_test_and_main_lines_exactly_in_a_fresh_venv
                                                                   "trap "))]
     assert before == ['venv="$(mktemp -d)/venv"', 'python3 -m venv "$venv"', '. "$venv/bin/activate"',
                       _readme_cpu_torch_line()], before
-    # no pinned torch / triton install of CI's own anywhere: only the README's CPU-only torch line
-    assert [ln for ln in lines if re.search(r"pip3? install .*(torch|triton)", ln)] == [_readme_cpu_torch_line()]
+    # no pinned torch / triton install of CI's own anywhere: the README's CPU-only torch line, and after
+    # the README's lines the newest triton in pyproject's own range (what a CPU-only torch resolves)
+    installs = [ln for ln in lines if re.search(r"pip3? install .*(torch|triton)", ln)]
+    assert installs[0] == _readme_cpu_torch_line() and len(installs) == 2, installs
+    assert "range_text()" in installs[1] and lines.index(installs[1]) > at[-1], installs
 
 
 def _readme_cpu_torch_line() -> str:
