@@ -108,6 +108,20 @@ CHUNK_KDA_ROUTES = {"chunk_kda:gluon": ("gluon", None), "chunk_kda:triton": ("tr
 _ROUTE_RE = re.compile(r"^(triton|gluon|gluon-k1|gluon-k2):(unseg|seg(?::cps=(\d+))?)(?::prefetch=(on|off))?$")
 
 
+def _paged_cache_refusal(p: Problem, owner: str) -> Optional[str]:
+    """Why ``owner``'s kernels cannot take ``p``'s paged cache (fp32 [slots, H, V, K] with dense slots,
+    only stride(0) padded), or None when they can or ``p`` has none."""
+    if not p.paged:
+        return None
+    sc = p.state_cache
+    if sc.dtype != torch.float32:
+        return f"not applicable: {owner}'s paged state_cache is fp32, got {sc.dtype}"
+    if sc.stride(-1) != 1 or sc.stride(2) != p.K or sc.stride(1) != p.V * p.K:
+        return (f"not applicable: {owner}'s paged state_cache needs dense [H, V, K] slots "
+                f"(only stride(0) may be padded), got strides {tuple(sc.stride())}")
+    return None
+
+
 def parse_route(name: str) -> dict:
     """'gluon-k2:seg:cps=4:prefetch=on' -> entry "flash_kda", kernels, chunks_per_seg (0 =
     unsegmented, None = aiter's heuristic), prefetch (None = leave the library default);
@@ -353,13 +367,9 @@ class AiterBackend:
             who = ("chunk_kda_prepare asserts" if gluon else
                    "the Triton fallback's chunk_kimi_delta_attn raises outside its safe range:")
             return False, f"not applicable: {who} lower_bound in [{lo}, 0), got {p.lower_bound}"
-        if p.paged:
-            sc = p.state_cache
-            if sc.dtype != torch.float32:
-                return False, f"not applicable: chunk_kda's paged state_cache is fp32, got {sc.dtype}"
-            if sc.stride(-1) != 1 or sc.stride(2) != p.K or sc.stride(1) != p.V * p.K:
-                return False, (f"not applicable: chunk_kda's paged state_cache needs dense [H, V, K] slots "
-                               f"(only stride(0) may be padded), got strides {tuple(sc.stride())}")
+        why = _paged_cache_refusal(p, "chunk_kda")
+        if why:
+            return False, why
         if not gluon and p.N * p.H > 65535:
             return False, (f"not applicable: N*H = {p.N * p.H} exceeds the CUDA grid-y limit 65535 of the "
                            "fallback's flash_kda scan")
@@ -386,13 +396,9 @@ class AiterBackend:
             return False, f"not applicable: FlashKDA needs bf16 q and v, got {p.q.dtype} / {p.v.dtype}"
         if p.paged and not self._supports("state_cache"):
             return False, f"not applicable: this aiter version ({self._layout} layout) has no paged state cache"
-        if p.paged:
-            sc = p.state_cache
-            if sc.dtype != torch.float32:
-                return False, f"not applicable: aiter's paged state_cache is fp32, got {sc.dtype}"
-            if sc.stride(-1) != 1 or sc.stride(2) != p.K or sc.stride(1) != p.V * p.K:
-                return False, (f"not applicable: aiter's paged state_cache needs dense [H, V, K] slots "
-                               f"(only stride(0) may be padded), got strides {tuple(sc.stride())}")
+        why = _paged_cache_refusal(p, "aiter")
+        if why:
+            return False, why
         if p.N * p.H > 65535:
             return False, f"not applicable: N*H = {p.N * p.H} exceeds the CUDA grid-y limit 65535 of aiter's scan"
         return True, ""
