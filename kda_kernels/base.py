@@ -115,12 +115,31 @@ class ChecksContract(Protocol):
         """None, or one line naming the documented range and the value that violates it."""
 
 
+@runtime_checkable
+class RunsTraces(Protocol):
+    """Serving-trace calls (docs/traces.md, "Calls"): the groups of a trace step a route runs
+    (kda_kernels.trace_calls: a prefill chunk kernel over a paged cache, a recurrent decode
+    kernel, the same with speculative rows).  Each trace route has the flag ("groups", (...))
+    naming the groups it runs, a subset of ("prefill", "decode", "spec")."""
+
+    def trace_routes(self) -> list[Route]:
+        """The routes that run trace calls (may differ from routes())."""
+
+    def trace_accepts(self, trace, route: Route) -> tuple[bool, str]:
+        """(True, "") or (False, "not applicable: reason"), from the trace's cache spec
+        (layout, dtype, slot stride, pad convention), shapes and model options."""
+
+    def run_call(self, call, route: Route) -> torch.Tensor:
+        """Run one PhaseCall: write the cache in place, return o [1, T, HV, V]."""
+
+
 CAPABILITIES: dict[str, type] = {
     "runs_passes": RunsPasses,
     "takes_buffers": TakesBuffers,
     "returns_taps": ReturnsTaps,
     "looks_up_routes": LooksUpRoutes,
     "checks_contract": ChecksContract,
+    "runs_traces": RunsTraces,
 }
 
 

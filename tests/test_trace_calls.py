@@ -1,0 +1,35 @@
+"""kda_kernels.trace_calls: how a trace step is split into kernel calls."""
+import torch
+
+from kda_kernels.trace_calls import assemble, group_rows, split_step
+from kda_ref.trace_gen import generate
+
+
+def test_padding_rides_with_decode_then_spec_then_alone():
+    assert group_rows([0, 1, -1]) == {"prefill": [0], "decode": [1, 2]}
+    assert group_rows([2, -1, 2]) == {"spec": [0, 1, 2]}
+    assert group_rows([0, -1]) == {"prefill": [0], "decode": [1]}
+    assert group_rows([1, 2, -1]) == {"decode": [0, 2], "spec": [1]}
+
+
+def test_split_covers_every_token_once_and_keeps_the_step_arguments():
+    tr = generate(3, "mixed")
+    cache = tr.cache.allocate()
+    seen_groups = set()
+    for s in range(tr.steps):
+        a = tr.step(s)
+        calls = split_step(tr, s, cache)
+        T = a["q"].shape[1]
+        idx = torch.cat([c.token_index for c in calls]).sort().values
+        assert torch.equal(idx, torch.arange(T))
+        for c in calls:
+            seen_groups.add(c.group)
+            assert torch.equal(c.q[0], a["q"][0, c.token_index])
+            assert c.cu_seqlens[-1].item() == c.tokens
+            rows = (c.rows - int(tr.step_rows[s])).tolist()
+            table = a["state_indices"][rows]
+            assert torch.equal(c.state_indices, table if c.group == "spec" else table[:, 0])
+            assert (c.num_accepted_tokens is None) == (c.group != "spec")
+        o = assemble(calls, [c.v.to(torch.float64) for c in calls], T)
+        assert torch.equal(o, a["v"][0].to(torch.float64))
+    assert {"prefill", "decode"} <= seen_groups
