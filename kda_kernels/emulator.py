@@ -1381,9 +1381,10 @@ def run_decode_call(call, recipe="fla-recurrent", hooks: TraceHooks = DEFAULT_TR
     return o.to(call.v.dtype)[None]
 
 
-def _trace_refusal(trace, recipe: str) -> Optional[str]:
+def _trace_refusal(trace, recipe: str, padding: bool = True) -> Optional[str]:
     """Why the kernel of ``recipe`` (a trace route's) cannot run ``trace``'s calls, in its own
-    terms, or None."""
+    terms, or None; ``padding`` false leaves out what the kernel does with padding rows (the
+    negative controls that write them run anyway)."""
     c = trace.cache
     if recipe in PREFILL_TRACE_RECIPES:
         who = ("FlashKDA (kda_kernels/triton/forward.py, aiter flash_kda_fwd)" if recipe == "flashkda" else
@@ -1408,6 +1409,8 @@ def _trace_refusal(trace, recipe: str) -> Optional[str]:
                 f"kda.py:242) over a power-of-two K, got K={trace.K} V={trace.V}")
     if rec.kernel != "fla" and trace.gate != "pregated" and trace.A_log is None:
         return "not applicable: aiter's decode computes the gate in the kernel from A_log (kda.py:216), the trace has none"
+    if not padding:
+        return None
     live = (trace.row_phase == 1) | (trace.row_phase == 2)
     pads = trace.row_phase == -1
     if rec.pad_guard and c.pad == "minus1" and bool((trace.state_indices[live] == 0).any()):
