@@ -296,3 +296,33 @@ def test_trace_controls_refuse_traces_they_cannot_change():
     for name in ("keep-rejected", "pad-writes-slot0"):
         ok, why = BAD.trace_accepts(tr, CONTROLS[name])
         assert not ok and "changes nothing here" in why, why
+
+
+def test_prefill_row_outside_the_slots_is_neither_read_nor_written():
+    """The chunk kernels mask the paged load and store by a non-negative offset: a prefill row on
+    slot -1 runs from zero and writes nothing (every slot but the other rows', the guard rows and
+    the inter-slot padding keep their bits), its o that of the same row starting from zero."""
+    c = CacheSpec(slots=4, HV=2, K=32, V=32, guard_rows=1)
+    tr = trace_from_rows(c, [[(7, 0, PREFILL, [0], False, 1, 7), (5, 1, PREFILL, [1], False, 1, 5)],
+                             [(9, 0, PREFILL, [0], True, 1, 9), (6, 1, PREFILL, [1], True, 1, 6)]], seed=2, H=2)
+    cache = tr.cache.allocate()
+    call = split_step(tr, 1, cache)[0]
+    n = 0
+    call.state_indices = call.state_indices.clone()
+    slot = int(call.state_indices[n])
+    tr.cache.view(cache).fill_(0.25)                         # states the rows would read
+    before = cache.clone()
+    call.state_indices[n] = -1
+    o = EMU.run_call(call, ROUTES["flashkda"])
+    others = set(call.state_indices.tolist()) - {-1}           # the other rows write their own slots
+    view, bview = tr.cache.view(cache), tr.cache.view(before)
+    for s in range(tr.cache.slots):
+        assert (s in others) or torch.equal(_bits(view[s]), _bits(bview[s])), s
+    outside = tr.cache.outside_slots()
+    assert torch.equal(_bits(cache[outside]), _bits(before[outside]))
+    call.state_indices[n] = slot
+    call.has_initial_state = call.has_initial_state.clone()
+    call.has_initial_state[n] = False
+    o_zero = EMU.run_call(call, ROUTES["flashkda"])
+    t0, t1 = int(call.cu_seqlens[n]), int(call.cu_seqlens[n + 1])
+    assert torch.equal(o[0, t0:t1], o_zero[0, t0:t1])
