@@ -1258,13 +1258,12 @@ def _decode_inputs(call, recipe: DecodeRecipe):
     (exp of the log-decay), v [T, HV, V], beta [T, HV]; float64 arrays holding ``arith`` values."""
     r = (lambda x: rnd(x, recipe.arith))
     m = call.model
-    T, H, K = call.q.shape[1], call.q.shape[2], call.q.shape[3]
-    HV = call.v.shape[2]
-    q = expand_gva(call.q[0].to(F64), HV)
-    k = expand_gva(call.k[0].to(F64), HV)
-    v = call.v[0].to(F64)
-    g = call.g[0].to(F64)
-    b = call.beta[0].to(F64)
+    K, HV = call.q.shape[3], call.v.shape[2]
+    q = expand_gva(r(call.q[0].to(F64)), HV)      # every kernel loads its inputs .to(fp32)
+    k = expand_gva(r(call.k[0].to(F64)), HV)
+    v = r(call.v[0].to(F64))
+    g = r(call.g[0].to(F64))
+    b = r(call.beta[0].to(F64))
     scale = r(torch.tensor(K ** -0.5 if m["scale"] is None else float(m["scale"]), dtype=F64))
     lb = None if m["lower_bound"] is None else r(torch.tensor(float(m["lower_bound"]), dtype=F64))
     A = None if m["A_log"] is None else r(m["A_log"].to(F64).reshape(HV, 1))
@@ -1303,8 +1302,9 @@ def _decode_inputs(call, recipe: DecodeRecipe):
         x = r(g + dt) if dt is not None else g
         if gate == "lower_bound":
             gk = r(lb * r(torch.sigmoid(r((ea if ea is not None else 1.0) * x))))
-        else:
-            gk = r(-ea * r(torch.nn.functional.softplus(x, threshold=20.0)))
+        else:                                    # without A_log: b_A = 1.0, -exp(1.0) softplus(g)
+            e1 = ea if ea is not None else r(torch.exp(torch.ones((), dtype=F64)))
+            gk = r(-e1 * r(torch.nn.functional.softplus(x, threshold=20.0)))
         decay = r(torch.exp(gk))
     elif kind == "gfx1250":                      # gfx1250 kda_decode.py:467-481, 268-281
         if gate == "lower_bound":
