@@ -16,6 +16,7 @@ thing each:
     guard_write    a decode call also writes one element of the guard rows before slot 0
     bf16_state     prefill rounds the state to bf16 before storing it (in an fp32 cache)
     raising        decode calls raise
+    interrupt      decode calls raise KeyboardInterrupt (Ctrl-C while a cell runs)
 
 Trace routes (the same in every mode): ``exact-prefill`` (groups prefill), ``exact-decode``
 (decode, spec) and ``exact-all`` (every group); each route's recipe is its own name, so the
@@ -31,7 +32,7 @@ from kda_ref.problem import Problem
 from kda_ref.recurrence import token_step
 
 MODES = ("exact", "transposed", "no_initial", "pad_slot0", "keep_rejected", "stale", "guard_write", "bf16_state",
-         "raising")
+         "raising", "interrupt")
 ROUTES = (Route("exact-prefill", recipe="exact-prefill", flags=(("groups", ("prefill",)),)),
           Route("exact-decode", recipe="exact-decode", flags=(("groups", ("decode", "spec")),)),
           Route("exact-all", recipe="exact-all", flags=(("groups", ("prefill", "decode", "spec")),)))
@@ -73,6 +74,8 @@ class ServingBackend:
         mode = self.mode
         if mode == "raising" and call.group != "prefill":
             raise RuntimeError(f"planted failure in a {call.group} call")
+        if mode == "interrupt" and call.group != "prefill":
+            raise KeyboardInterrupt
         p = Problem(q=call.q, k=call.k, v=call.v, g=call.g, beta=call.beta, output_final_state=False,
                     **call.model)
         pp = prepare_tokens(p, 0, call.tokens, None)

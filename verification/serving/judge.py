@@ -187,6 +187,10 @@ def _writer(spec, calls: list, index: int, slot: Optional[int]) -> str:
                             f"{', the last slot' if x < 0 else ''})")
                 if hit:
                     return f"call {c.label}, row {row} ({PHASE_NAMES.get(ph, ph)}, table {table})"
+        pads = [row for row, ph in zip(c.rows, c.phases) if ph == -1]
+        if pads:
+            return (f"call {c.label} (no row of it names slot {slot}; its padding row(s) {pads}, pad slot "
+                    f"{spec.pad_slot}, are the ones with no slot of their own)")
     return f"call {c.label}"
 
 
