@@ -114,3 +114,28 @@ def test_ctrl_c_exits_130_interrupted(baseline, capsys, tmp_path):
     assert "INTERRUPTED" in (out / "report.md").read_text()
     runs = json.loads((out / "run.json").read_text())["runs"]
     assert runs[-1]["interrupted"] == {"selected": 1, "not_run": 1}
+
+
+def test_pytest_plugin_runs_serving_cells(baseline, tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(root / "tests"), env.get("PYTHONPATH", "")])
+    env.pop("PYTEST_XDIST_WORKER", None)
+    rep = tmp_path / "rep"
+    cmd = [sys.executable, "-m", "pytest", "tests/test_verify_matrix.py", "-p", "no:cacheprovider", "-q", "-rfs",
+           "-m", "verify", "--kda-suite", "serving", "--kda-backend", "serving_backends:transposed",
+           "--kda-route", "exact-prefill", "--kda-decode-backend", EXACT, "--kda-decode-route", "exact-decode",
+           "--kda-case", "serving/one-token-prompts", "--kda-case", "serving/mixed-kv", "--kda-report", str(rep)]
+    res = subprocess.run(cmd, cwd=root, capture_output=True, text=True, env=env, timeout=240)
+    out = res.stdout + res.stderr
+    assert res.returncode == 1, out
+    # V-first: the transposed handover fails, named; K-first: the same bytes are the right layout
+    assert "1 failed, 1 passed" in out, out
+    assert ("verify[serving-transposed+serving-exact-exact-prefill+exact-decode-serving/one-token-prompts]" in out)
+    assert "layout disagreement: prefill serving-transposed:exact-prefill wrote slot" in out
+    recs = read_records(rep / "results.jsonl")
+    assert sorted(r["status"] for r in recs) == ["fail", "pass"]
