@@ -43,7 +43,8 @@ def changed_regions(spec, before: torch.Tensor, after: torch.Tensor, allowed: li
 
 def run_trace(trace, runners: dict, device: str = "cpu", seed: int = 0) -> dict:
     """{"o": worst relative error of the runners' outputs, "state": worst of the slots their rows
-    wrote, "unexpected": [(step, region)] written outside the step's slots, "calls": {group: n}}.
+    wrote, "unexpected": [(step, region)] written outside the step's slots, "calls": {group: n},
+    "by_group": {group: {"o", "state", "o_step", "state_step"}} (the worst of each and its step)}.
 
     The buffer starts as seeded random finite values (not NaN: a kernel that reads a NaN slot and
     writes back the NaN it computed leaves the bits as they were, hiding the write)."""
@@ -52,7 +53,7 @@ def run_trace(trace, runners: dict, device: str = "cpu", seed: int = 0) -> dict:
     cache = cache.to(device)
     view = trace.cache.view(cache)
     worst_o = worst_s = 0.0
-    unexpected, counts = [], {}
+    unexpected, counts, by_group = [], {}, {}
     for s, st in enumerate(trace_oracle(trace)):
         before = cache.clone()
         rows = {rp.row: rp for rp in st.plan.rows}
@@ -71,9 +72,13 @@ def run_trace(trace, runners: dict, device: str = "cpu", seed: int = 0) -> dict:
             o = backend.run_call(call, route)
             assert tuple(o.shape) == (1, call.tokens, trace.HV, trace.V), (call.describe(), tuple(o.shape))
             keep = live[tok]
-            worst_o = max(worst_o, _rel(o[0].cpu()[keep], st.o[tok][keep]))
-            for rp in mine:
-                for _, slot in rp.writes:
-                    worst_s = max(worst_s, _rel(view[slot].cpu(), st.expected(slot)))
+            e_o = _rel(o[0].cpu()[keep], st.o[tok][keep])
+            e_s = max([_rel(view[slot].cpu(), st.expected(slot)) for rp in mine for _, slot in rp.writes] or [0.0])
+            worst_o, worst_s = max(worst_o, e_o), max(worst_s, e_s)
+            g = by_group.setdefault(call.group, {"o": 0.0, "state": 0.0, "o_step": None, "state_step": None})
+            if e_o > g["o"]:
+                g.update(o=e_o, o_step=s)
+            if e_s > g["state"]:
+                g.update(state=e_s, state_step=s)
         unexpected += [(s, r) for r in changed_regions(trace.cache, before.cpu(), cache.cpu(), st.written)]
-    return {"o": worst_o, "state": worst_s, "unexpected": unexpected, "calls": counts}
+    return {"o": worst_o, "state": worst_s, "unexpected": unexpected, "calls": counts, "by_group": by_group}
