@@ -43,6 +43,21 @@ CASES = {
                                       dict(KV, layout="kv", cache_dtype="bfloat16"), ("prefill",)),
     "fla-end-to-end-mixed-null": (None, "null-block", 3, dict(KV, requests=3), ("prefill", "decode", "spec")),
 }
+# the smallest cases of the two finding candidates: a 1-token prefill, then a decode step whose
+# batch holds one padding row (HV = 1, K = V = 16; a guard of one slot before slot 0)
+SMALLEST = {"null0": "slot 0", "minus1": "guard/padding"}
+
+
+def smallest_trace(pad: str):
+    from kda_ref.trace import DECODE, PAD, PREFILL, CacheSpec
+    from kda_ref.trace_gen import trace_from_rows
+    live, pad_slot = (1, 0) if pad == "null0" else (0, -1)
+    cache = CacheSpec(slots=live + 1, HV=1, K=16, V=16, guard_rows=16, pad=pad).check()
+    steps = [[(1, 0, PREFILL, [live], False, 1, 1)],
+             [(1, 0, DECODE, [live], True, 1, 1), (1, -1, PAD, [pad_slot], False, 1, 0)]]
+    return trace_from_rows(cache, steps, seed=5)
+
+
 REFUSED = {  # name -> (route, scenario, knobs, words of the reason)
     "recurrent-mixed-small-guard": ("fused_recurrent", "mixed", dict(KV), "no pad-slot check"),
     "chunk-K-512": ("chunk:exact", "short-prompts", dict(K=512, V=16), "K <= 256"),
@@ -76,6 +91,11 @@ def _child() -> dict:
             ok = b.trace_accepts(tr, rt[route]) == (True, "")
         res = run_trace(tr, runners) if ok else {}
         out["cases"][name] = dict(res, accepted=ok, dtype=tr.cache.dtype, describe=tr.describe())
+    out["smallest"] = {}
+    for pad in SMALLEST:
+        tr = smallest_trace(pad)
+        out["smallest"][pad] = dict(run_trace(tr, {"decode": (b, rt["fused_recurrent"])}),
+                                    accepted=list(b.trace_accepts(tr, rt["fused_recurrent"])))
     for name, (route, scen, knobs, _) in REFUSED.items():
         out["refused"][name] = list(b.trace_accepts(generate(1, scen, **knobs), rt[route]))
     return out
@@ -133,3 +153,14 @@ def test_route_matches_the_trace_oracle(result, case):
 def test_what_fla_cannot_take_is_refused_in_its_terms(result, case):
     ok, why = result["refused"][case]
     assert not ok and why.startswith("not applicable: ") and REFUSED[case][3] in why, why
+
+
+@pytest.mark.parametrize("pad", list(SMALLEST))
+def test_smallest_case_a_padding_row_has_its_state_written(result, pad):
+    """Finding candidate: fused_recurrent_kda_fwd writes a padding row's state (index 0: the NULL
+    block; index -1: one slot stride before slot 0), which the trace model says no kernel writes;
+    the live decode row is right."""
+    r = result["smallest"][pad]
+    assert r["accepted"] == [True, ""] and r["calls"] == {"decode": 1}, r
+    assert r["o"] < FP32_BOUND and r["state"] < FP32_BOUND, r
+    assert r["unexpected"] == [[1, SMALLEST[pad]]], r["unexpected"]
