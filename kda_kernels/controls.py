@@ -66,7 +66,7 @@ from .base import Outputs, Route
 from .emulator import (BF16, DEFAULT_HOOKS, RECIPES, REFERENCE_RECIPES, EmulatorBackend, build_inverse, emulate, rnd,
                        valid_rows)
 from .emulator import (DEFAULT_TRACE_HOOKS, PREFILL_TRACE_RECIPES, TraceHooks, _trace_refusal, kernel_slot, load_slot,
-                       read_column, run_decode_call, run_prefill_call, store_slot)
+                       read_column, run_decode_call, run_prefill_call, slot_region, store_slot)
 
 NEGATIVE_CONTROLS: dict[str, str] = {
     "carry_scaled": "the state carried across every chunk boundary is scaled by 0.99",
@@ -312,9 +312,9 @@ TRACE_CONTROLS: dict[str, tuple] = {     # name -> (recipe, groups, what is wron
 
 def _store_other_layout(call, n: int, slot: int, S: torch.Tensor) -> None:
     """handover-transposed: the slot receives the state's bytes in the other layout."""
-    view = call.slots_view()
+    region = slot_region(call, slot)
     other = S if call.spec.layout == "vk" else S.transpose(-1, -2)
-    view[slot] = other.contiguous().reshape(view.shape[1:]).to(view.dtype)
+    region.copy_(other.contiguous().reshape(region.shape).to(region.dtype))
 
 
 def _load_zero(call, n: int, slot: int) -> torch.Tensor:
@@ -349,7 +349,7 @@ class _Memory:
 
     @staticmethod
     def _holds(call, slot: int, bits: torch.Tensor) -> bool:
-        return torch.equal(call.slots_view()[slot], bits)
+        return torch.equal(slot_region(call, slot), bits)
 
     def keep_rejected(self) -> TraceHooks:
         def store(call, n, slot, S):
@@ -357,7 +357,7 @@ class _Memory:
             if call.group == "spec":
                 table = tuple(call.state_indices[n].tolist())
                 col = table.index(slot)
-                self.last_col[(call.cache.data_ptr(), table)] = (col, slot, call.slots_view()[slot].clone())
+                self.last_col[(call.cache.data_ptr(), table)] = (col, slot, slot_region(call, slot).clone())
 
         def column(call, n):
             honest = read_column(call, n)
@@ -372,9 +372,9 @@ class _Memory:
 
     def stale_read(self) -> TraceHooks:
         def store(call, n, slot, S):
-            before = call.slots_view()[slot].clone()
+            before = slot_region(call, slot).clone()
             store_slot(call, n, slot, S)
-            self.prev[(call.cache.data_ptr(), slot)] = (before, call.slots_view()[slot].clone())
+            self.prev[(call.cache.data_ptr(), slot)] = (before, slot_region(call, slot).clone())
 
         def load(call, n, slot):
             got = self.prev.get((call.cache.data_ptr(), slot))

@@ -1163,17 +1163,30 @@ def exact_decode_recipe(recipe: DecodeRecipe) -> DecodeRecipe:
     return replace(recipe, name=recipe.name + "-exact", arith=F64)
 
 
+def slot_region(call, slot: int) -> Optional[torch.Tensor]:
+    """The [HV, ., .] elements a kernel addresses as slot ``slot`` of the flat buffer: offset +
+    slot * slot_stride, whatever the slot (-1 is one slot stride before slot 0, in the guard rows
+    when they are that long), as a strided view; None where that lies outside the buffer."""
+    c = call.spec
+    _, a, b = c.slot_shape
+    start = c.offset + slot * c.stride
+    if start < 0 or start + c.slot_numel > call.cache.numel():
+        return None
+    return call.cache.as_strided(c.slot_shape, (a * b, b, 1), call.cache.storage_offset() + start)
+
+
 def load_slot(call, n: int, slot: int) -> torch.Tensor:
-    """Slot ``slot`` of the call's cache as K-first float64 [HV, K, V] (exact: the cache's dtype
-    widened)."""
-    return call.spec.to_kfirst(call.slots_view()[slot]).to(F64)
+    """Slot ``slot`` of the call's cache (``slot_region``) as K-first float64 [HV, K, V] (exact: the
+    cache's dtype widened)."""
+    return call.spec.to_kfirst(slot_region(call, slot)).to(F64)
 
 
 def store_slot(call, n: int, slot: int, S: torch.Tensor) -> None:
-    """Write the K-first state S [HV, K, V] to slot ``slot`` in the cache's layout, rounded once
-    to the cache's dtype (S holds fp32 values: the same bits as the kernels' fp32 -> dtype store)."""
-    view = call.slots_view()
-    view[slot] = call.spec.to_layout(S).to(view.dtype)
+    """Write the K-first state S [HV, K, V] to slot ``slot`` (``slot_region``) in the cache's layout,
+    rounded once to the cache's dtype (S holds fp32 values: the same bits as the kernels' fp32 ->
+    dtype store)."""
+    region = slot_region(call, slot)
+    region.copy_(call.spec.to_layout(S).to(region.dtype))
 
 
 def read_column(call, n: int) -> int:
@@ -1185,13 +1198,17 @@ def read_column(call, n: int) -> int:
 
 def kernel_slot(call, n: int, slot: int, guard: bool) -> Optional[int]:
     """The slot a table entry reaches: None for a padding entry the kernel skips (``guard``: aiter's
-    pad_slot_guard, slots <= 0); a slot outside [0, slots) without a guard is refused (fla's
-    kernel would read and write outside the cache: ValueError naming the row)."""
+    pad_slot_guard, slots <= 0); without a guard the entry as it comes (fla: a padding row's -1 is
+    read and written one slot stride before slot 0, the NULL block 0 is slot 0), refused with a
+    ValueError naming the row where that lies outside the buffer (the kernel would read and write
+    memory that is not the cache's)."""
     if guard and slot <= 0:
         return None
-    if not 0 <= slot < call.spec.slots:
-        raise ValueError(f"state_indices: expected slots in [0, {call.spec.slots}) on {call.describe()}, got {slot} "
-                         f"on row {n} (a kernel without a pad-slot guard reads and writes it)")
+    if slot_region(call, slot) is None:
+        raise ValueError(f"state_indices: expected a slot inside the cache buffer on {call.describe()}, got {slot} "
+                         f"on row {n} (a kernel without a pad-slot guard reads and writes slot {slot} at offset "
+                         f"{call.spec.offset} + {slot} x {call.spec.stride}, outside the {call.cache.numel()}-element "
+                         f"buffer)")
     return slot
 
 
@@ -1416,8 +1433,9 @@ def _trace_refusal(trace, recipe: str, padding: bool = True) -> Optional[str]:
     if rec.pad_guard and c.pad == "minus1" and bool((trace.state_indices[live] == 0).any()):
         return ("not applicable: aiter's pad_slot_guard takes slots <= 0 for padding (kda.py:142, kda_decode.py:452), "
                 "and this trace (pad=minus1) gives slot 0 to a request's decode")
-    if not rec.pad_guard and bool((pads & (trace.row_len > 0)).any()):
+    if not rec.pad_guard and c.pad == "minus1" and c.offset < c.stride and bool((pads & (trace.row_len > 0)).any()):
         return (f"not applicable: fla's fused_recurrent_kda_fwd has no pad-slot guard (it skips only 0-token rows, "
-                f"fused_recurrent.py:99, and reads and writes ssm_state_indices of every other row), and this trace has "
-                f"{int((pads & (trace.row_len > 0)).sum())} padding rows with tokens")
+                f"fused_recurrent.py:99-100): a padding row's -1 reads and writes the {c.slot_numel} elements one slot "
+                f"stride ({c.stride}) before slot 0, outside this cache's buffer (guard {c.offset} elements); this trace "
+                f"has {int((pads & (trace.row_len > 0)).sum())} padding rows with tokens")
     return None
