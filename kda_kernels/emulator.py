@@ -1081,7 +1081,9 @@ class EmulatorBackend:
         runner looks a kernel route's baseline up by its recipe's name): the chunk recipes of the
         paged-cache routes run the prefill group, the decode recipes their decode kernels' groups."""
         out = [Route(name=r, recipe=r, flags=(("groups", ("prefill",)), ("recipe", r)),
-                     description=f"prefill chunks as the {r} recipe runs a paged Problem")
+                     description=f"prefill chunks as the {r} recipe runs a paged Problem"
+                                 + ("" if r in PAGED_CACHE_KERNELS else " (states gathered from the cache and "
+                                    "scattered back in its dtype and layout, as an engine does around chunk_kda)"))
                for r in PREFILL_TRACE_RECIPES]
         out += [Route(name=r.name, recipe=r.name, flags=(("groups", r.groups), ("recipe", r.name)),
                       description=r.description) for r in DECODE_RECIPES.values()]
@@ -1120,7 +1122,12 @@ class EmulatorBackend:
 #            where those kernels' sources round (docs/backends.md, "Decode recipes", cites them).
 # The steps a control replaces (which column a row reads, loading and storing a slot, which slot
 # a table entry reaches) are the fields of ``TraceHooks``; every baseline runs the defaults.
-PREFILL_TRACE_RECIPES = ("flashkda", "aiter-gfx1250", "aiter-gfx950")
+PREFILL_TRACE_RECIPES = ("flashkda", "aiter-gfx1250", "aiter-gfx950", "fla")
+# the prefill kernels that take the paged cache themselves (fp32 [slots, H, V, K] only); fla's
+# chunk_kda takes dense states, which the engine gathers from the cache (fp32, the cache's layout)
+# and scatters back rounded to the cache's dtype: any cache dtype and layout
+PAGED_CACHE_KERNELS = {"flashkda": "FlashKDA (kda_kernels/triton/forward.py, aiter flash_kda_fwd)",
+                       "aiter-gfx1250": "aiter's chunk_kda", "aiter-gfx950": "aiter's chunk_kda"}
 GROUPS = ("prefill", "decode", "spec")
 
 
@@ -1404,8 +1411,9 @@ def _trace_refusal(trace, recipe: str, padding: bool = True) -> Optional[str]:
     negative controls that write them run anyway)."""
     c = trace.cache
     if recipe in PREFILL_TRACE_RECIPES:
-        who = ("FlashKDA (kda_kernels/triton/forward.py, aiter flash_kda_fwd)" if recipe == "flashkda" else
-               "aiter's chunk_kda")
+        who = PAGED_CACHE_KERNELS.get(recipe)
+        if who is None:                  # fla: the engine's gather / scatter around chunk_kda
+            return None
         if c.dtype != "float32":
             return f"not applicable: {who} takes an fp32 paged state_cache, the trace's is {c.dtype}"
         if c.layout != "vk":

@@ -132,9 +132,10 @@ def test_trace_routes_are_named_by_their_recipe_and_say_their_groups():
         assert r.flag("groups") == want
     assert ROUTES["aiter-decode-gfx950"].flag("groups") == ("decode",)      # no speculative decoding on gfx950
     assert set(CONTROLS) == set(TRACE_CONTROLS)
-    # the recipes of every paged-cache kernel route have a trace route: triton's and aiter's FlashKDA,
-    # chunk_kda:triton (flashkda) and chunk_kda:gluon (aiter-gfx1250 / aiter-gfx950)
-    assert {"flashkda", "aiter-gfx1250", "aiter-gfx950"} <= set(ROUTES)
+    # the recipes of every prefill kernel route with a trace route have an emulator trace route:
+    # triton's and aiter's FlashKDA, chunk_kda:triton (flashkda), chunk_kda:gluon (aiter-gfx1250 /
+    # aiter-gfx950), fla's chunk_kda with the engine's gather / scatter (fla)
+    assert {"flashkda", "aiter-gfx1250", "aiter-gfx950", "fla"} <= set(ROUTES)
 
 
 def test_run_call_refuses_a_group_the_route_does_not_run():
@@ -180,22 +181,25 @@ def test_every_trace_route_over_every_scenario_matches_the_oracle(route, scenari
 
 
 @pytest.mark.parametrize("route,knobs", [
+    ("fla", dict(cache_dtype="bfloat16", layout="kv")),
     ("fla-recurrent", dict(cache_dtype="bfloat16")),
     ("fla-recurrent", dict(cache_dtype="bfloat16", layout="kv")),
     ("fla-recurrent", dict(layout="kv", pad="null0", slot_pad=3)),
     ("aiter-decode-gfx1250", dict(layout="kv", pad="null0", slot_pad=2)),
 ])
-def test_decode_recipes_on_bf16_and_k_first_caches(route, knobs):
-    """fla's kernel stores each token's state in the cache's dtype (bf16 here: fp32 registers, a
-    bf16 store per token) in either layout; aiter's gfx1250 kernel takes K-first fp32 states."""
+def test_recipes_on_bf16_and_k_first_caches(route, knobs):
+    """fla's decode kernel stores each token's state in the cache's dtype (bf16 here: fp32
+    registers, a bf16 store per token) in either layout; aiter's gfx1250 kernel takes K-first fp32
+    states; fla's chunk prefill takes any cache through the engine's gather / scatter."""
     tr = generate(0, "spec", **SMALL, **knobs)
     ok, why = EMU.trace_accepts(tr, ROUTES[route])
     assert ok, why
-    bound = DECODE_BF16 if knobs.get("cache_dtype") == "bfloat16" else DECODE_FP32
+    bound = (PREFILL_BOUND if route in PREFILL_TRACE_RECIPES else
+             DECODE_BF16 if knobs.get("cache_dtype") == "bfloat16" else DECODE_FP32)
     eo, es, fail = run_trace(tr, runners_of(EMU, ROUTES[route]), bound)
     print(f"{route} {knobs}: o {eo:.2e} slots {es:.2e}")
     assert fail is None, fail
-    if knobs.get("cache_dtype") == "bfloat16":
+    if knobs.get("cache_dtype") == "bfloat16" and route == "fla-recurrent":
         assert es > DECODE_FP32          # the bf16 stores are there (an fp32 store would be ~1e-7)
 
 
