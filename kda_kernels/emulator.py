@@ -1137,8 +1137,9 @@ class DecodeRecipe:
     ("fla" | "gfx1250" | "gfx950", ``_decode_inputs`` / ``_decode_token``); ``arith`` is the dtype
     of every register operation (FP32; F64 = the exact variant, which must reproduce
     kda_ref.recurrence.token_step); ``layouts`` / ``cache_dtypes`` what the kernel takes;
-    ``groups`` the trace groups it runs; ``pad_guard``: slots <= 0 mark padding rows (aiter's
-    pad_slot_guard: neither read nor written, o = 0)."""
+    ``groups`` the trace groups it runs; ``pad_guard``: the kernel has aiter's pad_slot_guard
+    (slots <= 0 mark padding rows: neither read nor written, o = 0), which a caller passes under
+    the NULL-block convention (pad=null0) only: under pad=minus1 slot 0 is a live slot."""
     name: str
     kernel: str
     arith: object
@@ -1379,9 +1380,11 @@ def run_decode_call(call, recipe="fla-recurrent", hooks: TraceHooks = DEFAULT_TR
     table[n, read_column] (``hooks.load``; fla and aiter read whenever a state buffer is given),
     runs its tokens, and after token t writes the state to table[n, t] (spec; a decode row to its
     one slot) in the cache's dtype (``hooks.store``).  Padding entries: as ``hooks.slot`` resolves
-    them (aiter's pad_slot_guard: a row whose read slot is <= 0 is skipped with o = 0, a token
-    whose write slot is <= 0 is not stored).  Returns o [1, T, HV, V] in v's dtype."""
+    them (aiter's pad_slot_guard, passed under pad=null0: a row whose read slot is <= 0 is skipped
+    with o = 0, a token whose write slot is <= 0 is not stored; without it the entry is the address
+    it makes).  Returns o [1, T, HV, V] in v's dtype."""
     rec = recipe if isinstance(recipe, DecodeRecipe) else DECODE_RECIPES[recipe]
+    guard = rec.pad_guard and call.spec.pad == "null0"      # pad_slot_guard=True under the NULL block only
     q, k, v, decay, beta, qk = _decode_inputs(call, rec)
     T, HV, V = call.tokens, call.v.shape[2], call.v.shape[3]
     o = torch.zeros(T, HV, V, dtype=F64, device=call.q.device)
@@ -1392,14 +1395,14 @@ def run_decode_call(call, recipe="fla-recurrent", hooks: TraceHooks = DEFAULT_TR
         if t1 == t0:                       # fla: "if T == 0 and IS_CONTINUOUS_BATCHING: return"
             continue
         col = hooks.read_column(call, n)
-        src = hooks.slot(call, n, table[n][col], rec.pad_guard)
+        src = hooks.slot(call, n, table[n][col], guard)
         if src is None:                    # a padding row: o = 0, nothing read or written
             continue
         S = hooks.load(call, n, src)
         for t in range(t1 - t0):
             i = t0 + t
             S, o[i] = _decode_token(S, q[i], k[i], v[i], decay[i], beta[i], None if qk is None else qk[i], rec)
-            dst = hooks.slot(call, n, table[n][t if call.group == "spec" else 0], rec.pad_guard)
+            dst = hooks.slot(call, n, table[n][t if call.group == "spec" else 0], guard)
             if dst is not None:
                 hooks.store(call, n, dst, S)
     return o.to(call.v.dtype)[None]
@@ -1436,14 +1439,14 @@ def _trace_refusal(trace, recipe: str, padding: bool = True) -> Optional[str]:
         return "not applicable: aiter's decode computes the gate in the kernel from A_log (kda.py:216), the trace has none"
     if not padding:
         return None
-    live = (trace.row_phase == 1) | (trace.row_phase == 2)
-    pads = trace.row_phase == -1
-    if rec.pad_guard and c.pad == "minus1" and bool((trace.state_indices[live] == 0).any()):
+    pads = (trace.row_phase == -1) & (trace.row_len > 0)
+    if rec.pad_guard and c.pad == "minus1" and bool(pads.any()):
         return ("not applicable: aiter's pad_slot_guard takes slots <= 0 for padding (kda.py:142, kda_decode.py:452), "
-                "and this trace (pad=minus1) gives slot 0 to a request's decode")
-    if not rec.pad_guard and c.pad == "minus1" and c.offset < c.stride and bool((pads & (trace.row_len > 0)).any()):
+                "which under pad=minus1 would skip the live slot 0 as well, and without it index -1 addresses one "
+                f"slot stride before slot 0; this trace has {int(pads.sum())} padding rows with tokens under pad=minus1")
+    if not rec.pad_guard and c.pad == "minus1" and c.offset < c.stride and bool(pads.any()):
         return (f"not applicable: fla's fused_recurrent_kda_fwd has no pad-slot guard (it skips only 0-token rows, "
                 f"fused_recurrent.py:99-100): a padding row's -1 reads and writes the {c.slot_numel} elements one slot "
                 f"stride ({c.stride}) before slot 0, outside this cache's buffer (guard {c.offset} elements); this trace "
-                f"has {int((pads & (trace.row_len > 0)).sum())} padding rows with tokens")
+                f"has {int(pads.sum())} padding rows with tokens")
     return None

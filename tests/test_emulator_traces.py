@@ -210,58 +210,43 @@ def test_recipes_on_bf16_and_k_first_caches(route, knobs):
     ("aiter-decode-gfx950", dict(layout="kv", pad="null0", K=128, V=128), "V-first [V, K] only"),
     ("aiter-decode-gfx950", dict(pad="null0"), "needs K == V == BV, its tuned BV is 128"),
     ("aiter-decode-gfx1250", dict(V=16, pad="null0"), "tiles V by BV = 32"),
-    ("aiter-decode-gfx1250", dict(), "pad_slot_guard takes slots <= 0 for padding"),
+    ("aiter-decode-gfx1250", dict(graph_pad=4), "would skip the live slot 0 as well"),     # minus1 + padding
     ("fla-recurrent", dict(graph_pad=4), "no pad-slot guard"),          # minus1, guard rows shorter than a slot
 ])
 def test_trace_accepts_refuses_in_the_kernels_terms(route, knobs, words):
     kn = dict(SMALL, **knobs)
-    tr = generate(0, "mixed" if route == "fla-recurrent" else "short-prompts", **kn)
+    tr = generate(0, "mixed" if "graph_pad" in kn else "short-prompts", **kn)
     ok, why = EMU.trace_accepts(tr, ROUTES[route])
     assert not ok and why.startswith("not applicable: ") and words in why, why
 
 
 def _padded_minus1_trace(layout="vk"):
-    """Request 0 on slot 1 (slot 0 never used: aiter's guard would take it for padding) under
-    pad=minus1: a 5-token prefill, a 3-token chunk, then three decode steps each padded by two
-    padding rows on slot -1."""
+    """Request 0 on slot 1 under pad=minus1: a 5-token prefill, a 3-token chunk, then three
+    decode steps each padded by two padding rows on slot -1 (guard rows 2, shorter than a slot)."""
     c = CacheSpec(slots=3, HV=2, K=32, V=32, layout=layout, guard_rows=2, pad="minus1", slot_stride=2 * 32 * 32 + 32)
     steps = [[(5, 0, PREFILL, [1], False, 1, 5)], [(3, 0, PREFILL, [1], True, 1, 3)]]
     steps += [[(1, 0, DECODE, [1], True, 1, 1), (1, -1, PAD, [-1], False, 1, 0), (1, -1, PAD, [-1], False, 1, 0)]] * 3
     return trace_from_rows(c, steps, seed=1, H=2)
 
 
-@pytest.mark.parametrize("pad", ["null0", "minus1"])
-def test_fla_recurrent_writes_a_padding_rows_state_to_the_pad_slot(pad):
-    """fla's fused_recurrent_kda_fwd has no pad-slot guard: a padding row reads and writes its table
-    entry as it comes.  Under null0 that is slot 0 (the NULL block); under minus1 the slot one
-    stride before slot 0, here inside guard rows one slot long.  The route models it: with a finite
-    cache the pad slot's elements change at the first padded step, every other slot, guard row
-    and inter-slot pad keeps its bits, the live rows within the fp32 bound; where the guard is
-    shorter than a slot the trace is refused."""
-    spec_rows = 2 * 32                               # one slot of [HV=2, V=32, K=32] in 32-element rows
-    kn = dict(SMALL, graph_pad=4, **({"pad": "null0"} if pad == "null0" else {"guard_rows": spec_rows}))
-    tr = generate(0, "graph-padded", **kn)
-    assert EMU.trace_accepts(tr, ROUTES["fla-recurrent"]) == (True, "")
-    eo, es, fail = run_trace(tr, runners_of(EMU, ROUTES["fla-recurrent"]), DECODE_FP32, pad_ok=True, fill=0.5)
-    assert fail is None, fail
-    eo, es, fail = run_trace(tr, runners_of(EMU, ROUTES["fla-recurrent"]), DECODE_FP32, stop=True, fill=0.5)
-    first_pad_step = int(torch.searchsorted(tr.step_rows, int((tr.row_phase == PAD).nonzero()[0]), right=True)) - 1
-    assert fail == (f"step {first_pad_step} slot 0 unchanged" if pad == "null0" else f"step {first_pad_step} guard rows")
-    short = generate(0, "graph-padded", **SMALL, graph_pad=4)         # guard rows 2 < one slot
-    ok, why = EMU.trace_accepts(short, ROUTES["fla-recurrent"])
-    assert not ok and "one slot stride (2048) before slot 0, outside this cache's buffer" in why, why
-
-
 @pytest.mark.parametrize("layout", ["vk", "kv"])
-def test_padding_rows_under_minus1_and_null0_leave_every_other_slot_alone(layout):
-    """aiter's guarded decode skips the padding rows (-1 here; the null-block scenario covers the
-    NULL block 0): slot 0, slot 2, the guard rows and the inter-slot padding keep their bits."""
-    tr = _padded_minus1_trace(layout)
-    eo, es, fail = run_trace(tr, runners_of(EMU, ROUTES["aiter-decode-gfx1250"]), DECODE_FP32)
-    assert fail is None, fail
+def test_aiter_decode_pad_slot_guard_under_null0_and_slot0_live_under_minus1(layout):
+    """aiter's decode runs with pad_slot_guard under the NULL block (null-block: padding rows on
+    slot 0 skipped, slot 0 and every other unwritten slot, guard and pad element keep their bits)
+    and without it under pad=minus1, where slot 0 is live (slot-reuse, whose requests decode on
+    slot 0); a padded minus1 trace is refused (the guard would skip slot 0, no guard addresses -1)."""
     tr0 = generate(0, "null-block", **SMALL, layout=layout)
     eo, es, fail = run_trace(tr0, runners_of(EMU, ROUTES["aiter-decode-gfx1250"]), DECODE_FP32)
     assert fail is None, fail
+    tr1 = generate(0, "slot-reuse", **SMALL, layout=layout)
+    live0 = ((tr1.row_phase == DECODE) & (tr1.state_indices[:, 0] == 0)).any()
+    assert bool(live0)
+    assert EMU.trace_accepts(tr1, ROUTES["aiter-decode-gfx1250"]) == (True, "")
+    eo, es, fail = run_trace(tr1, runners_of(EMU, ROUTES["aiter-decode-gfx1250"]), DECODE_FP32)
+    assert fail is None, fail
+    tr = _padded_minus1_trace(layout)
+    ok, why = EMU.trace_accepts(tr, ROUTES["aiter-decode-gfx1250"])
+    assert not ok and "6 padding rows with tokens under pad=minus1" in why, why
     # fla's unguarded kernel would write slot -1, outside this buffer (guard 2 rows): refused, and
     # run_call says so
     ok, why = EMU.trace_accepts(tr, ROUTES["fla-recurrent"])
