@@ -1205,18 +1205,17 @@ def read_column(call, n: int) -> int:
 
 
 def kernel_slot(call, n: int, slot: int, guard: bool) -> Optional[int]:
-    """The slot a table entry reaches: None for a padding entry the kernel skips (``guard``: aiter's
-    pad_slot_guard, slots <= 0); without a guard the entry as it comes (fla: a padding row's -1 is
-    read and written one slot stride before slot 0, the NULL block 0 is slot 0), refused with a
-    ValueError naming the row where that lies outside the buffer (the kernel would read and write
-    memory that is not the cache's)."""
+    """The slot a table entry reaches, None where nothing is read or written: a padding entry the
+    kernel skips (``guard``: aiter's pad_slot_guard, slots <= 0).  Without a guard the entry is
+    the address it makes (fla: a padding row's -1 is one slot stride before slot 0, the NULL block
+    0 is slot 0); where that lies outside the buffer the kernel would touch memory that is not the
+    cache's, which is not modelled: None too (the row's o stays 0).  ``trace_accepts`` refuses
+    such traces; a baseline run on one (the serving runner runs the baseline of a kernel that took
+    the trace, e.g. a negative control) keeps its live rows exact."""
     if guard and slot <= 0:
         return None
     if slot_region(call, slot) is None:
-        raise ValueError(f"state_indices: expected a slot inside the cache buffer on {call.describe()}, got {slot} "
-                         f"on row {n} (a kernel without a pad-slot guard reads and writes slot {slot} at offset "
-                         f"{call.spec.offset} + {slot} x {call.spec.stride}, outside the {call.cache.numel()}-element "
-                         f"buffer)")
+        return None
     return slot
 
 
