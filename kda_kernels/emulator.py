@@ -1128,7 +1128,6 @@ PREFILL_TRACE_RECIPES = ("flashkda", "aiter-gfx1250", "aiter-gfx950", "fla")
 # and scatters back rounded to the cache's dtype: any cache dtype and layout
 PAGED_CACHE_KERNELS = {"flashkda": "FlashKDA (kda_kernels/triton/forward.py, aiter flash_kda_fwd)",
                        "aiter-gfx1250": "aiter's chunk_kda", "aiter-gfx950": "aiter's chunk_kda"}
-GROUPS = ("prefill", "decode", "spec")
 
 
 @dataclass(frozen=True)

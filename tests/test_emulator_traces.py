@@ -30,7 +30,7 @@ from kda_kernels.emulator import (DECODE_RECIPES, PREFILL_TRACE_RECIPES, Emulato
 from kda_kernels.trace_calls import assemble, split_step
 from kda_ref.chunked import prepare_tokens
 from kda_ref.recurrence import token_step
-from kda_ref.trace import DECODE, PAD, PREFILL, SPEC, CacheSpec
+from kda_ref.trace import DECODE, PAD, PREFILL, CacheSpec
 from kda_ref.trace_gen import SCENARIOS, generate, trace_from_rows
 from kda_ref.trace_oracle import trace_oracle
 
