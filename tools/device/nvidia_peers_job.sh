@@ -15,7 +15,9 @@
 #   builds (background, CPU): FlashKDA twice (.vendor/flashkda-1ce47ea Neumann, .vendor/flashkda-fwdsub)
 #   after the builds: every Moonshot finding's repro on both builds (tools/fixed_in.py cases; the lead
 #       turns fix/verdict.txt into fixed-in / still-fails-in with `tools/fixed_in.py verdict ... --write`),
-#       then the moonshot matrix on the fixed build (pytest -n 8) and its controls and invariances
+#       then the moonshot matrix on the fixed build (pytest -n 8), its controls and invariances, long/T16384-*
+#   (the eager references run no long case in this call: their fp32 token loops over 16K-1M tokens are left
+#   out for its time)
 #   bench (after LANES_END): triton, fla-pinned, moonshot (fixed build), cudnn, fla-naive, transformers on
 #       the same shapes; the Neumann build alone on them
 #   summary.md (tools/device/peers_summary.py), then each lane's directory packed into one .tgz
@@ -34,7 +36,7 @@
 #
 # Env: DEADLINE (540), LANES_END (DEADLINE - 110: the lanes stop there, bench and summary after), STEPS
 # (setup,build,cudnn,refs,fix,moonshot,bench,long,pack), BUILD_JOBS (8 per build), SHAPES, BENCH_REPS (10),
-# DRY=1 (print the steps, run nothing that needs a GPU).
+# PY (python3), DRY=1 (print the steps, run nothing that needs a GPU).
 set -u -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:?OUT: expected the output directory in the environment, got none}
@@ -65,7 +67,7 @@ step_until() {   # step_until END NAME TIMEOUT_S CMD...: CMD bounded by TIMEOUT_
 }
 lane() { step_until "$LANES_END" "$@"; }        # a step of a lane: ends by LANES_END
 last() { step_until "$DEADLINE" "$@"; }         # a step after the lanes: ends by DEADLINE
-PY=python3
+PY=${PY:-python3}
 echo "nvidia_peers_job.sh at $(date -u +%FT%TZ): DEADLINE ${DEADLINE}s, LANES_END ${LANES_END}s, STEPS $STEPS"
 
 # ---- setup: wheels into /tmp/site (fla-core) and /tmp/cudnn-site (cuDNN frontend), the FlashKDA trees' cutlass
@@ -176,7 +178,7 @@ fi
 # ---- after the builds: the Moonshot findings' repros on both builds, then the fixed build's matrix and checks
 [ ${#BUILDS[@]} -gt 0 ] && wait "${BUILDS[@]}"
 for f in "$OUT"/build-*.txt; do [ -f "$f" ] && { echo "--- $f"; tail -n 3 "$f"; }; done
-[ "$DRY" != 1 ] && for tgt in $K1 $K2; do
+[ "$DRY" != 1 ] && { want fix || want moonshot; } && for tgt in $K1 $K2; do
   PYTHONPATH="$tgt:$PYTHONPATH" $PY -c "from kda_kernels.moonshot import MoonshotBackend as M; b = M(); print(b.version(), b.available())" 2>&1 | tail -1
 done
 if want fix; then
@@ -190,7 +192,7 @@ if want fix; then
     ( i=0; while IFS=$'\t' read -r line args; do
         i=$((i + 1)); eval "set -- $args"
         lane "fix-$name-$line" 150 env PYTHONPATH="$tgt:$PYTHONPATH" "${RUN[@]}" --backend moonshot "$@" \
-          --out "$OUT/fix/$name/$i" --no-report > "$OUT/fix/$name-$i.txt" 2>&1
+          --out "$OUT/fix/$name/$i" --no-report < /dev/null > "$OUT/fix/$name-$i.txt" 2>&1
         tail -n 2 "$OUT/fix/$name-$i.txt"
       done < "$OUT/fix/cases.tsv" ) &
     FIX+=($!)
@@ -207,6 +209,11 @@ if want moonshot; then
   tail -n 12 "$OUT/moonshot/matrix.txt" 2>/dev/null
   lane moonshot-checks 100 env PYTHONPATH="$K2:$PYTHONPATH" $PY tools/device/peer_checks.py --backend moonshot \
     --route cutlass:state=fp32 --device cuda --out "$OUT/moonshot/checks.jsonl" > "$OUT/moonshot/checks.txt" 2>&1
+  if want long; then
+    lane moonshot-long 90 env PYTHONPATH="$K2:$PYTHONPATH" "${RUN[@]}" --backend moonshot --route cutlass:state=fp32 \
+      --suite long --case 'long/T16384-*' --out "$OUT/moonshot/long" --no-report > "$OUT/moonshot/long.txt" 2>&1
+    tail -n 4 "$OUT/moonshot/long.txt" 2>/dev/null
+  fi
 fi
 [ ${#LANES[@]} -gt 0 ] && wait "${LANES[@]}"
 echo "=== lanes done at $(at)"
