@@ -96,7 +96,7 @@ def invariances(b, route, device):
             ("batch_slice", lambda: inv.batch_slice(b, route, pr["batch"]), "batch"),
             ("causality varlen", lambda: inv.causality(b, route, pr["varlen"]), "varlen"),
             ("causality batch P=256", lambda: inv.causality(b, route, pr["batch"], prefix=256), "batch"),
-            (f"causality one P={C * 37}", lambda: inv.causality(b, route, pr["one"], prefix=C * 37), "one"),
+            (f"causality one P={C * 23}", lambda: inv.causality(b, route, pr["one"], prefix=C * 23), "one"),
             ("head_permutation batch", lambda: inv.head_permutation(b, route, pr["batch"]), "batch"),
             ("split_carry one P=1024", lambda: inv.split_carry(b, route, pr["one"], split=1024), "one"),
             ("strided_vs_packed varlen", lambda: inv.strided_vs_packed(b, route, pr["varlen"]), "varlen"),
