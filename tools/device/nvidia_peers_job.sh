@@ -6,16 +6,16 @@
 # on the one GPU (the builds take the CPU); every step is time-boxed (`timeout`, and cut to what is left
 # of LANES_END / DEADLINE), writes under $OUT as it goes, and a step cut short loses only itself:
 #
-#   lane cudnn (first, in the background): a one-cell probe (NVRTC compiles the kernel), the matrix
-#       smoke+default+stress+k3-prefill on route hopper_cuda (rerun --resume --isolate if the process
-#       died), the hidden-bug controls and invariances of both hopper_cuda routes (peer_checks.py: the
-#       batch_invariant route tests the promise the engine does not read), a shrink bundle of its first
-#       failing cell, then long/T16384-* if time is left
-#   lane refs (background): fla-naive + transformers, the same matrix, then their controls and invariances
+#   lane cudnn (first, in the background): a one-cell probe (NVRTC compiles the kernel), then side by side
+#       the matrix smoke+default+stress+k3-prefill on route hopper_cuda (rerun --resume --isolate if the
+#       process died) and the hidden-bug controls and invariances of both hopper_cuda routes (peer_checks.py:
+#       the batch_invariant route tests the promise the engine does not read); then a shrink bundle of the
+#       matrix's first failing cell, then long/T16384-* if time is left
+#   lane refs (background): fla-naive + transformers, the same matrix beside their controls and invariances
 #   builds (background, CPU): FlashKDA twice (.vendor/flashkda-1ce47ea Neumann, .vendor/flashkda-fwdsub)
 #   after the builds: every Moonshot finding's repro on both builds (tools/fixed_in.py cases; the lead
 #       turns fix/verdict.txt into fixed-in / still-fails-in with `tools/fixed_in.py verdict ... --write`),
-#       then the moonshot matrix on the fixed build (pytest -n 8), its controls and invariances, long/T16384-*
+#       then on the fixed build its controls and invariances beside its matrix (pytest -n 8), long/T16384-*
 #   (the eager references run no long case in this call: their fp32 token loops over 16K-1M tokens are left
 #   out for its time)
 #   bench (after LANES_END): triton, fla-pinned, moonshot (fixed build), cudnn, fla-naive, transformers on
@@ -31,17 +31,18 @@
 #   .vendor/flashkda-1ce47ea       2.5 MB  (tools/vendor_flash_kda.sh with CUTLASS_SHARED=.vendor)
 #   .vendor/flashkda-fwdsub        2.5 MB  (the same, OVERLAY of 7afb9f45's inverse, LABEL 1ce47ea.fwdsub7afb9f4)
 #   .vendor/cutlass-5c149f5       27.4 MB  (cutlass include, tools/util/include, examples/common)
-# Not carried: nvidia-cutlass-dsl (cuDNN's kda_hopper engine; 92 MB by itself), cuLA (no distribution
-# reachable), aiter (its own job).  transformers comes from the image.
+# Not carried: nvidia-cutlass-dsl (cuDNN's kda_hopper engine; 92 MB by itself), cuLA (no distribution on
+# the mirror; from source it needs cutlass 73c59c05, another 28 MB, and the DSL: docs/backends.md), aiter
+# (its own job), .vendor/aiter-upstream (25 MB).  transformers comes from the image.
 #
-# Env: DEADLINE (540), LANES_END (DEADLINE - 110: the lanes stop there, bench and summary after), STEPS
+# Env: DEADLINE (540), LANES_END (DEADLINE - 140: the lanes stop there, bench and summary after), STEPS
 # (setup,build,cudnn,refs,fix,moonshot,bench,long,pack), BUILD_JOBS (8 per build), SHAPES, BENCH_REPS (10),
 # PY (python3), DRY=1 (print the steps, run nothing that needs a GPU).
 set -u -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:?OUT: expected the output directory in the environment, got none}
 DEADLINE=${DEADLINE:-540}
-LANES_END=${LANES_END:-$((DEADLINE - 110))}
+LANES_END=${LANES_END:-$((DEADLINE - 140))}
 STEPS=${STEPS:-setup,build,cudnn,refs,fix,moonshot,bench,long,pack} DRY=${DRY:-0}
 BUILD_JOBS=${BUILD_JOBS:-8} BENCH_REPS=${BENCH_REPS:-10}
 SHAPES=${SHAPES:-"1x2048x12;1x8192x12;8x2048x16"}
@@ -144,9 +145,11 @@ if want cudnn; then
   mkdir -p "$OUT/cudnn"
   ( lane cudnn-probe 90 "${RUN[@]}" --backend cudnn --route hopper_cuda --suite smoke --case smoke/dense-T64-lb-5 \
         --out "$OUT/cudnn/probe" --no-report > "$OUT/cudnn/probe.txt" 2>&1; tail -n 6 "$OUT/cudnn/probe.txt" 2>/dev/null
-    matrix cudnn-matrix "$OUT/cudnn/matrix" --backend cudnn --route hopper_cuda --suite "$SUITES" --long no
-    lane cudnn-checks 130 $PY tools/device/peer_checks.py --backend cudnn --route hopper_cuda \
-        --route hopper_cuda:batch_invariant --device cuda --out "$OUT/cudnn/checks.jsonl" > "$OUT/cudnn/checks.txt" 2>&1
+    # the probe compiled the kernel once (NVRTC, cached on disk): the matrix and the checks side by side
+    matrix cudnn-matrix "$OUT/cudnn/matrix" --backend cudnn --route hopper_cuda --suite "$SUITES" --long no &
+    lane cudnn-checks 200 $PY tools/device/peer_checks.py --backend cudnn --route hopper_cuda \
+        --route hopper_cuda:batch_invariant --device cuda --out "$OUT/cudnn/checks.jsonl" > "$OUT/cudnn/checks.txt" 2>&1 &
+    wait
     cell=$($PY -c "
 import json, sys
 for ln in open(sys.argv[1]):
@@ -167,11 +170,12 @@ fi
 # ---- lane refs (background)
 if want refs; then
   mkdir -p "$OUT/refs"
-  ( matrix refs-matrix "$OUT/refs/matrix" --backend fla-naive,transformers --suite "$SUITES" --long no
+  ( matrix refs-matrix "$OUT/refs/matrix" --backend fla-naive,transformers --suite "$SUITES" --long no &
     for b in fla-naive transformers; do
-      lane "refs-checks-$b" 120 $PY tools/device/peer_checks.py --backend "$b" --device cuda \
-          --out "$OUT/refs/checks.jsonl" > "$OUT/refs/checks-$b.txt" 2>&1
-    done ) &
+      lane "refs-checks-$b" 150 $PY tools/device/peer_checks.py --backend "$b" --device cuda \
+          --out "$OUT/refs/checks-$b.jsonl" > "$OUT/refs/checks-$b.txt" 2>&1 &
+    done
+    wait ) &
   LANES+=($!)
 fi
 
@@ -203,28 +207,30 @@ if want fix; then
 fi
 if want moonshot; then
   mkdir -p "$OUT/moonshot"
+  lane moonshot-checks 150 env PYTHONPATH="$K2:$PYTHONPATH" $PY tools/device/peer_checks.py --backend moonshot \
+    --route cutlass:state=fp32 --device cuda --out "$OUT/moonshot/checks.jsonl" > "$OUT/moonshot/checks.txt" 2>&1 &
+  MCHECKS=$!
   lane moonshot-matrix 200 env PYTHONPATH="$K2:$PYTHONPATH" $PY -m pytest -q -p no:cacheprovider "${PLUGIN[@]}" -m verify \
     tests/test_verify_matrix.py --kda-backend moonshot --kda-route cutlass:state=fp32 -n 8 --dist loadgroup -rfEsx \
     --kda-suite "$SUITES" --kda-report "$OUT/moonshot/matrix" > "$OUT/moonshot/matrix.txt" 2>&1
   tail -n 12 "$OUT/moonshot/matrix.txt" 2>/dev/null
-  lane moonshot-checks 100 env PYTHONPATH="$K2:$PYTHONPATH" $PY tools/device/peer_checks.py --backend moonshot \
-    --route cutlass:state=fp32 --device cuda --out "$OUT/moonshot/checks.jsonl" > "$OUT/moonshot/checks.txt" 2>&1
   if want long; then
     lane moonshot-long 90 env PYTHONPATH="$K2:$PYTHONPATH" "${RUN[@]}" --backend moonshot --route cutlass:state=fp32 \
       --suite long --case 'long/T16384-*' --out "$OUT/moonshot/long" --no-report > "$OUT/moonshot/long.txt" 2>&1
     tail -n 4 "$OUT/moonshot/long.txt" 2>/dev/null
   fi
+  wait "$MCHECKS"
 fi
 [ ${#LANES[@]} -gt 0 ] && wait "${LANES[@]}"
 echo "=== lanes done at $(at)"
 
 # ---- bench: the same shapes for every backend; the Neumann build alone afterwards
 if want bench; then
-  last bench 100 env PYTHONPATH="$K2:$PYTHONPATH" $PY -m verification.cli bench \
+  last bench 105 env PYTHONPATH="$K2:$PYTHONPATH" $PY -m verification.cli bench \
     --backend triton,fla-pinned,moonshot,cudnn,fla-naive,transformers --routes seg:BW=64:inv=bf16x6 \
     --shapes "$SHAPES" --reps "$BENCH_REPS" --warmup 2 --json-out "$OUT/bench.json" > "$OUT/bench.txt" 2>&1
   tail -n 30 "$OUT/bench.txt" 2>/dev/null
-  last bench-neumann 30 env PYTHONPATH="$K1:$PYTHONPATH" $PY -m verification.cli bench --backend moonshot \
+  last bench-neumann 25 env PYTHONPATH="$K1:$PYTHONPATH" $PY -m verification.cli bench --backend moonshot \
     --shapes "$SHAPES" --reps "$BENCH_REPS" --warmup 2 --json-out "$OUT/bench_neumann.json" > "$OUT/bench_neumann.txt" 2>&1
   tail -n 6 "$OUT/bench_neumann.txt" 2>/dev/null
 fi
