@@ -139,3 +139,22 @@ def test_pytest_plugin_runs_serving_cells(baseline, tmp_path):
     assert "layout disagreement: prefill serving-transposed:exact-prefill wrote slot" in out
     recs = read_records(rep / "results.jsonl")
     assert sorted(r["status"] for r in recs) == ["fail", "pass"]
+
+
+def test_report_shows_serving_cells_and_the_drift_curve(baseline, capsys, tmp_path):
+    out = tmp_path / "d"
+    rc = main(["run", "--suite", "serving", "--backend", EXACT, "--route", "exact-prefill", "--decode-route",
+               "exact-decode", "--case", "serving/decode-drift-bf16", "--out", str(out)])
+    capsys.readouterr()
+    assert rc == 0
+    rec = read_records(out / "results.jsonl")[0]
+    d = rec["serving"]["drift"]
+    assert d["decode_steps"] == 300 and d["cache_dtype"] == "bfloat16" and len(d["o_err"]) == len(d["step"])
+    md = (out / "report.md").read_text()
+    assert "## Serving traces" in md and "state err last 10%" in md
+    assert f"request 0 step {d['worst']['step']}" in md
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert (out / "plots" / "serving_drift.png").stat().st_size > 0
