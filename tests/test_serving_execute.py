@@ -165,3 +165,19 @@ def test_baseline_rows_reused():
     first = run(tr, pairing())
     again = run_pairing(tr, pairing(), tolerances_for(DB, pairing(), "fp32"), baseline_rows=first.baseline_rows)
     assert again.status == "pass" and again.worst.margin == first.worst.margin
+
+
+def test_a_kernel_that_is_its_own_baseline_runs_once():
+    calls = []
+
+    class Counting(sb.ServingBackend):
+        def run_call(self, call, route):
+            calls.append(call.step)
+            return super().run_call(call, route)
+    b = Counting("exact")
+    p = Pairing(Side(b, _route(b, "exact-prefill")), Side(b, _route(b, "exact-decode")))
+    tr = chunked_spec_trace()
+    res = run_pairing(tr, p, tolerances_for(DB, p, "fp32"), baseline=p)
+    assert res.status == "pass" and len(res.baseline_rows) == tr.steps
+    assert len(calls) == sum(1 for s in range(tr.steps) for _ in set(tr.row_phase[int(tr.step_rows[s]):
+                                                                                 int(tr.step_rows[s + 1])].tolist()) - {-1})

@@ -220,7 +220,8 @@ def run_serving_cell(prefill_lb, decode_lb, rp, rd, case, db, cache: TraceCache,
     rec["serving"] = encode(srv)
     status = {"not-applicable": "not-applicable"}.get(res.status, res.status)
     kf = known_failure_entry(db, rec["backend"], rec["route"], rec["case"], rec.get("params"))
-    return decide(_Said(status, res.reason), known_failure=kf).apply_to(rec)
+    from verification.runner import note_self_judged
+    return note_self_judged(decide(_Said(status, res.reason), known_failure=kf).apply_to(rec))
 
 
 def worst_margin_of(rec: dict) -> float:
