@@ -43,6 +43,19 @@ aiter's first), and any other autotuner launched with several configs raises ins
 benchmarking inside a verdict.
 No AMD GPU exists where this project is developed: the Gluon routes are untested here.
 
+Trace routes (kda_kernels.base.RunsTraces; docs/backends.md "Trace routes"):
+
+    triton:unseg, triton:seg, triton:seg:cps=1, triton:seg:cps=4, gluon:seg, chunk_kda:triton,
+    chunk_kda:gluon    prefill calls, the cache's V-first fp32 view as flash_kda_fwd's /
+                       chunk_kda's ``state_cache`` (a private copy of the whole buffer is written
+                       and copied back, as for a paged Problem); recipes as their Problem routes
+    kda:gluon          decode and spec calls: ``aiter.ops.triton.attention.kda.fused_recurrent_kda``
+                       (ssm_state_indices, num_accepted_tokens, inplace_final_state, pad_slot_guard
+                       under the NULL-block convention), the Gluon packed decode of gfx1250 / gfx950
+                       (recipe aiter-decode-gfx1250 / aiter-decode-gfx950); it raises RuntimeError on
+                       any other arch, so off AMD the route is not applicable.  aiter publishes no
+                       Triton KDA decode (docs/backends.md says what was searched).
+
 ``debug_plan`` / ``run_pass`` (verification.debug) launch the module's Triton kernels one
 pass at a time (K1, pass A, the scan, pass C) on oracle-fed inputs, with flash_kda_fwd's grids,
 constexprs and segment descriptors (its own ``_build_segments``), kernel parameters with defaults
@@ -105,6 +118,9 @@ CHUNK_KDA_GLUON_KERNELS = (("prepare", "chunk_kda_prepare_kernel", "gluon:prepar
 # inverse) is the closest; a recipe of its own replaces it once one exists.
 # route -> (kernels, recipe); the Gluon route's recipe is its GPU's (``_gluon_recipe``)
 CHUNK_KDA_ROUTES = {"chunk_kda:gluon": ("gluon", None), "chunk_kda:triton": ("triton", "flashkda")}
+# the decode host (fused_recurrent_kda) and the emulator recipe of its Gluon kernel by arch
+KDA_DECODE = "aiter.ops.triton.attention.kda"
+DECODE_RECIPES = {"gfx1250": "aiter-decode-gfx1250", "gfx950": "aiter-decode-gfx950"}
 _ROUTE_RE = re.compile(r"^(triton|gluon|gluon-k1|gluon-k2):(unseg|seg(?::cps=(\d+))?)(?::prefetch=(on|off))?$")
 
 
@@ -188,7 +204,7 @@ class _CallCounter:
 class AiterBackend:
     name = "aiter"
 
-    def __init__(self, module=None, chunk_kda=None, chunk_fwd=None, chunk_kda_why: str = ""):
+    def __init__(self, module=None, chunk_kda=None, chunk_fwd=None, chunk_kda_why: str = "", kda=None):
         """``module``: an already-imported flash_kda module; ``chunk_kda`` / ``chunk_fwd``: the
         chunk_kda host module and the kimi_delta_attn forward module (tests pass recording fakes
         or modules imported under the interpreter; None imports them when a chunk_kda route asks,
@@ -200,6 +216,7 @@ class AiterBackend:
             self._layout = getattr(module, "__aiter_layout__", "given")
         self._ck, self._ck_fwd = chunk_kda, chunk_fwd
         self._ck_why = None if chunk_kda is None and module is None else (chunk_kda_why if chunk_kda is None else "")
+        self._kda, self._kda_why = kda, None      # aiter.ops.triton.attention.kda (the decode host)
 
     # ----- discovery -----------------------------------------------------------------
     def _load(self):
@@ -642,6 +659,121 @@ class AiterBackend:
                            info={"route_ran": ran, "layout": self._layout})
         return Outputs(o=o, final_state=final if p.output_final_state else None,
                        info={"route_ran": ran, "layout": self._layout})
+
+    # ----- serving-trace calls (kda_kernels.base.RunsTraces) --------------------------------
+    TRACE_PREFILL_ROUTES = ("triton:unseg", "triton:seg", "triton:seg:cps=1", "triton:seg:cps=4", "gluon:seg",
+                            "chunk_kda:triton", "chunk_kda:gluon")
+
+    def _load_kda(self):
+        """aiter.ops.triton.attention.kda (fused_recurrent_kda, the decode host), or None
+        (``self._kda_why`` says why)."""
+        if self._kda is not None or self._kda_why:
+            return self._kda
+        os.environ.setdefault("AITER_TRITON_ONLY", "1")
+        try:
+            self._kda = importlib.import_module(KDA_DECODE)
+        except Exception as e:  # ModuleNotFoundError (an older tree), or its arch probe failing
+            self._kda_why = f"{KDA_DECODE}: {type(e).__name__}: {e}"
+        return self._kda
+
+    def _kda_arch(self) -> str:
+        kda = self._load_kda()
+        arch = getattr(kda, "_ARCH", None) if kda is not None else None
+        if isinstance(arch, int):
+            return f"sm{arch}"
+        return str(arch or current_arch())
+
+    def trace_routes(self) -> list[Route]:
+        by = {r.name: r for r in self.routes()}
+        out = [Route(n, recipe=by[n].recipe, flags=(("groups", ("prefill",)),) + by[n].flags,
+                     description=f"prefill: {by[n].description}, the trace cache's V-first fp32 view as state_cache")
+               for n in self.TRACE_PREFILL_ROUTES]
+        recipe = DECODE_RECIPES.get(self._kda_arch(), DECODE_RECIPES["gfx1250"])
+        out.append(Route("kda:gluon", recipe=recipe, flags=(("groups", ("decode", "spec")),),
+                         description="decode and spec: fused_recurrent_kda (attention/kda.py), the Gluon packed "
+                                     "decode of gfx1250 / gfx950, on the cache view in place"))
+        return out
+
+    def trace_accepts(self, trace, route: Route) -> tuple[bool, str]:
+        from .trace_support import problem_of_trace, trace_refusal
+        if route.name == "kda:gluon":
+            return self._kda_trace_accepts(trace)
+        if route.name not in self.TRACE_PREFILL_ROUTES:
+            return False, f"not applicable: unknown aiter trace route {route.name!r}"
+        ok, why = self.accepts(problem_of_trace(trace), route)
+        if not ok:
+            return ok, why
+        if parse_route(route.name)["entry"] == "flash_kda" and not self._supports("state_cache"):
+            return False, f"not applicable: this aiter version ({self._layout} layout) has no paged state cache"
+        owner = "chunk_kda" if route.name.startswith("chunk_kda") else "aiter's flash_kda_fwd"
+        why = trace_refusal(trace, owner, layouts=("vk",), dtypes=("float32",))
+        return (False, why) if why else (True, "")
+
+    def _kda_trace_accepts(self, trace) -> tuple[bool, str]:
+        """fused_recurrent_kda's limits, read from kda.py and both kda_decode.py kernels: an AMD
+        gfx1250 / gfx950 GPU, fp32 state slabs dense in [HV, ., .] (the slot stride a whole number
+        of rows); on gfx950 V-first only and no speculative rows (static_assert); A_log with the
+        in-kernel gate; padding rows only under the NULL-block convention (pad_slot_guard skips
+        slots <= 0, which under pad -1 would skip the live slot 0 as well, and without the guard
+        index -1 addresses one slot stride before slot 0)."""
+        from .trace_support import has_padding_rows, problem_of_trace, trace_refusal
+        kda = self._load_kda()
+        if kda is None:
+            return False, f"not applicable: this aiter tree has no KDA decode host ({self._kda_why})"
+        arch = self._kda_arch()
+        if getattr(kda, "fused_recurrent_kda_packed_decode_kernel", None) is None or arch not in CHUNK_KDA_ARCHS:
+            return False, (f"not applicable: aiter's fused_recurrent_kda (attention/kda.py) is the Gluon packed "
+                           f"decode of gfx1250 / gfx950 only and raises RuntimeError elsewhere; this GPU is {arch} "
+                           f"(aiter has no Triton KDA decode)")
+        p = problem_of_trace(trace)
+        if p.gate in ("lower_bound", "softplus") and p.A_log is None:
+            return False, "not applicable: fused_recurrent_kda asserts A_log with the in-kernel gate"
+        why = trace_refusal(trace, "fused_recurrent_kda", layouts=("vk",) if arch == "gfx950" else ("vk", "kv"),
+                            dtypes=("float32",))
+        if why:
+            return False, why
+        if arch == "gfx950" and bool((trace.row_phase == 2).any()):
+            return False, "not applicable: gfx950's kda_decode kernel has no speculative decoding (static_assert)"
+        if trace.cache.pad == "minus1" and has_padding_rows(trace):
+            return False, ("not applicable: fused_recurrent_kda's pad_slot_guard marks slots <= 0 as padding "
+                           "(the NULL-block convention); under pad -1 slot 0 is live, and without the guard index "
+                           "-1 addresses one slot stride before slot 0")
+        return True, ""
+
+    def kda_call_arguments(self, call) -> dict:
+        """Keyword arguments of fused_recurrent_kda for a decode or spec PhaseCall: the cache's
+        [slots, HV, ., .] view as initial_state, written in place (inplace_final_state);
+        pad_slot_guard under the NULL-block convention."""
+        m = call.model
+        gate_in = m["gate"] in ("lower_bound", "softplus")
+        kw = dict(q=call.q, k=call.k, v=call.v, g=call.g, beta=call.beta, scale=m["scale"],
+                  initial_state=call.slots_view(), output_final_state=False, inplace_final_state=True,
+                  state_v_first=call.spec.layout == "vk", cu_seqlens=call.cu_seqlens.to(torch.int64).contiguous(),
+                  ssm_state_indices=call.state_indices.contiguous(),
+                  num_accepted_tokens=None if call.num_accepted_tokens is None else call.num_accepted_tokens.contiguous(),
+                  use_qk_l2norm_in_kernel=bool(m["qk_l2norm"]), use_gate_in_kernel=gate_in,
+                  use_beta_sigmoid_in_kernel=m["beta_kind"] in ("sigmoid", "sigmoid2"),
+                  allow_neg_eigval=m["beta_kind"] == "sigmoid2", pad_slot_guard=call.spec.pad == "null0")
+        if gate_in:
+            kw.update(A_log=m["A_log"].to(torch.float32).contiguous(),
+                      dt_bias=None if m["dt_bias"] is None else m["dt_bias"].reshape(-1).to(torch.float32).contiguous(),
+                      lower_bound=float(m["lower_bound"]) if m["gate"] == "lower_bound" else None)
+        return kw
+
+    def run_call(self, call, route: Route) -> torch.Tensor:
+        from .trace_support import copy_back, paged_problem
+        if route.name == "kda:gluon":
+            kda = self._load_kda()
+            if kda is None:
+                raise RuntimeError(self._kda_why)
+            with torch.inference_mode():
+                o, _ = kda.fused_recurrent_kda(**self.kda_call_arguments(call))
+            return o
+        if call.group != "prefill":
+            raise ValueError(f"call: aiter route {route.name} runs prefill calls, got a {call.group} call")
+        out = self.run(paged_problem(call), route)
+        copy_back(call, out.state_cache)
+        return out.o
 
     # ----- per-pass debugging (verification.debug) -------------------------------------
     #

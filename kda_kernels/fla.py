@@ -9,6 +9,33 @@ and not the CUTLASS FlashKDA backend that fla would otherwise dispatch to):
     chunk:exact:C=32         chunk_kda(chunk_size=32, safe_gate=False)
     fused_recurrent          fused_recurrent_kda (token loop, fp32)
 
+Trace routes (kda_kernels.base.RunsTraces; docs/backends.md "Trace routes"):
+
+    chunk:safe_gate, chunk:exact   prefill calls: chunk_kda (C = 64) as vLLM calls it for a paged
+                                   cache: the engine gathers each row's initial state from its slot
+                                   (zero where has_initial_state is false; fp32, the cache's layout
+                                   as state_v_first), runs chunk_kda(output_final_state=True) and
+                                   scatters the final states back rounded to the cache dtype; the
+                                   gather and scatter are the engine's code, not the kernel's.
+    fused_recurrent                decode and spec calls: fused_recurrent_kda_fwd, the entry a serving
+                                   engine calls (fla 0.6.0's public fused_recurrent_kda passes
+                                   neither ssm_state_indices nor num_accepted_tokens), on the cache
+                                   view itself: ssm_state_indices [N] (decode) or [N, W] (spec, with
+                                   num_accepted_tokens), inplace_final_state=True, state_v_first
+                                   from the cache layout; recipe fla-recurrent.
+
+What fused_recurrent_kda_fwd takes (fla-core 0.6.0 fla/ops/kda/fused_recurrent.py, read): the
+state in either layout (STATE_V_FIRST) and any float dtype (loaded as fp32, stored as the cache's
+dtype: a bf16 cache is rounded after every token); slots ``initial_state.stride(0)`` apart with
+dense [HV, ., .] slabs; no has_initial_state (every row reads its slot) and no pad-slot check:
+the slot index is used as it comes, so a padding row's -1 reads and writes one slot stride before
+slot 0 and a NULL-block 0 reads and writes slot 0.  A row of T tokens with a [N, W] table writes
+the state after token t to ``ssm_state_indices[n, t]``, reading ``[n, num_accepted_tokens[n]-1]``.
+Raw gate (use_gate_in_kernel; lower_bound * sigmoid(exp(A_log) (g + dt_bias)) or, without
+lower_bound, -exp(A_log) softplus(g + dt_bias): with A_log None the latter is -e * softplus, so a
+softplus trace without A_log is refused), beta sigmoid / 2 sigmoid / as given, the q/k l2norm
+(eps 1e-6 in the root, as the oracle's).
+
 Problem -> call mapping: gate lower_bound -> use_gate_in_kernel + lower_bound (+A_log,
 dt_bias as keywords); softplus -> use_gate_in_kernel with lower_bound None; pregated -> g
 as given.  beta sigmoid -> use_beta_sigmoid_in_kernel; sigmoid2 -> + allow_neg_eigval.
@@ -274,3 +301,84 @@ class FlaBackend:
             ran += f"; {len(self.last_pinned)} autotuned kernels pinned (pinned_configs)"
         info = {"route_ran": ran, "pinned_configs": dict(self.last_pinned)}
         return Outputs(o=o, final_state=final if p.output_final_state else None, info=info)
+
+    # ----- serving-trace calls (kda_kernels.base.RunsTraces) ------------------------------------
+    TRACE_CHUNK_ROUTES = ("chunk:safe_gate", "chunk:exact")
+
+    def trace_routes(self) -> list[Route]:
+        out = [Route(name, recipe="fla", flags=(("groups", ("prefill",)),) + tuple(sorted(CHUNK_ROUTES[name].items())),
+                     description=f"prefill: chunk_kda {CHUNK_ROUTES[name]} on states the engine gathers from the "
+                                 "cache and scatters back (the gather/scatter is the engine's, vLLM's, not the "
+                                 "kernel's)") for name in self.TRACE_CHUNK_ROUTES]
+        out.append(Route("fused_recurrent", recipe="fla-recurrent", flags=(("groups", ("decode", "spec")),),
+                         description="decode and spec: fused_recurrent_kda_fwd on the cache view in place "
+                                     "(ssm_state_indices, num_accepted_tokens, inplace_final_state)"))
+        return out
+
+    def trace_accepts(self, trace, route: Route) -> tuple[bool, str]:
+        from .trace_support import has_padding_rows, problem_of_trace
+        p = problem_of_trace(trace)
+        if route.name in self.TRACE_CHUNK_ROUTES:
+            return self.accepts(p, Route(route.name, recipe="fla"))
+        if route.name != "fused_recurrent":
+            return False, f"not applicable: unknown fla trace route {route.name!r}"
+        if p.gate == "softplus" and p.A_log is None:
+            return False, ("not applicable: fused_recurrent_kda_fwd's softplus gate without A_log is "
+                           "-exp(1) * softplus(g + dt_bias) (HAS_A false loads 1.0 and exponentiates it)")
+        c = trace.cache
+        if c.pad == "minus1" and has_padding_rows(trace) and c.offset < c.stride:
+            return False, (f"not applicable: fused_recurrent_kda_fwd has no pad-slot check: a padding row's "
+                           f"index -1 reads and writes the {c.slot_numel} elements one slot stride ({c.stride}) "
+                           f"before slot 0, outside this cache's buffer (guard {c.offset} elements before "
+                           f"slot 0); a trace whose guard covers one slot shows the write")
+        return True, ""
+
+    def run_call(self, call, route: Route) -> torch.Tensor:
+        if route.name in self.TRACE_CHUNK_ROUTES:
+            return self._run_chunk_call(call, route)
+        if route.name != "fused_recurrent":
+            raise ValueError(f"--route: expected one of {', '.join(r.name for r in self.trace_routes())}, "
+                             f"got {route.name!r}")
+        self._load()
+        if self._ops is None:
+            raise RuntimeError(self._why)
+        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+        kw = recurrent_call_arguments(call)
+        with self._pinned(f"fla trace route {route.name}"), torch.inference_mode():
+            o, _ = fused_recurrent_kda_fwd(**kw)
+        return o
+
+    def _run_chunk_call(self, call, route: Route) -> torch.Tensor:
+        """chunk_kda on a prefill call, with the engine's gather and scatter around it."""
+        from .trace_support import gather_states, scatter_states
+        ops = self._load()
+        if ops is None:
+            raise RuntimeError(self._why)
+        m = call.model
+        p = Problem(q=call.q, k=call.k, v=call.v, g=call.g, beta=call.beta, A_log=m["A_log"], dt_bias=m["dt_bias"],
+                    scale=m["scale"], lower_bound=m["lower_bound"], gate=m["gate"], beta_kind=m["beta_kind"],
+                    qk_l2norm=m["qk_l2norm"], cu_seqlens=call.cu_seqlens, initial_state=gather_states(call),
+                    state_layout=call.spec.layout, output_final_state=True)
+        fn_name, kw = call_arguments(p, Route(route.name, recipe="fla"))
+        with self._pinned(f"fla trace route {route.name}"), torch.inference_mode():
+            o, final = ops[fn_name](**kw)
+        scatter_states(call, final)
+        return o
+
+
+def recurrent_call_arguments(call) -> dict:
+    """Keyword arguments of fla's fused_recurrent_kda_fwd for a decode or spec PhaseCall (pure:
+    no fla import): the cache's [slots, HV, ., .] view as initial_state, written in place."""
+    m = call.model
+    gate_in = m["gate"] in ("lower_bound", "softplus")
+    kw = dict(q=call.q, k=call.k, v=call.v, g=call.g, beta=call.beta, scale=m["scale"],
+              initial_state=call.slots_view(), output_final_state=False, inplace_final_state=True,
+              state_v_first=call.spec.layout == "vk", cu_seqlens=call.cu_seqlens.to(torch.int64).clone(),
+              ssm_state_indices=call.state_indices, num_accepted_tokens=call.num_accepted_tokens,
+              use_qk_l2norm_in_kernel=bool(m["qk_l2norm"]), use_gate_in_kernel=gate_in,
+              use_beta_sigmoid_in_kernel=m["beta_kind"] in ("sigmoid", "sigmoid2"),
+              allow_neg_eigval=m["beta_kind"] == "sigmoid2")
+    if gate_in:
+        kw.update(A_log=m["A_log"], dt_bias=None if m["dt_bias"] is None else m["dt_bias"].reshape(-1),
+                  lower_bound=float(m["lower_bound"]) if m["gate"] == "lower_bound" else None)
+    return kw

@@ -8,12 +8,7 @@ later test modules.  Like every interpreter test, the module skips on a GPU mach
 verify matrix runs fla's compiled kernels).
 
 The child installs the project's interpreter fixes (kda_kernels.triton._interpreter_compat:
-loop bounds, bf16 dots, bf16 rounding) and two for fla's kernels, test scaffolding only:
-- fla binds ``gather = tl.gather`` at import, so the interpreter's patched ``tl.gather`` is
-  never seen; the alias in fla.ops.kda.chunk_intra is replaced by a call through ``tl``.
-- chunk_gated_delta_rule_fwd_kernel_h_blockdim64 calls ``i_t.to(tl.int64)`` on its ``range``
-  induction variable, a tensor when compiled and a Python int in the interpreter; that module's
-  ``range`` yields the interpreter's int32 scalars instead.
+loop bounds, bf16 dots, bf16 rounding) and the two fla's kernels need (tests/interpreted_fla.py).
 
 Tolerances (bf16 unit roundoff u = 2^-8): o and the final state within 2u relative (Frobenius)
 of the oracle, as for our own Triton kernels (tests/test_triton_flashkda.py); measured here
@@ -38,27 +33,10 @@ def _child() -> dict:
     os.environ["FLA_FLASH_KDA"] = "0"
     import warnings
     warnings.simplefilter("ignore")
-    import builtins
-
-    import numpy as np
     import torch
-    import triton.language as tl
-    from triton.runtime.interpreter import TensorHandle
 
-    from kda_kernels.triton._interpreter_compat import install
-    install()
-    import fla.ops.common.chunk_delta_h as delta_h
-    import fla.ops.kda.chunk_intra as intra
-
-    def scalar(x):
-        return int(np.asarray(x.handle.data).reshape(-1)[0]) if isinstance(x, tl.tensor) else int(x)
-
-    def tensor_range(*args):
-        for i in builtins.range(*[scalar(a) for a in args]):
-            yield tl.tensor(TensorHandle(np.array([i], dtype=np.int32), tl.int32), tl.int32)
-
-    intra.gather = lambda src, index, axis, _builder=None: tl.gather(src, index, axis)
-    delta_h.range = tensor_range
+    from interpreted_fla import install_fla_interpreter_fixes
+    install_fla_interpreter_fixes()
 
     from kda_kernels.base import Route
     from kda_kernels.fla import FlaBackend

@@ -14,6 +14,13 @@ the kernels write it, so the Problem itself is never modified.
     "C":  feed ws_* (+ h_in if segmented)  -> o [Ttot,H,V] packed, final_state [N,H,K,V] K-first
           (paged problems: written through the paged store into a copy of the cache, then read
           back from slot state_indices[n], so a slot slip shows in final_state)
+Trace routes (kda_kernels.base.RunsTraces): ``TRACE_ROUTES`` run the prefill calls of a serving
+trace through the paged path (``flashkda_forward(state_cache=, state_indices=, has_initial_state=)``):
+the call becomes a paged Problem whose cache is the trace cache's V-first view
+(kda_kernels.trace_support.paged_problem), ``run`` writes a copy of the whole buffer and every
+element of it is copied back.  The paged store is fp32 [slots, H, 128, 128] with dense slots
+(stride(0) may be padded): a trace with a K-first or bf16 cache is not applicable.
+
 Feeds are float64 in the oracle's layouts (kda_ref.workspace / kda_ref.segments) and are
 rounded to the workspace dtypes first; outputs come back in the kernel's dtypes.
 """
@@ -102,6 +109,36 @@ class TritonBackend:
         if reasons:
             return False, "not applicable: " + "; ".join(reasons)
         return True, ""
+
+    # ------------------------------------------------------------------------------ traces
+    TRACE_ROUTES = ("unseg:BW=32", "seg:A=fused:B=prefetch:BW=32", "seg:cps=1:A=fused:B=prefetch:BW=32",
+                    "seg:cps=4:A=fused:B=prefetch:BW=32", "seg:A=fused:B=prefetch:BW=32:scan=bf16")
+
+    def trace_routes(self) -> list[Route]:
+        """The paged routes that run a trace's prefill calls (recipe flashkda, as on Problems)."""
+        out = []
+        for name in self.TRACE_ROUTES:
+            r = self.route(name)
+            out.append(Route(r.name, recipe=r.recipe, flags=(("groups", ("prefill",)),) + r.flags,
+                             description=f"prefill: the paged FlashKDA forward, {r.description}"))
+        return out
+
+    def trace_accepts(self, trace, route: Route) -> tuple[bool, str]:
+        from ..trace_support import problem_of_trace, trace_refusal
+        ok, why = self.accepts(problem_of_trace(trace), route)
+        if not ok:
+            return ok, why
+        why = trace_refusal(trace, "our FlashKDA's paged store", layouts=("vk",), dtypes=("float32",))
+        return (False, why) if why else (True, "")
+
+    def run_call(self, call, route) -> torch.Tensor:
+        """A prefill PhaseCall through the paged forward; the cache written in place."""
+        from ..trace_support import copy_back, paged_problem
+        if call.group != "prefill":
+            raise ValueError(f"call: our FlashKDA runs prefill calls, got a {call.group} call")
+        out = self.run(paged_problem(call), route)
+        copy_back(call, out.state_cache)
+        return out.o
 
     # ------------------------------------------------------------------------------ helpers
     def _device(self, p: Problem) -> torch.device:
