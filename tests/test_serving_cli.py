@@ -149,7 +149,7 @@ def test_report_shows_serving_cells_and_the_drift_curve(baseline, capsys, tmp_pa
     assert rc == 0
     rec = read_records(out / "results.jsonl")[0]
     d = rec["serving"]["drift"]
-    assert d["decode_steps"] == 300 and d["cache_dtype"] == "bfloat16" and len(d["o_err"]) == len(d["step"])
+    assert d["decode_steps"] == 120 and d["cache_dtype"] == "bfloat16" and len(d["o_err"]) == len(d["step"])
     md = (out / "report.md").read_text()
     assert "## Serving traces" in md and "state err last 10%" in md
     assert f"request 0 step {d['worst']['step']}" in md

@@ -23,7 +23,7 @@ Public reports, each a case named after it:
                     docs/traces.md's description (bf16 state drift over many decode steps); the
                     nearest report found, sglang#38975 ("KDA replay decode round sigmoid(beta)
                     through bf16; recurrent-state drift accumulates with context length"): a long
-                    decode over a bf16 cache with bf16 inputs, its drift curve recorded.
+                    decode (160 steps) over a bf16 cache with bf16 inputs, its drift curve recorded.
     empty-before-later
                     the empty-sequence-before-a-later-one failure (findings: chunk_kda:triton on
                     the H200): a trace cannot hold an empty live row (every live row has a token),
@@ -137,12 +137,13 @@ def serving_suite() -> list:
         doc="prompts of 1..5 tokens, far below one chunk")
     add("one-token-prompts", _rows(dict(slots=5), _one_token_prompts()), params={"prompt": 1},
         doc="1-token prompts through the prefill side")
-    add("chunked-prefill-odd", _gen("chunked-prefill", chunk=37, **N0), params={"scenario": "chunked-prefill", "chunk": 37},
-        doc="prompts of 100..300 tokens in chunks of 1..37 (odd boundaries; has_initial_state on every later chunk)")
+    add("chunked-prefill-odd", _gen("chunked-prefill", chunk=37, prompt=(60, 130), **N0),
+        params={"scenario": "chunked-prefill", "chunk": 37},
+        doc="prompts of 60..130 tokens in chunks of 1..37 (odd boundaries; has_initial_state on every later chunk)")
     add("mixed", _gen("mixed"), params={"scenario": "mixed"},
         doc="decode, spec and prefill rows in one batch, graph-padded decode steps")
-    add("slot-reuse", _gen("slot-reuse", **N0), params={"scenario": "slot-reuse"},
-        doc="8 requests through 2 slots: each freed slot reused at once")
+    add("slot-reuse", _gen("slot-reuse", requests=5, prompt=(1, 24), **N0), params={"scenario": "slot-reuse"},
+        doc="5 requests through 2 slots: each freed slot reused at once")
     add("pad-minus1", _gen("graph-padded", slot_pad=1), params={"scenario": "graph-padded", "pad": "minus1"},
         doc="CUDA-graph-padded decode batches, padding rows at slot -1, a padding row between slots")
     add("pad-null0", _gen("null-block"), params={"scenario": "null-block", "pad": "null0"},
@@ -157,25 +158,25 @@ def serving_suite() -> list:
         params={"scenario": "mixed", "cache_dtype": "bfloat16"}, doc="the mixed scenario over a bf16 cache, bf16 inputs")
     for dt in ("float32", "bfloat16"):
         tag = "fp32" if dt == "float32" else "bf16"
-        add(f"decode-drift-{tag}", _gen(None, requests=1, max_batch=1, prompt=(8, 8), decodes=(300, 300),
+        add(f"decode-drift-{tag}", _gen(None, requests=1, max_batch=1, prompt=(8, 8), decodes=(120, 120),
                                           cache_dtype=dt, dtype="bfloat16", **N0),
-            params={"decodes": 300, "cache_dtype": dt}, drift=True,
-            doc=f"one request, 300 decode steps over a {tag} cache (the CPU variant of the long drift curve)")
+            params={"decodes": 120, "cache_dtype": dt}, drift=True,
+            doc=f"one request, 120 decode steps over a {tag} cache (the CPU variant of the long drift curve)")
         add(f"decode-long-{tag}", _gen(None, requests=1, max_batch=1, prompt=(64, 64), decodes=(10000, 10000),
                                          cache_dtype=dt, dtype="bfloat16", **N0),
             params={"decodes": 10000, "cache_dtype": dt, "K": 128, "V": 128}, drift=True, long=True,
             doc=f"one request, 10^4 decode steps over a {tag} cache at K = V = 128 (the drift curve)")
     add("atom-1750", _atom_1750, params={"prompt": "1..63"}, reference="https://github.com/ROCm/ATOM/pull/1750",
         doc="ROCm/ATOM#1750: prompts shorter than the chunk, then decode on the other side")
-    add("vllm-50649", _gen("chunked-prefill", prompt=(150, 300), chunk=64, chunk_multiple=0, decodes=(4, 8),
+    add("vllm-50649", _gen("chunked-prefill", prompt=(100, 160), chunk=64, chunk_multiple=0, decodes=(4, 8),
                             dtype="bfloat16", **N0),
         params={"scenario": "chunked-prefill"}, reference="vllm-project/vllm#50649 (not found; see vllm#41292)",
         doc="chunked prefill then decode across the handover (vllm#50649 not found; modelled on vllm#41292)")
-    add("sglang-34299", _gen(None, requests=2, max_batch=2, prompt=(16, 32), decodes=(400, 400),
+    add("sglang-34299", _gen(None, requests=2, max_batch=2, prompt=(16, 32), decodes=(160, 160),
                              cache_dtype="bfloat16", dtype="bfloat16", **N0),
-        params={"decodes": 400, "cache_dtype": "bfloat16"}, drift=True,
+        params={"decodes": 160, "cache_dtype": "bfloat16"}, drift=True,
         reference="sgl-project/sglang#34299 (not found; see sglang#38975)",
-        doc="bf16 state drift over 400 decode steps (sglang#34299 not found; modelled on sglang#38975)")
+        doc="bf16 state drift over 160 decode steps (sglang#34299 not found; modelled on sglang#38975)")
     add("empty-before-later", _rows(dict(slots=4), _empty_before_later()), params={"lens": [1, 37, 1]},
         doc=_empty_before_later.__doc__.split("\n")[0])
     return C
