@@ -129,7 +129,7 @@ def _item_record(it) -> Optional[dict]:
 
 def _shape(tr) -> dict:
     reqs = len(set(tr.row_request.tolist()) - {-1})
-    return {"steps": tr.steps, "rows": tr.rows, "tokens": tr.tokens, "requests": reqs, "H": tr.H, "HV": tr.HV,
+    return {"B": 1, "T": tr.tokens, "steps": tr.steps, "rows": tr.rows, "tokens": tr.tokens, "requests": reqs, "H": tr.H, "HV": tr.HV,
             "K": tr.K, "V": tr.V, "slots": tr.cache.slots, "layout": tr.cache.layout,
             "cache_dtype": tr.cache.dtype, "pad": tr.cache.pad}
 
