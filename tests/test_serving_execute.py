@@ -103,6 +103,8 @@ def test_stale_read_fails_naming_request_and_step():
     # request 1 decodes from slot 3 at step 1 (first read, correct) and again at step 2 (stale)
     assert res.status == "fail" and (f.step, f.request, f.phase) == (2, 1, "decode")
     assert "call decode serving-stale:exact-decode" in f.where
+    assert res.diagnosis.startswith("stale read: decode serving-stale:exact-decode read slot 3 as it was before its "
+                                    "write at step 1, not its current content")
 
 
 def test_guard_row_write_is_named():

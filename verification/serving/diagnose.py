@@ -19,6 +19,7 @@ its tokens replayed in float64 (kda_ref.recurrence.token_step) from each candida
 compared with the kernel's o:
     layout    the read slot's content (before the step) taken in the other layout
     zero      a zero state although the row has an initial state (has_initial_state ignored)
+    stale     the read slot's content before its last write (the state a token earlier)
     column    another column of a spec row's table than num_accepted_tokens - 1 (a rejected
               draft's checkpoint read)
 
@@ -112,7 +113,7 @@ def replay_row(tr, rp, S0: torch.Tensor) -> torch.Tensor:
     return o
 
 
-def row_hypothesis(tr, st, run, item, writers: dict) -> Optional[str]:
+def row_hypothesis(tr, st, run, item, writers: dict, previous: Optional[dict] = None) -> Optional[str]:
     """What the failing row read, when a candidate state explains its o (module docstring)."""
     rp = next((x for x in st.plan.rows if x.row == item.row), None)
     if rp is None or rp.read is None:
@@ -140,6 +141,10 @@ def row_hypothesis(tr, st, run, item, writers: dict) -> Optional[str]:
     if explains(torch.zeros(tr.HV, tr.K, tr.V, dtype=F64)):
         return (f"has_initial_state ignored: {item.call} started request {rp.request} from a zero state instead of "
                 f"slot {rp.read}{_writer_note(writers, rp.read)} {where}")
+    prev = (previous or {}).get(rp.read)
+    if prev is not None and explains(spec.to_kfirst(prev[1])):
+        return (f"stale read: {item.call} read slot {rp.read} as it was before its write at step {prev[0]}, not "
+                f"its current content{_writer_note(writers, rp.read)} {where}")
     if rp.phase == SPEC:
         table = tr.state_indices[rp.row].tolist()
         col = int(tr.num_accepted_tokens[rp.row]) - 1
@@ -153,8 +158,10 @@ def row_hypothesis(tr, st, run, item, writers: dict) -> Optional[str]:
     return None
 
 
-def diagnose(tr, st, verdict, run, pairing, writers: dict) -> Optional[str]:
-    """The named cause of the first failing item of ``verdict`` (module docstring), or None."""
+def diagnose(tr, st, verdict, run, pairing, writers: dict, previous: Optional[dict] = None) -> Optional[str]:
+    """The named cause of the first failing item of ``verdict`` (module docstring), or None.
+    ``writers``: slot -> (call label, group, step, request) of its last write; ``previous``: slot ->
+    (step of its last write, its content before that write), for the stale-read hypothesis."""
     first = verdict.failed[0]
     if first.kind == "untouched":
         return None
@@ -163,4 +170,4 @@ def diagnose(tr, st, verdict, run, pairing, writers: dict) -> Optional[str]:
         if found:
             return found
     failing_o = next((i for i in verdict.failed if i.kind == "o" and i.row == first.row), None)
-    return row_hypothesis(tr, st, run, failing_o or first, writers)
+    return row_hypothesis(tr, st, run, failing_o or first, writers, previous)

@@ -208,6 +208,7 @@ def run_pairing(tr: Trace, pairing: Pairing, tols: dict, baseline: Optional[Pair
           if baseline_rows is None and not itself else None)
     rows_out = [] if (br is not None or itself) else None
     writers: dict = {}            # slot -> (side label, group, step, request) of its last write
+    previous: dict = {}           # slot -> (step of its last write, its content before that write)
     drift_pts = [] if drift else None
     for st in trace_oracle(tr):
         s = st.step
@@ -249,16 +250,18 @@ def run_pairing(tr: Trace, pairing: Pairing, tols: dict, baseline: Optional[Pair
             if res.first_failure is None:
                 res.first_failure = failed[0]
                 try:
-                    res.diagnosis = diagnose(tr, st, v, r, pairing, writers)
+                    res.diagnosis = diagnose(tr, st, v, r, pairing, writers, previous)
                 except Exception as e:  # noqa: BLE001 - a diagnosis that breaks must not hide the verdict
                     res.diagnosis = f"(diagnosis failed: {type(e).__name__}: {e})"
             res.failures.extend(failed[:max(0, MAX_FAILURES - len(res.failures))])
         if drift_pts is not None:
             _drift_point(drift_pts, st, v, base)
+        view_before = tr.cache.view(r.before)
         for rp in st.plan.rows:
             c = next((c for c in r.calls if rp.row in c.rows), None)
             for _, slot in rp.writes:
                 writers[slot] = (c.label if c else "", c.group if c else "", s, rp.request)
+                previous[slot] = (s, view_before[slot].clone())
         if on_step is not None:
             on_step(s, v)
     res.baseline_rows = rows_out if rows_out is not None else baseline_rows
