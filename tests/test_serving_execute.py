@@ -183,3 +183,14 @@ def test_a_kernel_that_is_its_own_baseline_runs_once():
     assert res.status == "pass" and len(res.baseline_rows) == tr.steps
     assert len(calls) == sum(1 for s in range(tr.steps) for _ in set(tr.row_phase[int(tr.step_rows[s]):
                                                                                  int(tr.step_rows[s + 1])].tolist()) - {-1})
+
+
+def test_null_block_write_names_the_padding_row():
+    """Under the NULL-block convention a live row's unused table columns hold 0 too: the write of
+    slot 0 is the padding row's, not the live row's."""
+    tr = generate(3, "null-block", K=8, V=16)
+    res = run(tr, pairing("exact", "pad_slot0"))
+    first = res.first_failure
+    assert res.status == "fail" and first.kind == "untouched" and first.slot == 0
+    assert "the pad slot (NULL block) slot 0 changed" in first.reason
+    assert "padding row" in first.reason and "(pad slot 0)" in first.reason and "(decode, table" not in first.reason
