@@ -158,3 +158,14 @@ def test_report_shows_serving_cells_and_the_drift_curve(baseline, capsys, tmp_pa
     except ImportError:
         return
     assert (out / "plots" / "serving_drift.png").stat().st_size > 0
+
+
+def test_long_traces_report_progress(baseline, capsys, tmp_path, monkeypatch):
+    from verification.serving import cells
+    monkeypatch.setattr(cells, "LONG_STEPS", 50)
+    rc = main(["run", "--suite", "serving", "--backend", EXACT, "--route", "exact-prefill", "--decode-route",
+               "exact-decode", "--case", "serving/decode-drift-fp32", "--out", str(tmp_path / "p")])
+    err = capsys.readouterr().err
+    assert rc == 0
+    assert "serving-exact exact-prefill+exact-decode serving/decode-drift-fp32: step 50/121" in err
+    assert "step 100/121" in err
