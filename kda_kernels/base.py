@@ -194,6 +194,7 @@ BUILTIN_BACKENDS: dict[str, str] = {
     "moonshot": "kda_kernels.moonshot:MoonshotBackend",
     "fla-naive": "kda_kernels.references:FlaNaiveBackend",
     "transformers": "kda_kernels.references:TransformersBackend",
+    "cudnn": "kda_kernels.cudnn:CudnnBackend",
 }
 
 

@@ -183,6 +183,25 @@ REFERENCE_RECIPES: dict[str, Recipe] = {
                    FP32, FP32, FP32, FP32, FP32,
                    "eager fp32 references (fla naive, transformers): C=64, everything fp32, o in the input dtype"),
 }
+# cuDNN frontend 1.32.0's sm90 KDA engine kda_hopper_cuda (cudnn/linear_attention/hopper/cuda_kernels/
+# kda_fused_sm90.cu; docs/backends.md, "cuDNN frontend", cites each rounding point by line): C=16, gate
+# cumsum and decays fp32 (:625-672), kd = bf16(k 2^G) and q' = bf16(q 2^G scale) (:675-681), the
+# inverse factor bf16(beta k 2^-G) (:682), L = kd.(beta k 2^-G)^T fp32 (:724-738), (I + L)^-1 by a
+# 16-row fp32 forward substitution stored bf16 (:785-806), bf16(Tinv.kd) / bf16(Tinv.v) (:808-847),
+# U = bf16(Tinv.v - Tinv.kd bf16(S)) (:903-952), o = q'.bf16(S) + bf16(Mqk diag(beta)).U written bf16
+# (:744-752, :964-1001), the state fp32 in registers with bf16 MMA operands (:925, :955-970).  The
+# moonshot form with the fp32 state and an exact (substitution) inverse is the nearest the emulator's
+# forms express; it does not fold beta into the bf16 factor, forms U as INV.bf16(v - kd S) instead of
+# the two stored products, and does not model the kernel's seed truncation (a sequence cut into P
+# pieces, each piece after the first started from zero at a chunk where the gates have decayed any
+# earlier state below 2^-20, :484-545).  Held out of RECIPES (no cap lift, no fallback) until an H200
+# run calibrates it.
+REFERENCE_RECIPES["cudnn-sm90"] = Recipe(
+    "cudnn-sm90", 16, "moonshot", "start", BF16, BF16, BF16, "substitution", FP32, BF16, BF16, FP32,
+    BF16, BF16, BF16, BF16, FP32,
+    "cuDNN FE kda_hopper_cuda (sm90, NVRTC): C=16, no pivot, bf16 tiles, 16-row fp32 forward-substitution "
+    "inverse stored bf16, bf16 Mqk, fp32 state with bf16 dot operands (the moonshot form's nearest: beta "
+    "folded into a factor and the seed truncation not modelled)")
 
 # the recipe of aiter's chunk_kda Gluon route on each GPU architecture (its host dispatches on it)
 CHUNK_KDA_GLUON_RECIPES = {"gfx1250": "aiter-gfx1250", "gfx950": "aiter-gfx950"}

@@ -15,6 +15,7 @@ EXPECTED = {
     "moonshot": {"checks_contract"},
     "fla-naive": set(),
     "transformers": set(),
+    "cudnn": set(),
 }
 
 

@@ -80,3 +80,22 @@ def test_reruns_become_fixed_in_and_still_fails_in(tmp_path):
 def test_a_directory_without_results_is_one_line_exit_2(tmp_path, capsys):
     assert fixed_in.main(["verdict", str(tmp_path)]) == 2
     assert "results.jsonl" in capsys.readouterr().err
+
+
+def test_an_emulator_prediction_is_rerun_with_both_recipes_and_named_in_their_terms():
+    """The first emulator moonshot entry (correlated keys, weak gate): its repro fails with the
+    Neumann recipe and passes with 7afb9f45's inverse, so the prediction reads fixed in the fwdsub
+    recipe, still failing in the Neumann one."""
+    db = load_tolerances()
+    kf = next(k for k in db.known_failures if k.backend == "emulator" and k.route == "moonshot"
+              and "lb" in k.describe_params())
+    recs = fixed_in.recipe_cells(kf, ["moonshot", "moonshot-fwdsub"])
+    assert recs["moonshot"]["status"] == "known-fail" and recs["moonshot-fwdsub"]["status"] == "pass"
+    assert fixed_in.recipe_verdicts(recs) == {"fixed": ["recipe moonshot-fwdsub (7afb9f45's inverse)"],
+                                              "fails": ["recipe moonshot (1ce47ea's fp16 Neumann inverse)"]}
+
+
+def test_recipes_for_a_route_without_emulator_entries_is_one_line_exit_2(capsys):
+    assert fixed_in.main(["recipes", "--route", "no-such-recipe"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--route: expected the route of an emulator known failure" in err

@@ -9,6 +9,12 @@
         judged cell passed, "still fails in" when one failed (fail, known-fail, mistrusted,
         crashed); prints the fixed-in / still-fails-in fields per entry, and with --write puts
         them into tolerances.yaml (replacing earlier values of those two fields only)
+    python tools/fixed_in.py recipes [--route moonshot] [--recipes moonshot,moonshot-fwdsub] [--write]
+        the emulator's predictions: for each known failure of backend emulator whose route starts with
+        --route, runs its shrink repro's case on the CPU with each recipe of --recipes (emulator routes,
+        judged as `kda-verify run` judges them) and fills fixed-in / still-fails-in in the recipes'
+        terms (RECIPE_BUILDS, e.g. "recipe moonshot-fwdsub (7afb9f45's inverse)"): fixed where the
+        cell passes, still failing where it fails (fail, known-fail, mistrusted, crashed, error)
 
 A version names the build (``backend_version`` of the records, e.g. "flash_kda 0.0.1+1ce47ea.neumann
 (recipe moonshot, ...)": the text before " (" is kept).  Exit 0; 2 on bad input (one line).
@@ -28,6 +34,9 @@ from verification.tolerances import load_tolerances  # noqa: E402
 
 FAILED = ("fail", "known-fail", "mistrusted", "crashed")
 TOL = ROOT / "verification" / "tolerances.yaml"
+# an emulator recipe, named as a build of the kernel it predicts
+RECIPE_BUILDS = {"moonshot": "recipe moonshot (1ce47ea's fp16 Neumann inverse)",
+                 "moonshot-fwdsub": "recipe moonshot-fwdsub (7afb9f45's inverse)"}
 
 
 def repro_args(shrink: str) -> list:
@@ -71,6 +80,37 @@ def verdicts(dirs, db) -> dict:
     return out
 
 
+def recipe_cells(kf, recipes, device: str = "cpu", caches=None) -> dict:
+    """{recipe: the run_cell record of known failure ``kf``'s shrink repro on the emulator route of
+    that recipe} (the case its shrink command names, with its --fuzz-n); ``caches``: a (TruthCache,
+    BaselineCache) pair shared across calls (entries with one repro case compute its truth once)."""
+    from verification.cases import get_case
+    from verification.runner import BaselineCache, TruthCache, as_loaded, run_cell
+    words = repro_args(kf.shrink)
+    case_id = words[words.index("--case") + 1]
+    n = int(words[words.index("--fuzz-n") + 1]) if "--fuzz-n" in words else None
+    case = get_case(case_id, n=n)
+    backend = as_loaded("emulator")
+    routes = {r.name: r for r in backend.backend.routes()}
+    truth, base = caches or (TruthCache(device=device), BaselineCache())
+    db = load_tolerances()
+    out = {}
+    for name in recipes:
+        if name not in routes:
+            raise SystemExit(f"--recipes: expected emulator routes ({', '.join(routes)}), got {name!r}")
+        out[name] = run_cell(backend, routes[name], case, truth, base, db, device)
+    return out
+
+
+def recipe_verdicts(records: dict) -> dict:
+    """{"fixed": [builds], "fails": [builds]} from recipe_cells' records, in RECIPE_BUILDS' names."""
+    res = {"fixed": [], "fails": []}
+    for name, rec in records.items():
+        if rec["status"] in ("pass",) + FAILED + ("error",):
+            res["fixed" if rec["status"] == "pass" else "fails"].append(RECIPE_BUILDS.get(name, f"recipe {name}"))
+    return res
+
+
 def write_fields(text: str, line: int, fields: dict) -> str:
     """tolerances.yaml's text with the known-failure entry that starts at ``line`` (1-based) given
     ``fields`` ({yaml key: value}); earlier values of those keys in that entry are replaced."""
@@ -94,8 +134,14 @@ def main(argv=None) -> int:
     v = sub.add_parser("verdict")
     v.add_argument("dirs", nargs="+")
     v.add_argument("--write", action="store_true")
+    r = sub.add_parser("recipes")
+    r.add_argument("--route", default="moonshot")
+    r.add_argument("--recipes", default="moonshot,moonshot-fwdsub")
+    r.add_argument("--write", action="store_true")
     a = ap.parse_args(argv)
     db = load_tolerances()
+    if a.cmd == "recipes":
+        return _recipes(a, db)
     if a.cmd == "cases":
         for kf in db.known_failures:
             if kf.backend == a.backend and kf.shrink:
@@ -121,6 +167,37 @@ def main(argv=None) -> int:
     if a.write and res:
         TOL.write_text(text, encoding="utf-8")
         print(f"wrote {len(res)} entries into {TOL}")
+    return 0
+
+
+def _recipes(a, db) -> int:
+    entries = [kf for kf in db.known_failures if kf.backend == "emulator" and kf.route.startswith(a.route)]
+    if not entries:
+        print(f"--route: expected the route of an emulator known failure, got {a.route!r} (none matches)",
+              file=sys.stderr)
+        return 2
+    recipes = [x for x in a.recipes.split(",") if x]
+    from verification.runner import BaselineCache, TruthCache
+    caches = (TruthCache(device="cpu"), BaselineCache())
+    text = TOL.read_text(encoding="utf-8")
+    for kf in sorted(entries, key=lambda k: -k.line):        # bottom up: earlier line numbers stay valid
+        try:
+            records = recipe_cells(kf, recipes, caches=caches)
+        except SystemExit as e:
+            print(e, file=sys.stderr)
+            return 2
+        r = recipe_verdicts(records)
+        fields = {"fixed-in": "; ".join(r["fixed"]), "still-fails-in": "; ".join(r["fails"])}
+        print(f"tolerances.yaml:{kf.line} emulator / {kf.route} / {kf.case}"
+              + (f" ({kf.describe_params()})" if kf.params else ""))
+        for name, rec in records.items():
+            print(f"    {name}: {rec['status']}  {rec.get('reason', '')[:160]}")
+        for k, val in fields.items():
+            print(f"    {k}: {val or '-'}")
+        text = write_fields(text, kf.line, fields)
+    if a.write:
+        TOL.write_text(text, encoding="utf-8")
+        print(f"wrote {len(entries)} entries into {TOL}")
     return 0
 
 

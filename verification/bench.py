@@ -278,11 +278,40 @@ def adapter_callable(backend: str, route: str) -> Callable:
     return call
 
 
+def cudnn_callable(route: str = "hopper_cuda") -> Callable:
+    """cuDNN's kimi_delta_attention with the adapter's arguments made once per input (THD views, fp32
+    beta logits, the safe gate's fp32 parameters): each call is the frontend's own call, its host
+    dispatch included (the frontend's op and graph layer, the engine's launch)."""
+    from kda_kernels.cudnn import CudnnBackend, call_arguments
+    from kda_ref.problem import Problem
+
+    b = CudnnBackend()
+    ok, why = b.available()
+    if not ok:
+        raise RuntimeError(f"cudnn unavailable: {why}")
+    r = next((x for x in b.routes() if x.name == route), None)
+    if r is None or r.flag("engine") != "hopper_cuda":
+        raise ValueError(f"--routes for cudnn: expected hopper_cuda or hopper_cuda:batch_invariant, got {route!r}")
+    prepared = {}
+
+    def call(x):
+        kw = prepared.get(id(x))
+        if kw is None:
+            p = Problem(q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["beta"], A_log=x["A_log"],
+                        dt_bias=x["dt_bias"], scale=x["scale"], lower_bound=x["lower_bound"])
+            kw = prepared[id(x)] = call_arguments(p, r)[0]
+        return b._fn(**kw)[0]
+
+    call.info = {"route_ran": f"cudnn.linear_attention.kimi_delta_attention plan_name={route}"}
+    return call
+
+
 CALLABLES = {"triton": triton_callable, "fla": fla_callable, "fla-pinned": fla_pinned_callable,
              "moonshot": moonshot_callable, "aiter": lambda route: adapter_callable("aiter", route),
              "fla-naive": lambda route: adapter_callable("fla-naive", route),
-             "transformers": lambda route: adapter_callable("transformers", route)}
-DEFAULT_ROUTES = {"fla": "chunk:safe_gate", "fla-pinned": "chunk:safe_gate", "moonshot": "cutlass:state=fp32",
+             "transformers": lambda route: adapter_callable("transformers", route),
+             "cudnn": cudnn_callable}
+DEFAULT_ROUTES = {"cudnn": "hopper_cuda", "fla": "chunk:safe_gate", "fla-pinned": "chunk:safe_gate", "moonshot": "cutlass:state=fp32",
                   "aiter": "triton:seg", "fla-naive": "naive:chunk", "transformers": "torch:chunk"}
 
 
