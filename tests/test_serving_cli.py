@@ -169,3 +169,27 @@ def test_long_traces_report_progress(baseline, capsys, tmp_path, monkeypatch):
     assert rc == 0
     assert "serving-exact exact-prefill+exact-decode serving/decode-drift-fp32: step 50/121" in err
     assert "step 100/121" in err
+
+
+def test_emulator_runs_the_suite_on_the_cpu(capsys, tmp_path, monkeypatch):
+    """The emulator is its own baseline (its trace routes are named by their recipes)."""
+    monkeypatch.delenv("KDA_SERVING_BASELINE", raising=False)
+    rc = main(["run", "--suite", "serving", "--backend", "emulator", "--route", "flashkda", "--decode-route",
+               "fla-recurrent", "--case", "serving/spec-accepts", "--out", str(tmp_path / "e")])
+    capsys.readouterr()
+    assert rc == 0
+    rec = read_records(tmp_path / "e" / "results.jsonl")[0]
+    assert rec["status"] == "pass" and rec["self_judged"] and rec["recipe"] == "flashkda+fla-recurrent"
+
+
+def test_emulator_bad_handover_named_against_the_emulator(capsys, tmp_path, monkeypatch):
+    monkeypatch.delenv("KDA_SERVING_BASELINE", raising=False)
+    rc = main(["run", "--suite", "serving", "--backend", "emulator-bad", "--route", "handover-transposed",
+               "--decode-backend", "emulator", "--decode-route", "fla-recurrent", "--case", "serving/atom-1750",
+               "--out", str(tmp_path / "b")])
+    capsys.readouterr()
+    assert rc == 1
+    rec = read_records(tmp_path / "b" / "results.jsonl")[0]
+    assert rec["status"] == "fail"
+    assert rec["reason"].startswith("layout disagreement: prefill emulator-bad:handover-transposed wrote slot 1 "
+                                    "K-first where the trace's cache is V-first (step 0, request 0)")
