@@ -193,3 +193,18 @@ def test_emulator_bad_handover_named_against_the_emulator(capsys, tmp_path, monk
     assert rec["status"] == "fail"
     assert rec["reason"].startswith("layout disagreement: prefill emulator-bad:handover-transposed wrote slot 1 "
                                     "K-first where the trace's cache is V-first (step 0, request 0)")
+
+
+def test_padding_write_over_a_slot_read_later_in_the_step_is_named(capsys, tmp_path, monkeypatch):
+    """emulator-bad's pad-writes-last-slot: the decode call's padding row writes the last slot,
+    which the spec call reads next in the same step."""
+    monkeypatch.delenv("KDA_SERVING_BASELINE", raising=False)
+    rc = main(["run", "--suite", "serving", "--backend", "emulator", "--route", "flashkda", "--decode-backend",
+               "emulator-bad", "--decode-route", "pad-writes-last-slot", "--case", "serving/pad-null0",
+               "--out", str(tmp_path / "c")])
+    capsys.readouterr()
+    assert rc == 1
+    rec = read_records(tmp_path / "c" / "results.jsonl")[0]
+    assert rec["reason"].startswith("slot overwritten before it was read: call decode emulator-bad:pad-writes-last-slot "
+                                    "(no row of it names slot 6; its padding row(s) [15]")
+    assert "changed slot 6 in step 4 before spec emulator-bad:pad-writes-last-slot read it for request 3" in rec["reason"]

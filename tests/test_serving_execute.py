@@ -194,3 +194,11 @@ def test_null_block_write_names_the_padding_row():
     assert res.status == "fail" and first.kind == "untouched" and first.slot == 0
     assert "the pad slot (NULL block) slot 0 changed" in first.reason
     assert "padding row" in first.reason and "(pad slot 0)" in first.reason and "(decode, table" not in first.reason
+
+
+def test_padding_row_over_a_written_slot_is_named():
+    """Step 2 writes slot 0 (request 0's decode) and the padding row writes it too, after."""
+    res = run(chunked_spec_trace(), pairing("exact", "pad_slot0"))
+    assert res.first_failure.step == 2 and res.first_failure.kind == "state"
+    assert res.diagnosis == ("padding row written: decode serving-pad-slot0:exact-decode padding row 6 (pad slot -1) "
+                             "wrote its state to slot 0, over request 0's (step 2)")

@@ -14,6 +14,11 @@ on a written slot (the state judged after the step):
               read as fp16 equal the truth (fp16 written into a bf16 cache); a bf16 cache holding the
               truth rounded toward zero, not to nearest
 
+    clobbered the row's read slot changed earlier in the step by another call (a padding row's
+              write to the pad slot's stand-in, a write to the wrong slot)
+    padding a written slot holding a padding row's state (its tokens from zero): the padding row
+              wrote over the live row's state
+
 on a row's output (or the state it wrote, when no slot hypothesis holds): what the row read,
 its tokens replayed in float64 (kda_ref.recurrence.token_step) from each candidate state and
 compared with the kernel's o:
@@ -100,17 +105,61 @@ def slot_hypothesis(spec, content: torch.Tensor, truth_kfirst: torch.Tensor, ite
     return None
 
 
-def replay_row(tr, rp, S0: torch.Tensor) -> torch.Tensor:
-    """o [T, HV, V] float64 of row ``rp``'s tokens by the token recurrence from K-first S0."""
+def replay_tokens(tr, tok0: int, T: int, S0: torch.Tensor) -> tuple:
+    """(o [T, HV, V], the state after the last token, K-first) float64: packed tokens tok0 ..
+    tok0 + T - 1 by the token recurrence from K-first S0."""
     from kda_ref.chunked import prepare_tokens
     from kda_ref.recurrence import token_step
-    pp = prepare_tokens(tr.problem_view(), rp.tok0, rp.tok0 + rp.T, None)
+    pp = prepare_tokens(tr.problem_view(), tok0, tok0 + T, None)
     decay = torch.exp(pp.a)
     S = S0.to(F64).clone()
-    o = torch.empty(rp.T, tr.HV, tr.V, dtype=F64)
-    for t in range(rp.T):
+    o = torch.empty(T, tr.HV, tr.V, dtype=F64)
+    for t in range(T):
         S, o[t] = token_step(S, pp.q[t], pp.k[t], pp.v[t], decay[t], pp.beta[t], pp.scale)
-    return o
+    return o, S
+
+
+def replay_row(tr, rp, S0: torch.Tensor) -> torch.Tensor:
+    """o [T, HV, V] float64 of row ``rp``'s tokens by the token recurrence from K-first S0."""
+    return replay_tokens(tr, rp.tok0, rp.T, S0)[0]
+
+
+def padding_hypothesis(tr, st, run, item) -> Optional[str]:
+    """A written slot holding what a padding row of the step computes from a zero state (its
+    tokens' final state): the padding row wrote it over the live row's state."""
+    spec = tr.cache
+    content = spec.to_kfirst(spec.view(run.after)[item.slot])
+    rt = tr.row_tokens()
+    for c in run.calls:
+        for row, ph in zip(c.rows, c.phases):
+            T = int(rt[row + 1] - rt[row])
+            if ph != -1 or T == 0:
+                continue
+            _, S = replay_tokens(tr, int(rt[row]), T, torch.zeros(tr.HV, tr.K, tr.V, dtype=F64))
+            if _holds(_rel(content, S), item):
+                return (f"padding row written: {c.label} padding row {row} (pad slot {spec.pad_slot}) wrote its state "
+                        f"to slot {item.slot}, over request {item.request}'s (step {item.step})")
+    return None
+
+
+def clobber_hypothesis(tr, st, run, item) -> Optional[str]:
+    """The failing row's read slot changed by a call that ran before the row's own call in the
+    same step (none should: no slot is written by one row and read by another in a step)."""
+    from verification.serving.judge import _writer
+    rp = next((x for x in st.plan.rows if x.row == item.row), None)
+    if rp is None or rp.read is None:
+        return None
+    spec = tr.cache
+    own = next((i for i, c in enumerate(run.calls) if rp.row in c.rows), None)
+    for c in run.calls[:own or 0]:
+        if c.changed is None:
+            continue
+        hit = torch.nonzero(spec.view(c.changed)[rp.read].reshape(-1)).flatten()
+        if hit.numel():
+            index = spec.offset + rp.read * spec.stride + int(hit[0])
+            return (f"slot overwritten before it was read: {_writer(spec, [c], index, rp.read)} changed slot "
+                    f"{rp.read} in step {item.step} before {run.calls[own].label} read it for request {rp.request}")
+    return None
 
 
 def row_hypothesis(tr, st, run, item, writers: dict, previous: Optional[dict] = None) -> Optional[str]:
@@ -166,8 +215,10 @@ def diagnose(tr, st, verdict, run, pairing, writers: dict, previous: Optional[di
     if first.kind == "untouched":
         return None
     if first.kind == "state":
-        found = slot_hypothesis(tr.cache, tr.cache.view(run.after)[first.slot], st.slots[first.slot], first)
+        found = (slot_hypothesis(tr.cache, tr.cache.view(run.after)[first.slot], st.slots[first.slot], first)
+                 or padding_hypothesis(tr, st, run, first))
         if found:
             return found
     failing_o = next((i for i in verdict.failed if i.kind == "o" and i.row == first.row), None)
-    return row_hypothesis(tr, st, run, failing_o or first, writers, previous)
+    return (clobber_hypothesis(tr, st, run, first)
+            or row_hypothesis(tr, st, run, failing_o or first, writers, previous))
