@@ -139,3 +139,72 @@ def test_pytest_plugin_runs_serving_cells(baseline, tmp_path):
     assert "layout disagreement: prefill serving-transposed:exact-prefill wrote slot" in out
     recs = read_records(rep / "results.jsonl")
     assert sorted(r["status"] for r in recs) == ["fail", "pass"]
+
+
+def test_report_shows_serving_cells_and_the_drift_curve(baseline, capsys, tmp_path):
+    out = tmp_path / "d"
+    rc = main(["run", "--suite", "serving", "--backend", EXACT, "--route", "exact-prefill", "--decode-route",
+               "exact-decode", "--case", "serving/decode-drift-bf16", "--out", str(out)])
+    capsys.readouterr()
+    assert rc == 0
+    rec = read_records(out / "results.jsonl")[0]
+    d = rec["serving"]["drift"]
+    assert d["decode_steps"] == 120 and d["cache_dtype"] == "bfloat16" and len(d["o_err"]) == len(d["step"])
+    md = (out / "report.md").read_text()
+    assert "## Serving traces" in md and "state err last 10%" in md
+    assert f"request 0 step {d['worst']['step']}" in md
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert (out / "plots" / "serving_drift.png").stat().st_size > 0
+
+
+def test_long_traces_report_progress(baseline, capsys, tmp_path, monkeypatch):
+    from verification.serving import cells
+    monkeypatch.setattr(cells, "LONG_STEPS", 50)
+    rc = main(["run", "--suite", "serving", "--backend", EXACT, "--route", "exact-prefill", "--decode-route",
+               "exact-decode", "--case", "serving/decode-drift-fp32", "--out", str(tmp_path / "p")])
+    err = capsys.readouterr().err
+    assert rc == 0
+    assert "serving-exact exact-prefill+exact-decode serving/decode-drift-fp32: step 50/121" in err
+    assert "step 100/121" in err
+
+
+def test_emulator_runs_the_suite_on_the_cpu(capsys, tmp_path, monkeypatch):
+    """The emulator is its own baseline (its trace routes are named by their recipes)."""
+    monkeypatch.delenv("KDA_SERVING_BASELINE", raising=False)
+    rc = main(["run", "--suite", "serving", "--backend", "emulator", "--route", "flashkda", "--decode-route",
+               "fla-recurrent", "--case", "serving/spec-accepts", "--out", str(tmp_path / "e")])
+    capsys.readouterr()
+    assert rc == 0
+    rec = read_records(tmp_path / "e" / "results.jsonl")[0]
+    assert rec["status"] == "pass" and rec["self_judged"] and rec["recipe"] == "flashkda+fla-recurrent"
+
+
+def test_emulator_bad_handover_named_against_the_emulator(capsys, tmp_path, monkeypatch):
+    monkeypatch.delenv("KDA_SERVING_BASELINE", raising=False)
+    rc = main(["run", "--suite", "serving", "--backend", "emulator-bad", "--route", "handover-transposed",
+               "--decode-backend", "emulator", "--decode-route", "fla-recurrent", "--case", "serving/atom-1750",
+               "--out", str(tmp_path / "b")])
+    capsys.readouterr()
+    assert rc == 1
+    rec = read_records(tmp_path / "b" / "results.jsonl")[0]
+    assert rec["status"] == "fail"
+    assert rec["reason"].startswith("layout disagreement: prefill emulator-bad:handover-transposed wrote slot 1 "
+                                    "K-first where the trace's cache is V-first (step 0, request 0)")
+
+
+def test_padding_write_over_a_slot_read_later_in_the_step_is_named(capsys, tmp_path, monkeypatch):
+    """emulator-bad's pad-writes-last-slot: the decode call's padding row writes the last slot,
+    which the spec call reads next in the same step."""
+    monkeypatch.delenv("KDA_SERVING_BASELINE", raising=False)
+    rc = main(["run", "--suite", "serving", "--backend", "emulator", "--route", "flashkda", "--decode-backend",
+               "emulator-bad", "--decode-route", "pad-writes-last-slot", "--case", "serving/pad-null0",
+               "--out", str(tmp_path / "c")])
+    capsys.readouterr()
+    assert rc == 1
+    rec = read_records(tmp_path / "c" / "results.jsonl")[0]
+    assert rec["reason"].startswith("slot overwritten before it was read: call decode emulator-bad:pad-writes-last-slot "
+                                    "(no row of it names slot 6; its padding row(s) [15]")
+    assert "changed slot 6 in step 4 before spec emulator-bad:pad-writes-last-slot read it for request 3" in rec["reason"]

@@ -103,6 +103,8 @@ def test_stale_read_fails_naming_request_and_step():
     # request 1 decodes from slot 3 at step 1 (first read, correct) and again at step 2 (stale)
     assert res.status == "fail" and (f.step, f.request, f.phase) == (2, 1, "decode")
     assert "call decode serving-stale:exact-decode" in f.where
+    assert res.diagnosis.startswith("stale read: decode serving-stale:exact-decode read slot 3 as it was before its "
+                                    "write at step 1, not its current content")
 
 
 def test_guard_row_write_is_named():
@@ -165,3 +167,38 @@ def test_baseline_rows_reused():
     first = run(tr, pairing())
     again = run_pairing(tr, pairing(), tolerances_for(DB, pairing(), "fp32"), baseline_rows=first.baseline_rows)
     assert again.status == "pass" and again.worst.margin == first.worst.margin
+
+
+def test_a_kernel_that_is_its_own_baseline_runs_once():
+    calls = []
+
+    class Counting(sb.ServingBackend):
+        def run_call(self, call, route):
+            calls.append(call.step)
+            return super().run_call(call, route)
+    b = Counting("exact")
+    p = Pairing(Side(b, _route(b, "exact-prefill")), Side(b, _route(b, "exact-decode")))
+    tr = chunked_spec_trace()
+    res = run_pairing(tr, p, tolerances_for(DB, p, "fp32"), baseline=p)
+    assert res.status == "pass" and len(res.baseline_rows) == tr.steps
+    assert len(calls) == sum(1 for s in range(tr.steps) for _ in set(tr.row_phase[int(tr.step_rows[s]):
+                                                                                 int(tr.step_rows[s + 1])].tolist()) - {-1})
+
+
+def test_null_block_write_names_the_padding_row():
+    """Under the NULL-block convention a live row's unused table columns hold 0 too: the write of
+    slot 0 is the padding row's, not the live row's."""
+    tr = generate(3, "null-block", K=8, V=16)
+    res = run(tr, pairing("exact", "pad_slot0"))
+    first = res.first_failure
+    assert res.status == "fail" and first.kind == "untouched" and first.slot == 0
+    assert "the pad slot (NULL block) slot 0 changed" in first.reason
+    assert "padding row" in first.reason and "(pad slot 0)" in first.reason and "(decode, table" not in first.reason
+
+
+def test_padding_row_over_a_written_slot_is_named():
+    """Step 2 writes slot 0 (request 0's decode) and the padding row writes it too, after."""
+    res = run(chunked_spec_trace(), pairing("exact", "pad_slot0"))
+    assert res.first_failure.step == 2 and res.first_failure.kind == "state"
+    assert res.diagnosis == ("padding row written: decode serving-pad-slot0:exact-decode padding row 6 (pad slot -1) "
+                             "wrote its state to slot 0, over request 0's (step 2)")

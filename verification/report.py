@@ -44,7 +44,7 @@ from .record import RESULTS_FILE, RUN_FILE, read_records, read_runs
 from .record import decode_number as as_float
 from .record import encode as jsonable
 
-PLOTS = ("error_vs_T", "worst_chunks", "margin_heatmap", "long_context")
+PLOTS = ("error_vs_T", "worst_chunks", "margin_heatmap", "long_context", "serving_drift")
 STATUS_COLOURS = {"pass": "#2e7d32", "fail": "#c62828", "mistrusted": "#ef6c00", "crashed": "#6a1b9a",
                   "error": "#4e342e", "skipped": "#757575", "known-fail": "#f9a825", "out-of-contract": "#0277bd",
                   "resource-error": "#455a64", "bad-input": "#8d6e63"}
@@ -724,8 +724,13 @@ def long_growth_rows(records: list[dict]) -> list[list[str]]:
     return rows
 
 
+def plot_serving_drift(records: list[dict], path: Path) -> Optional[Path]:
+    from verification.serving.report import plot_drift      # the serving cells' drift curve
+    return plot_drift(records, path)
+
+
 PLOT_FUNCS = {"error_vs_T": plot_error_vs_T, "worst_chunks": plot_worst_chunks, "margin_heatmap": plot_margin_heatmap,
-              "long_context": plot_long_context}
+              "long_context": plot_long_context, "serving_drift": plot_serving_drift}
 
 
 def make_plots(records: list[dict], plots_dir: Path) -> dict[str, Path]:
@@ -745,7 +750,7 @@ def make_plots(records: list[dict], plots_dir: Path) -> dict[str, Path]:
 # ----------------------------------------------------------------------------------------
 OUT_OF_CONTRACT = "Out of contract (outside the documented range of the kernel or the range of its recipe)"
 SECTIONS = ("Failing cells", "Known failures", OUT_OF_CONTRACT, "Skipped (not verified)", "Routes", "Plots",
-            "Cells", "Repro", "Where the time went", "Provenance")
+            "Serving traces", "Cells", "Repro", "Where the time went", "Provenance")
 REASON_CHARS = 200
 
 
@@ -926,6 +931,8 @@ def sections(summary: dict, records: list[dict], prov: dict, plots: dict, out_di
                                 "and their ratio (growth = large / small)."),
                        ("table", list(LONG_COLS), growth)]
         out.append(("Plots", blocks))
+    from verification.serving.report import serving_sections    # serving-trace cells: their own table
+    out += serving_sections(records)
     rows = cell_rows(records)
     out.append(("Cells", [("table", [h for _, h in TABLE_COLS], [[str(row[k]) for k, _ in TABLE_COLS] for row in rows])]))
     repro = [_repro(r, out_dir) for r in records if r.get("status") != "skipped" and r.get("repro")]

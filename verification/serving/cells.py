@@ -129,7 +129,7 @@ def _item_record(it) -> Optional[dict]:
 
 def _shape(tr) -> dict:
     reqs = len(set(tr.row_request.tolist()) - {-1})
-    return {"steps": tr.steps, "rows": tr.rows, "tokens": tr.tokens, "requests": reqs, "H": tr.H, "HV": tr.HV,
+    return {"B": 1, "T": tr.tokens, "steps": tr.steps, "rows": tr.rows, "tokens": tr.tokens, "requests": reqs, "H": tr.H, "HV": tr.HV,
             "K": tr.K, "V": tr.V, "slots": tr.cache.slots, "layout": tr.cache.layout,
             "cache_dtype": tr.cache.dtype, "pad": tr.cache.pad}
 
@@ -151,9 +151,13 @@ class TraceCache:
         return self.trace
 
 
+LONG_STEPS = 2000      # a trace of at least this many steps says how far it is every LONG_STEPS steps
+
+
 def run_serving_cell(prefill_lb, decode_lb, rp, rd, case, db, cache: TraceCache, device: str = "cpu",
-                     baseline_spec: Optional[str] = None) -> dict:
-    """One cell's record (module docstring); never raises for a kernel's sake."""
+                     baseline_spec: Optional[str] = None, progress=None) -> dict:
+    """One cell's record (module docstring); never raises for a kernel's sake.  ``progress``: a
+    stream that a long trace (LONG_STEPS steps or more) writes a line to every LONG_STEPS steps."""
     from verification.metrics import dtype_name
     from verification.record import Record, cell_key, encode
     from verification.runner import _errored, _Said
@@ -196,7 +200,7 @@ def run_serving_cell(prefill_lb, decode_lb, rp, rd, case, db, cache: TraceCache,
     try:
         res = run_pairing(tr, pairing, tolerances_for(db, pairing, rec["dtype"]),
                           baseline=None if rows is not None else base, baseline_rows=rows,
-                          device=device, drift=case.drift)
+                          device=device, drift=case.drift, on_step=_step_note(progress, rec, tr.steps))
     except Exception as e:  # noqa: BLE001 - the harness's own failure on this cell, recorded
         return _errored(rec, e, "serving trace run")
     if res.baseline_rows is not None and res.status != "error":
@@ -220,7 +224,22 @@ def run_serving_cell(prefill_lb, decode_lb, rp, rd, case, db, cache: TraceCache,
     rec["serving"] = encode(srv)
     status = {"not-applicable": "not-applicable"}.get(res.status, res.status)
     kf = known_failure_entry(db, rec["backend"], rec["route"], rec["case"], rec.get("params"))
-    return decide(_Said(status, res.reason), known_failure=kf).apply_to(rec)
+    from verification.runner import note_self_judged
+    return note_self_judged(decide(_Said(status, res.reason), known_failure=kf).apply_to(rec))
+
+
+def _step_note(stream, rec: dict, steps: int):
+    if stream is None or steps < LONG_STEPS:
+        return None
+    t0 = time.perf_counter()
+
+    def note(s, verdict):
+        if (s + 1) % LONG_STEPS == 0:
+            el = time.perf_counter() - t0
+            stream.write(f"  {rec['backend']} {rec['route']} {rec['case']}: step {s + 1}/{steps} "
+                         f"({el:.0f} s, about {el / (s + 1) * (steps - s - 1):.0f} s left)\n")
+            stream.flush()
+    return note
 
 
 def worst_margin_of(rec: dict) -> float:

@@ -149,7 +149,7 @@ def run_serving(args) -> int:
     cache = TraceCache()
     try:
         for (rp, rd, case), _ in todo:
-            rec = run_serving_cell(la, lb, rp, rd, case, db, cache, device=device)
+            rec = run_serving_cell(la, lb, rp, rd, case, db, cache, device=device, progress=sys.stderr)
             append_record(results, rec)
             summary.records.append(rec)
             summary.fresh.append(rec)

@@ -14,11 +14,17 @@ on a written slot (the state judged after the step):
               read as fp16 equal the truth (fp16 written into a bf16 cache); a bf16 cache holding the
               truth rounded toward zero, not to nearest
 
+    clobbered the row's read slot changed earlier in the step by another call (a padding row's
+              write to the pad slot's stand-in, a write to the wrong slot)
+    padding a written slot holding a padding row's state (its tokens from zero): the padding row
+              wrote over the live row's state
+
 on a row's output (or the state it wrote, when no slot hypothesis holds): what the row read,
 its tokens replayed in float64 (kda_ref.recurrence.token_step) from each candidate state and
 compared with the kernel's o:
     layout    the read slot's content (before the step) taken in the other layout
     zero      a zero state although the row has an initial state (has_initial_state ignored)
+    stale     the read slot's content before its last write (the state a token earlier)
     column    another column of a spec row's table than num_accepted_tokens - 1 (a rejected
               draft's checkpoint read)
 
@@ -99,20 +105,64 @@ def slot_hypothesis(spec, content: torch.Tensor, truth_kfirst: torch.Tensor, ite
     return None
 
 
-def replay_row(tr, rp, S0: torch.Tensor) -> torch.Tensor:
-    """o [T, HV, V] float64 of row ``rp``'s tokens by the token recurrence from K-first S0."""
+def replay_tokens(tr, tok0: int, T: int, S0: torch.Tensor) -> tuple:
+    """(o [T, HV, V], the state after the last token, K-first) float64: packed tokens tok0 ..
+    tok0 + T - 1 by the token recurrence from K-first S0."""
     from kda_ref.chunked import prepare_tokens
     from kda_ref.recurrence import token_step
-    pp = prepare_tokens(tr.problem_view(), rp.tok0, rp.tok0 + rp.T, None)
+    pp = prepare_tokens(tr.problem_view(), tok0, tok0 + T, None)
     decay = torch.exp(pp.a)
     S = S0.to(F64).clone()
-    o = torch.empty(rp.T, tr.HV, tr.V, dtype=F64)
-    for t in range(rp.T):
+    o = torch.empty(T, tr.HV, tr.V, dtype=F64)
+    for t in range(T):
         S, o[t] = token_step(S, pp.q[t], pp.k[t], pp.v[t], decay[t], pp.beta[t], pp.scale)
-    return o
+    return o, S
 
 
-def row_hypothesis(tr, st, run, item, writers: dict) -> Optional[str]:
+def replay_row(tr, rp, S0: torch.Tensor) -> torch.Tensor:
+    """o [T, HV, V] float64 of row ``rp``'s tokens by the token recurrence from K-first S0."""
+    return replay_tokens(tr, rp.tok0, rp.T, S0)[0]
+
+
+def padding_hypothesis(tr, st, run, item) -> Optional[str]:
+    """A written slot holding what a padding row of the step computes from a zero state (its
+    tokens' final state): the padding row wrote it over the live row's state."""
+    spec = tr.cache
+    content = spec.to_kfirst(spec.view(run.after)[item.slot])
+    rt = tr.row_tokens()
+    for c in run.calls:
+        for row, ph in zip(c.rows, c.phases):
+            T = int(rt[row + 1] - rt[row])
+            if ph != -1 or T == 0:
+                continue
+            _, S = replay_tokens(tr, int(rt[row]), T, torch.zeros(tr.HV, tr.K, tr.V, dtype=F64))
+            if _holds(_rel(content, S), item):
+                return (f"padding row written: {c.label} padding row {row} (pad slot {spec.pad_slot}) wrote its state "
+                        f"to slot {item.slot}, over request {item.request}'s (step {item.step})")
+    return None
+
+
+def clobber_hypothesis(tr, st, run, item) -> Optional[str]:
+    """The failing row's read slot changed by a call that ran before the row's own call in the
+    same step (none should: no slot is written by one row and read by another in a step)."""
+    from verification.serving.judge import _writer
+    rp = next((x for x in st.plan.rows if x.row == item.row), None)
+    if rp is None or rp.read is None:
+        return None
+    spec = tr.cache
+    own = next((i for i, c in enumerate(run.calls) if rp.row in c.rows), None)
+    for c in run.calls[:own or 0]:
+        if c.changed is None:
+            continue
+        hit = torch.nonzero(spec.view(c.changed)[rp.read].reshape(-1)).flatten()
+        if hit.numel():
+            index = spec.offset + rp.read * spec.stride + int(hit[0])
+            return (f"slot overwritten before it was read: {_writer(spec, [c], index, rp.read)} changed slot "
+                    f"{rp.read} in step {item.step} before {run.calls[own].label} read it for request {rp.request}")
+    return None
+
+
+def row_hypothesis(tr, st, run, item, writers: dict, previous: Optional[dict] = None) -> Optional[str]:
     """What the failing row read, when a candidate state explains its o (module docstring)."""
     rp = next((x for x in st.plan.rows if x.row == item.row), None)
     if rp is None or rp.read is None:
@@ -140,6 +190,10 @@ def row_hypothesis(tr, st, run, item, writers: dict) -> Optional[str]:
     if explains(torch.zeros(tr.HV, tr.K, tr.V, dtype=F64)):
         return (f"has_initial_state ignored: {item.call} started request {rp.request} from a zero state instead of "
                 f"slot {rp.read}{_writer_note(writers, rp.read)} {where}")
+    prev = (previous or {}).get(rp.read)
+    if prev is not None and explains(spec.to_kfirst(prev[1])):
+        return (f"stale read: {item.call} read slot {rp.read} as it was before its write at step {prev[0]}, not "
+                f"its current content{_writer_note(writers, rp.read)} {where}")
     if rp.phase == SPEC:
         table = tr.state_indices[rp.row].tolist()
         col = int(tr.num_accepted_tokens[rp.row]) - 1
@@ -153,14 +207,18 @@ def row_hypothesis(tr, st, run, item, writers: dict) -> Optional[str]:
     return None
 
 
-def diagnose(tr, st, verdict, run, pairing, writers: dict) -> Optional[str]:
-    """The named cause of the first failing item of ``verdict`` (module docstring), or None."""
+def diagnose(tr, st, verdict, run, pairing, writers: dict, previous: Optional[dict] = None) -> Optional[str]:
+    """The named cause of the first failing item of ``verdict`` (module docstring), or None.
+    ``writers``: slot -> (call label, group, step, request) of its last write; ``previous``: slot ->
+    (step of its last write, its content before that write), for the stale-read hypothesis."""
     first = verdict.failed[0]
     if first.kind == "untouched":
         return None
     if first.kind == "state":
-        found = slot_hypothesis(tr.cache, tr.cache.view(run.after)[first.slot], st.slots[first.slot], first)
+        found = (slot_hypothesis(tr.cache, tr.cache.view(run.after)[first.slot], st.slots[first.slot], first)
+                 or padding_hypothesis(tr, st, run, first))
         if found:
             return found
     failing_o = next((i for i in verdict.failed if i.kind == "o" and i.row == first.row), None)
-    return row_hypothesis(tr, st, run, failing_o or first, writers)
+    return (clobber_hypothesis(tr, st, run, first)
+            or row_hypothesis(tr, st, run, failing_o or first, writers, previous))

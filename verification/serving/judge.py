@@ -181,6 +181,8 @@ def _writer(spec, calls: list, index: int, slot: Optional[int]) -> str:
     if slot is not None:
         for row, table, ph in zip(c.rows, c.tables, c.phases):
             for x in table:
+                if ph != -1 and x == spec.pad_slot:     # a live row's unused table column
+                    continue
                 hit = x == slot or (x < 0 and x + spec.slots == slot)
                 if hit and ph == -1:
                     return (f"call {c.label}, padding row {row} (pad slot {x}"
