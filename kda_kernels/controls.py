@@ -32,6 +32,24 @@ Batch-level controls (``BATCH_CONTROLS``), the bugs a pooled error hides inside 
 Each runs the problem one sequence at a time (``per_sequence``), so a control changes nothing
 outside the sequences and slots it names; where it would change nothing at all (one sequence,
 every sequence with its own initial state, no two written slots) it is not applicable.
+
+Trace controls (``TRACE_CONTROLS``; serving traces, docs/traces.md), trace routes of
+``emulator-bad`` (kda_kernels.base.RunsTraces), each the emulator's trace route of its recipe
+(flashkda for the prefill group, fla-recurrent for decode and spec) with one step of
+``emulator.TraceHooks`` replaced:
+
+    handover-transposed   prefill stores the state in the other layout: K-first bytes into a
+                          V-first cache, V-first into a K-first one (store)
+    ignore-initial-state  a prefill chunk starts from zero though has_initial_state is true (load)
+    pad-writes-slot0      a padding row runs from a zero state and writes it to slot 0 (slot, load)
+    pad-writes-last-slot  ... to the last slot, as an unguarded state_cache[-1] does (slot, load)
+    keep-rejected         a spec row reads the checkpoint of the last token its table's previous
+                          spec step wrote, not column num_accepted_tokens - 1 (read_column)
+    stale-read            a decode row reads its slot as it was before the previous step's write
+                          where that write was the control's own (load)
+
+keep-rejected and stale-read remember, per backend object, what they last wrote (keyed by the
+cache buffer and the slot or table, used only while the slot still holds exactly those bits).
 """
 from __future__ import annotations
 
@@ -42,10 +60,13 @@ import torch
 
 from kda_ref.preprocess import F64, gate_activation
 from kda_ref.problem import Problem
+from kda_ref.trace import DECODE, PAD, PREFILL, SPEC
 
 from .base import Outputs, Route
 from .emulator import (BF16, DEFAULT_HOOKS, RECIPES, REFERENCE_RECIPES, EmulatorBackend, build_inverse, emulate, rnd,
                        valid_rows)
+from .emulator import (DEFAULT_TRACE_HOOKS, PREFILL_TRACE_RECIPES, TraceHooks, _trace_refusal, kernel_slot, load_slot,
+                       read_column, run_decode_call, run_prefill_call, store_slot)
 
 NEGATIVE_CONTROLS: dict[str, str] = {
     "carry_scaled": "the state carried across every chunk boundary is scaled by 0.99",
@@ -272,13 +293,126 @@ def changes_anything(name: str, problem: Problem) -> tuple[bool, str]:
     raise ValueError(f"control: expected one of {', '.join(BATCH_CONTROLS)}, got {name!r}")
 
 
+# ------------------------------------------------------------------------ trace controls
+TRACE_CONTROLS: dict[str, tuple] = {     # name -> (recipe, groups, what is wrong)
+    "handover-transposed": ("flashkda", ("prefill",),
+                            "prefill writes the state K-first into a V-first cache (V-first into a K-first one)"),
+    "ignore-initial-state": ("flashkda", ("prefill",),
+                             "a prefill chunk starts from zero though has_initial_state is true"),
+    "pad-writes-slot0": ("fla-recurrent", ("decode", "spec"),
+                         "a padding row runs from a zero state and writes its state to slot 0"),
+    "pad-writes-last-slot": ("fla-recurrent", ("decode", "spec"),
+                             "a padding row runs from a zero state and writes its state to the last slot"),
+    "keep-rejected": ("fla-recurrent", ("decode", "spec"),
+                      "a spec row reads the last draft's checkpoint, not state_indices[n, num_accepted_tokens-1]"),
+    "stale-read": ("fla-recurrent", ("decode", "spec"),
+                   "a decode reads its slot as it was before the previous step's write"),
+}
+
+
+def _store_other_layout(call, n: int, slot: int, S: torch.Tensor) -> None:
+    """handover-transposed: the slot receives the state's bytes in the other layout."""
+    view = call.slots_view()
+    other = S if call.spec.layout == "vk" else S.transpose(-1, -2)
+    view[slot] = other.contiguous().reshape(view.shape[1:]).to(view.dtype)
+
+
+def _load_zero(call, n: int, slot: int) -> torch.Tensor:
+    """ignore-initial-state: every initial state is zero."""
+    c = call.spec
+    return torch.zeros(c.HV, c.K, c.V, dtype=F64, device=call.cache.device)
+
+
+def _pad_hooks(target: str) -> TraceHooks:
+    """pad-writes-*: the pad slot resolves to slot 0 or the last slot (never skipped); a row whose
+    read entry is the pad slot starts from zero."""
+    def slot(call, n, s, guard):
+        if s == call.spec.pad_slot:
+            return 0 if target == "slot0" else call.spec.slots - 1
+        return kernel_slot(call, n, s, guard)
+
+    def load(call, n, s):
+        table = call.state_indices.reshape(call.batch, -1)
+        if int(table[n, read_column(call, n)]) == call.spec.pad_slot:
+            return _load_zero(call, n, s)
+        return load_slot(call, n, s)
+
+    return TraceHooks(slot=slot, load=load)
+
+
+class _Memory:
+    """What keep-rejected and stale-read remember of their own writes (per backend object)."""
+
+    def __init__(self):
+        self.last_col = {}    # (cache ptr, table) -> (column, slot, the bits stored there)
+        self.prev = {}        # (cache ptr, slot) -> (content before the write, content after)
+
+    @staticmethod
+    def _holds(call, slot: int, bits: torch.Tensor) -> bool:
+        return torch.equal(call.slots_view()[slot], bits)
+
+    def keep_rejected(self) -> TraceHooks:
+        def store(call, n, slot, S):
+            store_slot(call, n, slot, S)
+            if call.group == "spec":
+                table = tuple(call.state_indices[n].tolist())
+                col = table.index(slot)
+                self.last_col[(call.cache.data_ptr(), table)] = (col, slot, call.slots_view()[slot].clone())
+
+        def column(call, n):
+            honest = read_column(call, n)
+            if call.group != "spec":
+                return honest
+            got = self.last_col.get((call.cache.data_ptr(), tuple(call.state_indices[n].tolist())))
+            if got is not None and self._holds(call, got[1], got[2]):
+                return got[0]
+            return honest
+
+        return TraceHooks(store=store, read_column=column)
+
+    def stale_read(self) -> TraceHooks:
+        def store(call, n, slot, S):
+            before = call.slots_view()[slot].clone()
+            store_slot(call, n, slot, S)
+            self.prev[(call.cache.data_ptr(), slot)] = (before, call.slots_view()[slot].clone())
+
+        def load(call, n, slot):
+            got = self.prev.get((call.cache.data_ptr(), slot))
+            if call.group == "decode" and got is not None and self._holds(call, slot, got[1]):
+                return call.spec.to_kfirst(got[0]).to(F64)
+            return load_slot(call, n, slot)
+
+        return TraceHooks(store=store, load=load)
+
+
+def trace_control_changes(name: str, trace) -> tuple[bool, str]:
+    """Whether trace control ``name`` has anything to change in ``trace`` (and why not)."""
+    ph, his = trace.row_phase.tolist(), trace.has_initial_state.tolist()
+    lens = trace.row_len.tolist()
+    if name == "handover-transposed":
+        return (PREFILL in ph, "" if PREFILL in ph else "no prefill row")
+    if name == "ignore-initial-state":
+        ok = any(p == PREFILL and h for p, h in zip(ph, his))
+        return ok, "" if ok else "no prefill chunk after a request's first"
+    if name.startswith("pad-writes"):
+        ok = any(p == PAD and t > 0 for p, t in zip(ph, lens))
+        return ok, "" if ok else "no padding row with tokens"
+    if name == "keep-rejected":
+        return (SPEC in ph, "" if SPEC in ph else "no speculative row")
+    if name == "stale-read":
+        reqs = [r for r, p in zip(trace.row_request.tolist(), ph) if p == DECODE]
+        ok = len(reqs) > len(set(reqs))
+        return ok, "" if ok else "no request decodes twice"
+    raise ValueError(f"control: expected one of {', '.join(TRACE_CONTROLS)}, got {name!r}")
+
+
 class ControlBackend(EmulatorBackend):
     """``emulator-bad``: every negative control as a route (recipe flashkda), with the ws_inv
     tap on the emulator's in-recipe controls so a wrongly stored inverse is visible."""
 
     def __init__(self, variant: Optional[str] = None, taps: bool = True):
-        if variant is not None and variant not in NEGATIVE_CONTROLS and variant not in BATCH_CONTROLS:
-            raise ValueError(f"variant: expected one of {', '.join([*NEGATIVE_CONTROLS, *BATCH_CONTROLS])}, "
+        if variant is not None and variant not in {**NEGATIVE_CONTROLS, **BATCH_CONTROLS, **TRACE_CONTROLS}:
+            raise ValueError(f"variant: expected one of {', '.join([*NEGATIVE_CONTROLS, *BATCH_CONTROLS, *TRACE_CONTROLS])}, "
                              f"got {variant!r}")
         super().__init__(taps=taps)
         self.only = variant
@@ -286,7 +420,7 @@ class ControlBackend(EmulatorBackend):
 
     def routes(self) -> list[Route]:
         every = {**NEGATIVE_CONTROLS, **BATCH_CONTROLS}
-        names = [self.only] if self.only else list(every)
+        names = [self.only] if self.only in every else ([] if self.only else list(every))
         return [Route(name=n, recipe="flashkda", flags=(("variant", n),), description=every[n]) for n in names]
 
     def accepts(self, problem: Problem, route: Route):
@@ -299,6 +433,62 @@ class ControlBackend(EmulatorBackend):
             if not changes:
                 return False, f"not applicable: the control {variant} changes nothing here ({why})"
         return True, ""
+
+    # ----- trace controls (kda_kernels.base.RunsTraces)
+    def trace_routes(self) -> list[Route]:
+        """Every trace control as a route named by the control (its recipe: the emulator trace
+        route it is otherwise, flashkda or fla-recurrent)."""
+        names = [self.only] if self.only in TRACE_CONTROLS else ([] if self.only else list(TRACE_CONTROLS))
+        return [Route(name=n, recipe=TRACE_CONTROLS[n][0], flags=(("groups", TRACE_CONTROLS[n][1]), ("variant", n)),
+                      description=TRACE_CONTROLS[n][2]) for n in names]
+
+    def trace_accepts(self, trace, route: Route) -> tuple[bool, str]:
+        """What the control's recipe's kernel refuses (padding rows aside), and traces where the
+        control has nothing to change."""
+        variant = route.flag("variant")
+        if variant not in TRACE_CONTROLS:
+            return False, f"not applicable: {route.name!r} is not a trace control"
+        recipe = TRACE_CONTROLS[variant][0]
+        why = _trace_refusal(trace, recipe, padding=False)
+        if why:
+            return False, why
+        if recipe in PREFILL_TRACE_RECIPES:
+            ok, why = self.accepts(trace.problem_view(), Route(name=recipe, recipe=recipe))
+            if not ok:
+                return ok, why
+        changes, why = trace_control_changes(variant, trace)
+        if not changes:
+            return False, f"not applicable: the control {variant} changes nothing here ({why})"
+        return True, ""
+
+    def _trace_hooks(self, variant: str) -> TraceHooks:
+        mem = self.__dict__.setdefault("_trace_memory", _Memory())
+        if variant == "handover-transposed":
+            return TraceHooks(store=_store_other_layout)
+        if variant == "ignore-initial-state":
+            return TraceHooks(load=_load_zero)
+        if variant == "pad-writes-slot0":
+            return _pad_hooks("slot0")
+        if variant == "pad-writes-last-slot":
+            return _pad_hooks("last")
+        if variant == "keep-rejected":
+            return mem.keep_rejected()
+        if variant == "stale-read":
+            return mem.stale_read()
+        return DEFAULT_TRACE_HOOKS
+
+    def run_call(self, call, route: Route) -> torch.Tensor:
+        """One PhaseCall with the control's slip: the cache written in place, o [1, T, HV, V]."""
+        variant = route.flag("variant")
+        if variant not in TRACE_CONTROLS:
+            raise ValueError(f"route: expected a trace control ({', '.join(TRACE_CONTROLS)}), got {route.name!r}")
+        recipe, groups, _ = TRACE_CONTROLS[variant]
+        if call.group not in groups:
+            raise ValueError(f"call: expected a {'/'.join(groups)} call for {variant}, got {call.describe()}")
+        hooks = self._trace_hooks(variant)
+        if recipe in PREFILL_TRACE_RECIPES:
+            return run_prefill_call(call, recipe, hooks)
+        return run_decode_call(call, recipe, hooks)
 
     def run(self, problem: Problem, route: Route) -> Outputs:
         variant = route.flag("variant")

@@ -59,11 +59,11 @@ same algorithm with one step replaced pass their own ``Hooks`` to ``emulate``.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
-from kda_ref.preprocess import F64, LOG2E, beta_activation, initial_state_kfirst
+from kda_ref.preprocess import F64, LOG2E, beta_activation, expand_gva, initial_state_kfirst
 from kda_ref.problem import Problem, validate
 
 from .base import Outputs, Route, with_taps
@@ -1074,3 +1074,350 @@ class EmulatorBackend:
 
     def run(self, problem: Problem, route: Route) -> Outputs:
         return emulate(problem, route.recipe, taps=self.taps)
+
+    # ----- serving traces (kda_kernels.base.RunsTraces)
+    def trace_routes(self) -> list[Route]:
+        """One route per recipe of a kernel that runs trace calls, named by the recipe (the trace
+        runner looks a kernel route's baseline up by its recipe's name): the chunk recipes of the
+        paged-cache routes run the prefill group, the decode recipes their decode kernels' groups."""
+        out = [Route(name=r, recipe=r, flags=(("groups", ("prefill",)), ("recipe", r)),
+                     description=f"prefill chunks as the {r} recipe runs a paged Problem")
+               for r in PREFILL_TRACE_RECIPES]
+        out += [Route(name=r.name, recipe=r.name, flags=(("groups", r.groups), ("recipe", r.name)),
+                      description=r.description) for r in DECODE_RECIPES.values()]
+        return out
+
+    def trace_accepts(self, trace, route: Route) -> tuple[bool, str]:
+        """What the recipe's kernel refuses, in its own terms (``_trace_refusal``); a prefill recipe
+        also what ``accepts`` refuses of the trace's model options."""
+        if route.recipe not in PREFILL_TRACE_RECIPES and route.recipe not in DECODE_RECIPES:
+            return False, f"not applicable: {route.name!r} is not a trace route of the emulator"
+        why = _trace_refusal(trace, route.recipe)
+        if why:
+            return False, why
+        if route.recipe in PREFILL_TRACE_RECIPES:
+            return self.accepts(trace.problem_view(), route)
+        return True, ""
+
+    def run_call(self, call, route: Route) -> torch.Tensor:
+        """Run one PhaseCall of a group the route runs: the cache written in place, o [1, T, HV, V]."""
+        groups = route.flag("groups", ())
+        if call.group not in groups:
+            raise ValueError(f"call: expected a {'/'.join(groups)} call for route {route.name}, got {call.describe()}")
+        if route.recipe in PREFILL_TRACE_RECIPES:
+            return run_prefill_call(call, route.recipe)
+        return run_decode_call(call, route.recipe)
+
+
+# ------------------------------------------------------------------ serving traces (RunsTraces)
+# A trace step is split into kernel calls by kda_kernels.trace_calls (PhaseCall: the rows of one
+# group, packed, and the whole flat cache buffer).  The emulator runs
+#   prefill: the chunk recipes of the routes that take a paged cache (PREFILL_TRACE_RECIPES), the
+#            PhaseCall run as the recipe runs a paged Problem: the initial state read from slot
+#            state_indices[n] (in the cache's dtype) when has_initial_state[n], the final state
+#            written there in the cache's dtype and layout;
+#   decode / spec: the recurrent decode kernels' recipes (DECODE_RECIPES), token by token, rounding
+#            where those kernels' sources round (docs/backends.md, "Decode recipes", cites them).
+# The steps a control replaces (which column a row reads, loading and storing a slot, which slot
+# a table entry reaches) are the fields of ``TraceHooks``; every baseline runs the defaults.
+PREFILL_TRACE_RECIPES = ("flashkda", "aiter-gfx1250", "aiter-gfx950")
+GROUPS = ("prefill", "decode", "spec")
+
+
+@dataclass(frozen=True)
+class DecodeRecipe:
+    """Where a recurrent decode kernel rounds.  ``kernel`` names whose per-token formulas run
+    ("fla" | "gfx1250" | "gfx950", ``_decode_inputs`` / ``_decode_token``); ``arith`` is the dtype
+    of every register operation (FP32; F64 = the exact variant, which must reproduce
+    kda_ref.recurrence.token_step); ``layouts`` / ``cache_dtypes`` what the kernel takes;
+    ``groups`` the trace groups it runs; ``pad_guard``: slots <= 0 mark padding rows (aiter's
+    pad_slot_guard: neither read nor written, o = 0)."""
+    name: str
+    kernel: str
+    arith: object
+    layouts: tuple
+    cache_dtypes: tuple
+    groups: tuple
+    pad_guard: bool
+    description: str = ""
+
+
+DECODE_RECIPES: dict[str, DecodeRecipe] = {
+    "fla-recurrent": DecodeRecipe(
+        "fla-recurrent", "fla", FP32, ("vk", "kv"), ("float32", "bfloat16"), ("decode", "spec"), False,
+        "fla fused_recurrent_kda_fwd (fla-core 0.6.0): state loaded from the cache to fp32, fp32 per-token "
+        "update, o in v's dtype, each token's state stored in the cache's dtype"),
+    "aiter-decode-gfx1250": DecodeRecipe(
+        "aiter-decode-gfx1250", "gfx1250", FP32, ("vk", "kv"), ("float32",), ("decode", "spec"), True,
+        "aiter Gluon packed decode on gfx1250: fp32 states (V-first or K-first), tanh-form gate, o after "
+        "the write, per-token checkpoints, pad_slot_guard"),
+    "aiter-decode-gfx950": DecodeRecipe(
+        "aiter-decode-gfx950", "gfx950", FP32, ("vk",), ("float32",), ("decode",), True,
+        "aiter Gluon packed decode on gfx950: fp32 V-first states, K = V = 128, o = S^T q + err (k.q) "
+        "from the pre-write state, no speculative decoding, pad_slot_guard"),
+}
+
+
+def exact_decode_recipe(recipe: DecodeRecipe) -> DecodeRecipe:
+    """The same kernel formulas with no rounding: must reproduce kda_ref.recurrence.token_step."""
+    return replace(recipe, name=recipe.name + "-exact", arith=F64)
+
+
+def load_slot(call, n: int, slot: int) -> torch.Tensor:
+    """Slot ``slot`` of the call's cache as K-first float64 [HV, K, V] (exact: the cache's dtype
+    widened)."""
+    return call.spec.to_kfirst(call.slots_view()[slot]).to(F64)
+
+
+def store_slot(call, n: int, slot: int, S: torch.Tensor) -> None:
+    """Write the K-first state S [HV, K, V] to slot ``slot`` in the cache's layout, rounded once
+    to the cache's dtype (S holds fp32 values: the same bits as the kernels' fp32 -> dtype store)."""
+    view = call.slots_view()
+    view[slot] = call.spec.to_layout(S).to(view.dtype)
+
+
+def read_column(call, n: int) -> int:
+    """The table column row n reads: num_accepted_tokens[n] - 1 on a spec call, else 0."""
+    if call.group == "spec":
+        return int(call.num_accepted_tokens[n]) - 1
+    return 0
+
+
+def kernel_slot(call, n: int, slot: int, guard: bool) -> Optional[int]:
+    """The slot a table entry reaches: None for a padding entry the kernel skips (``guard``: aiter's
+    pad_slot_guard, slots <= 0); a slot outside [0, slots) without a guard is refused (fla's
+    kernel would read and write outside the cache: ValueError naming the row)."""
+    if guard and slot <= 0:
+        return None
+    if not 0 <= slot < call.spec.slots:
+        raise ValueError(f"state_indices: expected slots in [0, {call.spec.slots}) on {call.describe()}, got {slot} "
+                         f"on row {n} (a kernel without a pad-slot guard reads and writes it)")
+    return slot
+
+
+@dataclass(frozen=True)
+class TraceHooks:
+    """The replaceable steps of a trace call; each default is what every recipe does.
+
+    read_column(call, n) -> int           the table column row n reads (spec: num_accepted - 1)
+    load(call, n, slot) -> S              slot content, K-first float64 [HV, K, V]
+    store(call, n, slot, S)               write a K-first state to a slot (cache dtype and layout)
+    slot(call, n, slot, guard) -> slot    the slot a table entry reaches, None for a skipped pad"""
+    read_column: Callable = read_column
+    load: Callable = load_slot
+    store: Callable = store_slot
+    slot: Callable = kernel_slot
+
+
+DEFAULT_TRACE_HOOKS = TraceHooks()
+
+
+def _call_problem(call, initial: torch.Tensor) -> Problem:
+    """The prefill call as a dense varlen Problem starting from ``initial`` (K-first [N, HV, K, V];
+    float32 holds any fp32 or bf16 slot exactly)."""
+    m = call.model
+    return Problem(q=call.q, k=call.k, v=call.v, g=call.g, beta=call.beta, A_log=m["A_log"], dt_bias=m["dt_bias"],
+                   scale=m["scale"], lower_bound=m["lower_bound"], gate=m["gate"], beta_kind=m["beta_kind"],
+                   qk_l2norm=m["qk_l2norm"], cu_seqlens=call.cu_seqlens.to(torch.int64),
+                   initial_state=initial.to(torch.float32), state_layout="kv", output_final_state=True)
+
+
+def run_prefill_call(call, recipe="flashkda", hooks: TraceHooks = DEFAULT_TRACE_HOOKS) -> torch.Tensor:
+    """A prefill PhaseCall as ``recipe`` (a chunk recipe) runs a paged Problem: row n starts from
+    slot state_indices[n] (``hooks.load``) when has_initial_state[n], else from zero; its final
+    state goes to that slot (``hooks.store``), except where the recipe leaves a zero-length row's
+    slot alone (``paged_store_empty``) or the slot lies outside [0, slots) (the chunk kernels mask
+    the paged load and store with a non-negative offset: kda_kernels/triton/common.py,
+    _initial_state, and walk.py, the final store).  Returns o [1, T, HV, V] in v's dtype."""
+    rec = recipe if isinstance(recipe, Recipe) else {**RECIPES, **REFERENCE_RECIPES}[recipe]
+    N = call.batch
+    spec = call.spec
+    lens = (call.cu_seqlens[1:] - call.cu_seqlens[:-1]).tolist()
+    table = call.state_indices.tolist()
+    init = torch.zeros(N, spec.HV, spec.K, spec.V, dtype=F64, device=call.q.device)
+    for n in range(N):
+        if bool(call.has_initial_state[n]) and 0 <= table[n] < spec.slots:
+            init[n] = hooks.load(call, n, table[n])
+    out = emulate(_call_problem(call, init), rec)
+    for n in range(N):
+        if not 0 <= table[n] < spec.slots or (lens[n] == 0 and not rec.paged_store_empty):
+            continue
+        hooks.store(call, n, table[n], out.final_state[n].to(F64))
+    return out.o
+
+
+# ----- the decode kernels' per-token arithmetic
+def _sigmoid_tanh(x, r):
+    """aiter's Gluon sigmoid, 0.5 + 0.5 tanh(0.5 x) (_gluon_kernels/common/utils.py:35-36)."""
+    return r(0.5 + r(0.5 * r(torch.tanh(r(0.5 * x)))))
+
+
+def _decode_inputs(call, recipe: DecodeRecipe):
+    """The per-token operands of every token of the call, as the kernel forms them in registers:
+    q, k [T, HV, K] (normalised, q scaled; gfx950 also qk [T, HV] = scale q^.k^), decay [T, HV, K]
+    (exp of the log-decay), v [T, HV, V], beta [T, HV]; float64 arrays holding ``arith`` values."""
+    r = (lambda x: rnd(x, recipe.arith))
+    m = call.model
+    T, H, K = call.q.shape[1], call.q.shape[2], call.q.shape[3]
+    HV = call.v.shape[2]
+    q = expand_gva(call.q[0].to(F64), HV)
+    k = expand_gva(call.k[0].to(F64), HV)
+    v = call.v[0].to(F64)
+    g = call.g[0].to(F64)
+    b = call.beta[0].to(F64)
+    scale = r(torch.tensor(K ** -0.5 if m["scale"] is None else float(m["scale"]), dtype=F64))
+    lb = None if m["lower_bound"] is None else r(torch.tensor(float(m["lower_bound"]), dtype=F64))
+    A = None if m["A_log"] is None else r(m["A_log"].to(F64).reshape(HV, 1))
+    dt = None if m["dt_bias"] is None else r(m["dt_bias"].to(F64).reshape(HV, K))
+    gate, kind = m["gate"], recipe.kernel
+    qk = None
+
+    def sq(x):                                   # one fp32 sum of squares per row (the dot model)
+        return r((x * x).sum(-1, keepdim=True))
+
+    if kind == "fla":                            # fused_recurrent.py:156-159
+        if m["qk_l2norm"]:
+            q = r(q / r(torch.sqrt(r(sq(q) + 1e-6))))
+            k = r(k / r(torch.sqrt(r(sq(k) + 1e-6))))
+        q = r(q * scale)
+    elif kind == "gfx1250":                      # gfx1250 kda_decode.py:262-266
+        if m["qk_l2norm"]:
+            q = r(q * r(r(torch.rsqrt(r(sq(q) + 1e-6))) * scale))
+            k = r(k * r(torch.rsqrt(r(sq(k) + 1e-6))))
+        else:
+            q = r(q * scale)
+    else:                                        # gfx950 kda_decode.py:345-354
+        qk = r((q * k).sum(-1))
+        if m["qk_l2norm"]:
+            rq = r(r(torch.rsqrt(r(sq(q) + 1e-6))) * scale)
+            rk = r(torch.rsqrt(r(sq(k) + 1e-6)))
+            q, k = r(q * rq), r(k * rk)
+            qk = r(qk * r(rq * rk)[..., 0])
+        else:
+            q, qk = r(q * scale), r(qk * scale)
+    # the gate: the decay exp(a) as the kernel computes it
+    ea = None if A is None else r(torch.exp(A))
+    if gate == "pregated":
+        decay = r(torch.exp(g))
+    elif kind == "fla":                          # fused_recurrent.py:162-179
+        x = r(g + dt) if dt is not None else g
+        if gate == "lower_bound":
+            gk = r(lb * r(torch.sigmoid(r((ea if ea is not None else 1.0) * x))))
+        else:
+            gk = r(-ea * r(torch.nn.functional.softplus(x, threshold=20.0)))
+        decay = r(torch.exp(gk))
+    elif kind == "gfx1250":                      # gfx1250 kda_decode.py:467-481, 268-281
+        if gate == "lower_bound":
+            ah = r(0.5 * ea)
+            th = r(torch.tanh(r(g * ah + r(ah * dt)) if dt is not None else r(g * ah)))
+            c = r(lb * 0.7213475204444817)
+            decay = r(torch.exp2(r(th * c + c)))
+        else:
+            x = r(g + dt) if dt is not None else g
+            decay = r(torch.exp2(r(r(-ea * 1.4426950408889634) * r(torch.nn.functional.softplus(x, threshold=20.0)))))
+    else:                                        # gfx950 kda_decode.py:222-234, 56-64
+        x = r(g + dt) if dt is not None else g
+        if gate == "lower_bound":
+            sg = _sigmoid_tanh(r(ea * x), r)
+            decay = r(torch.exp2(r(r(lb * 1.4426950408889634) * sg)))
+        else:
+            decay = r(torch.exp2(r(r(-ea * 1.4426950408889634) * r(torch.nn.functional.softplus(x, threshold=20.0)))))
+    # beta
+    bk = m["beta_kind"]
+    if bk != "pregated":
+        s = r(torch.sigmoid(b)) if kind == "fla" else _sigmoid_tanh(b, r)
+        b = r(2.0 * s) if bk == "sigmoid2" else s
+    return q, k, v, decay, b, qk
+
+
+def _decode_token(S, q, k, v, decay, beta, qk, recipe: DecodeRecipe):
+    """One token, every head: S K-first [HV, K, V] -> (S', o [HV, V]) as the kernel's registers
+    hold them (``arith``); a dot is one rounding of the exact sum, a multiply-add one rounding.
+
+        fla, gfx1250:  S = S diag(decay); e = beta (v - S^T k); S += k e^T; o = S^T q
+        gfx950:        S = S diag(decay); e = beta (v - S^T k); o = S^T q + e (k.q); S += k e^T"""
+    r = (lambda x: rnd(x, recipe.arith))
+    S = r(S * decay[..., :, None])                                   # decay
+    sk = r((S * k[..., :, None]).sum(-2))                            # S^T k
+    e = r(r(v - sk) * beta[..., None])                               # beta (v - S^T k)
+    if recipe.kernel == "gfx950":
+        sq = r((S * q[..., :, None]).sum(-2))                        # S^T q, pre-write
+        o = r(sq + e * qk[..., None])
+        S = r(S + k[..., :, None] * e[..., None, :])
+        return S, o
+    S = r(S + k[..., :, None] * e[..., None, :])                     # write (a multiply-add)
+    o = r((S * q[..., :, None]).sum(-2))                             # S^T q, post-write
+    return S, o
+
+
+def run_decode_call(call, recipe="fla-recurrent", hooks: TraceHooks = DEFAULT_TRACE_HOOKS) -> torch.Tensor:
+    """A decode or spec PhaseCall as the recurrent kernel runs it: each row reads slot
+    table[n, read_column] (``hooks.load``; fla and aiter read whenever a state buffer is given),
+    runs its tokens, and after token t writes the state to table[n, t] (spec; a decode row to its
+    one slot) in the cache's dtype (``hooks.store``).  Padding entries: as ``hooks.slot`` resolves
+    them (aiter's pad_slot_guard: a row whose read slot is <= 0 is skipped with o = 0, a token
+    whose write slot is <= 0 is not stored).  Returns o [1, T, HV, V] in v's dtype."""
+    rec = recipe if isinstance(recipe, DecodeRecipe) else DECODE_RECIPES[recipe]
+    q, k, v, decay, beta, qk = _decode_inputs(call, rec)
+    T, HV, V = call.tokens, call.v.shape[2], call.v.shape[3]
+    o = torch.zeros(T, HV, V, dtype=F64, device=call.q.device)
+    cu = call.cu_seqlens.tolist()
+    table = call.state_indices.reshape(call.batch, -1).tolist()
+    for n in range(call.batch):
+        t0, t1 = cu[n], cu[n + 1]
+        if t1 == t0:                       # fla: "if T == 0 and IS_CONTINUOUS_BATCHING: return"
+            continue
+        col = hooks.read_column(call, n)
+        src = hooks.slot(call, n, table[n][col], rec.pad_guard)
+        if src is None:                    # a padding row: o = 0, nothing read or written
+            continue
+        S = hooks.load(call, n, src)
+        for t in range(t1 - t0):
+            i = t0 + t
+            S, o[i] = _decode_token(S, q[i], k[i], v[i], decay[i], beta[i], None if qk is None else qk[i], rec)
+            dst = hooks.slot(call, n, table[n][t if call.group == "spec" else 0], rec.pad_guard)
+            if dst is not None:
+                hooks.store(call, n, dst, S)
+    return o.to(call.v.dtype)[None]
+
+
+def _trace_refusal(trace, recipe: str, padding: bool = True) -> Optional[str]:
+    """Why the kernel of ``recipe`` (a trace route's) cannot run ``trace``'s calls, in its own
+    terms, or None; ``padding`` false leaves out what the kernel does with padding rows (the
+    negative controls that write them run anyway)."""
+    c = trace.cache
+    if recipe in PREFILL_TRACE_RECIPES:
+        who = ("FlashKDA (kda_kernels/triton/forward.py, aiter flash_kda_fwd)" if recipe == "flashkda" else
+               "aiter's chunk_kda")
+        if c.dtype != "float32":
+            return f"not applicable: {who} takes an fp32 paged state_cache, the trace's is {c.dtype}"
+        if c.layout != "vk":
+            return f"not applicable: {who} takes a V-first [slots, H, V, K] state_cache, the trace's is K-first (kv)"
+        return None
+    rec = DECODE_RECIPES[recipe]
+    if c.dtype not in rec.cache_dtypes:
+        return (f"not applicable: {recipe}'s kernel takes fp32 states only (aiter kda.py:266 asserts "
+                f"initial_state.dtype == float32), the trace's cache is {c.dtype}")
+    if c.layout not in rec.layouts:
+        return (f"not applicable: {recipe}'s kernel keeps the state V-first [V, K] only (gfx950 kda_decode.py:146), "
+                f"the trace's cache is K-first (kv)")
+    if rec.kernel == "gfx950" and not (trace.K == trace.V == 128):
+        return (f"not applicable: the gfx950 decode kernel needs K == V == BV, its tuned BV is 128 (kda_decode.py:147, "
+                f"configs/gfx950-KDA_DECODE-DEFAULT.json), got K={trace.K} V={trace.V}")
+    if rec.kernel == "gfx1250" and (trace.V % 32 or trace.K & (trace.K - 1)):
+        return (f"not applicable: the gfx1250 decode kernel tiles V by BV = 32 (configs/gfx1250-KDA_DECODE-DEFAULT.json, "
+                f"kda.py:242) over a power-of-two K, got K={trace.K} V={trace.V}")
+    if rec.kernel != "fla" and trace.gate != "pregated" and trace.A_log is None:
+        return "not applicable: aiter's decode computes the gate in the kernel from A_log (kda.py:216), the trace has none"
+    if not padding:
+        return None
+    live = (trace.row_phase == 1) | (trace.row_phase == 2)
+    pads = trace.row_phase == -1
+    if rec.pad_guard and c.pad == "minus1" and bool((trace.state_indices[live] == 0).any()):
+        return ("not applicable: aiter's pad_slot_guard takes slots <= 0 for padding (kda.py:142, kda_decode.py:452), "
+                "and this trace (pad=minus1) gives slot 0 to a request's decode")
+    if not rec.pad_guard and bool((pads & (trace.row_len > 0)).any()):
+        return (f"not applicable: fla's fused_recurrent_kda_fwd has no pad-slot guard (it skips only 0-token rows, "
+                f"fused_recurrent.py:99, and reads and writes ssm_state_indices of every other row), and this trace has "
+                f"{int((pads & (trace.row_len > 0)).sum())} padding rows with tokens")
+    return None

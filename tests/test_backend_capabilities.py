@@ -7,8 +7,8 @@ from kda_kernels.base import (BUILTIN_BACKENDS, CAPABILITIES, Backend, ChecksCon
                               ReturnsTaps, RunsPasses, TakesBuffers, capabilities, load_backend)
 
 EXPECTED = {
-    "emulator": {"returns_taps"},
-    "emulator-bad": {"returns_taps"},
+    "emulator": {"returns_taps", "runs_traces"},
+    "emulator-bad": {"returns_taps", "runs_traces"},
     "triton": {"runs_passes", "takes_buffers", "returns_taps", "looks_up_routes", "runs_traces"},
     "fla": {"runs_passes", "runs_traces"},
     "aiter": {"runs_passes", "runs_traces"},

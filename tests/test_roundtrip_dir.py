@@ -156,10 +156,11 @@ def test_bad_input_is_one_line_and_exit_2(what, problems, tmp_path, capsys):
     assert len(err) == 1 and fragment in err[0], err
 
 
-def test_an_unreadable_file_is_that_cases_error_row_and_the_rest_are_judged(problems, tmp_path, capsys):
+def test_an_unreadable_file_is_that_cases_bad_input_row_and_the_rest_are_judged(problems, tmp_path, capsys):
     """A problem file whose meta is a JSON array and an outputs file that is no safetensors file (the
     first in name order, where the directory's backend and route are read) are each their case's
-    error row naming the file and what was wrong; the remaining case is judged."""
+    bad-input row naming the file and what was wrong (the user's files, not a kernel failure: exit
+    2, not 1); the remaining case is judged."""
     from safetensors import safe_open
     from safetensors.torch import save_file
     out = tmp_path / "outputs"
@@ -171,13 +172,13 @@ def test_an_unreadable_file_is_that_cases_error_row_and_the_rest_are_judged(prob
     save_file(tensors, str(bad_meta), metadata=dict(md, meta="[1, 2]"))
     (out / "smoke__correlated-weak-lb-0.01.safetensors").write_bytes(b"not a safetensors file")
     capsys.readouterr()
-    assert main(["check", "--inputs", str(problems), "--outputs", str(out)]) == 1
+    assert main(["check", "--inputs", str(problems), "--outputs", str(out)]) == 2
     text = capsys.readouterr().out
-    assert "VERIFIED 1 of 3 cells: 1 pass, 2 error" in text, text
+    assert "VERIFIED 1 of 3 cells: 1 pass, 2 bad-input" in text, text
     recs = _records(out)
     assert recs["smoke/dense-T64-lb-5"]["status"] == "pass"
     assert recs["smoke/dense-T64-lb-5"]["backend"] == "emulator"       # read from the next readable outputs file
     r = recs["smoke/paged-lb-5"]
-    assert r["status"] == "error" and "smoke__paged-lb-5.safetensors: meta: expected a JSON object" in r["reason"]
+    assert r["status"] == "bad-input" and "smoke__paged-lb-5.safetensors: meta: expected a JSON object" in r["reason"]
     r = recs["smoke/correlated-weak-lb-0.01"]
-    assert r["status"] == "error" and r["reason"].startswith("bad outputs file: outputs: expected a safetensors file")
+    assert r["status"] == "bad-input" and r["reason"].startswith("bad outputs file: outputs: expected a safetensors file")

@@ -44,13 +44,14 @@ Exit codes:
 RESOURCE_ERROR = "resource-error"      # the harness ran out of memory (case build, oracle, baseline, judging)
 NOT_APPLICABLE = "not-applicable"      # judge's: no sound baseline; the cell is recorded "skipped", never a pass
 OUT_OF_CONTRACT = "out-of-contract"    # outside the kernel's documented range, or its recipe's (judge's); never a pass
+BAD_INPUT = "bad-input"                # check: a problem or outputs file that cannot be read, or a missing dump
 STATUSES = ("pass", "fail", "mistrusted", "crashed", "skipped", "error", "known-fail", "out-of-contract",
-            RESOURCE_ERROR)
+            RESOURCE_ERROR, BAD_INPUT)
 JUDGED = ("pass", "known-fail", "fail", "mistrusted")     # a verdict was reached: the cell was verified
 UNJUDGED = tuple(s for s in STATUSES if s not in JUDGED)  # no verdict, so no margin of these means anything
 FAILING = ("fail", "mistrusted", "crashed", "error")      # a kernel failure: exit 1
 HEADLINE_ORDER = ("pass", "known-fail", "fail", "mistrusted", "error", "crashed", "out-of-contract", "skipped",
-                  RESOURCE_ERROR)
+                  RESOURCE_ERROR, BAD_INPUT)
 JUDGED_METRICS = ("rel_l2", "tail_rel_l2")                # err of the verdict: each <= its threshold
 
 
@@ -71,7 +72,8 @@ def exit_code(statuses: Optional[Iterable[str]] = None, *, error: Optional[BaseE
     allow_nothing_verified: cells, none judged, and that is expected (--allow-nothing-verified,
         --kda-allow-skips): 0 instead of 2.
 
-    Order: error, interrupted, then any failing cell or ``failed`` 1, then a resource-error 2,
+    Order: error, interrupted, then any failing cell or ``failed`` 1, then a resource-error or a
+    bad-input cell (a file ``check`` could not read: the user's input, not the kernel) 2,
     then cells of which none was judged 2, else 0."""
     if error is not None:
         from verification.errors import KernelFailure, bad_input_errors
@@ -89,7 +91,7 @@ def exit_code(statuses: Optional[Iterable[str]] = None, *, error: Optional[BaseE
     sts = None if statuses is None else list(statuses)
     if failed or any(s in FAILING for s in sts or ()):
         return EXIT_FAIL
-    if RESOURCE_ERROR in (sts or ()):
+    if RESOURCE_ERROR in (sts or ()) or BAD_INPUT in (sts or ()):
         return EXIT_USAGE
     if sts is not None and not any(s in JUDGED for s in sts) and not allow_nothing_verified:
         return EXIT_USAGE

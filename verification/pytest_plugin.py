@@ -20,6 +20,9 @@ Options:
                        cuda without xdist; cpu without CUDA)
     --kda-tolerances F tolerances file (default: the repository's tolerances.yaml)
     --kda-allow-skips  exit 0 even when every cell was skipped (a CI job that expects it)
+    --kda-decode-backend B, --kda-decode-route R
+                       with --kda-suite serving: the decode side of the serving cells
+                       (verification/serving/plugin.py)
 
 The terminal summary's headline says how many cells were judged (``VERIFIED n of N cells:
 ...``); a session whose matrix judged no cell at all (``NOTHING VERIFIED: N cells skipped
@@ -84,6 +87,10 @@ def pytest_addoption(parser):
                 help="case suites (repeatable, comma list; default: smoke)")
     g.addoption("--kda-case", action="append", default=[], metavar="ID",
                 help="only case ids matching (exact or glob; repeatable)")
+    g.addoption("--kda-decode-backend", action="append", default=[], metavar="BACKEND",
+                help="with --kda-suite serving: the backend running decode and spec calls (default: --kda-backend)")
+    g.addoption("--kda-decode-route", action="append", default=[], metavar="ROUTE",
+                help="with --kda-suite serving: decode trace routes (default: every one of the decode backend)")
     g.addoption("--kda-fuzz-n", default=None, metavar="N",
                 help="with --kda-suite fuzz: how many cases to draw (default 20; fuzz ids depend on it)")
     g.addoption("--kda-fuzz-seed", default=None, metavar="SEED",
@@ -238,6 +245,12 @@ def _cells(config) -> list:
     check_device(config.getoption("--kda-device"))     # a bad device or tolerance file: the options item says so
     _state(config).db
     suites = _split(config.getoption("--kda-suite")) or ["smoke"]
+    if "serving" in suites:             # serving traces: pairs of trace routes (verification/serving/plugin.py)
+        from verification.serving.plugin import serving_cells
+        return serving_cells(suites, _split(config.getoption("--kda-backend")), _split(config.getoption("--kda-route")),
+                             _split(config.getoption("--kda-decode-backend")),
+                             _split(config.getoption("--kda-decode-route")), _split(config.getoption("--kda-case")),
+                             long=pick_device(config).startswith("cuda"))
     fuzz = SimpleNamespace(fuzz_n=config.getoption("--kda-fuzz-n"), fuzz_seed=config.getoption("--kda-fuzz-seed"))
     fuzz_n, fuzz_seed = fuzz_args(fuzz, suites, names=("--kda-fuzz-n", "--kda-fuzz-seed"))
     long = pick_device(config).startswith("cuda")       # 64k-token and production shapes: on a GPU only
@@ -340,7 +353,10 @@ class VerifyItem(pytest.Item):
             why = f"backend unavailable: {lb.reason or 'no reason given'}"
             self.user_properties.extend([(CELL_PROPERTY, "skipped"), ("backend", lb.name), ("reason", why)])
             pytest.skip(why)
-        rec = note_self_judged(run_cell(lb, route, case, st.truth_cache, st.baseline_cache, st.db, st.device))
+        if getattr(route, "serving", False):       # a serving-trace cell (verification/serving/plugin.py)
+            rec = route.run(case, st.db, st.device)
+        else:
+            rec = note_self_judged(run_cell(lb, route, case, st.truth_cache, st.baseline_cache, st.db, st.device))
         self.record = rec
         self.user_properties.append((CELL_PROPERTY, str(rec.get("status"))))
         st.timings.append(dict(rec.get("timings") or {}))

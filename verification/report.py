@@ -47,7 +47,7 @@ from .record import encode as jsonable
 PLOTS = ("error_vs_T", "worst_chunks", "margin_heatmap", "long_context")
 STATUS_COLOURS = {"pass": "#2e7d32", "fail": "#c62828", "mistrusted": "#ef6c00", "crashed": "#6a1b9a",
                   "error": "#4e342e", "skipped": "#757575", "known-fail": "#f9a825", "out-of-contract": "#0277bd",
-                  "resource-error": "#455a64"}
+                  "resource-error": "#455a64", "bad-input": "#8d6e63"}
 
 
 # ----------------------------------------------------------------------------------------
@@ -428,6 +428,7 @@ HEAT_KINDS = {   # status (or a non-finite margin) -> (fill, text, legend); colo
     "crashed": (STATUS_COLOURS["crashed"], "✕", "crashed (✕)"),
     "error": (STATUS_COLOURS["error"], "E", "error (E)"),
     "resource-error": (STATUS_COLOURS["resource-error"], "OOM", "harness out of memory (OOM): not verified"),
+    "bad-input": (STATUS_COLOURS["bad-input"], "BI", "bad input (BI): a file check could not read; not verified"),
     "nan": (STATUS_COLOURS["fail"], "NaN", "fail with a NaN error"),
     "inf": (STATUS_COLOURS["fail"], "∞", "fail with an infinite margin"),
 }

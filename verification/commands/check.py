@@ -17,13 +17,14 @@ recipe's range, the numbers in the reason: nothing verified).  The verdict is
 With directories, every problem DIR/NAME.safetensors is judged against OUT/NAME.safetensors
 (kda-verify capture's directory form) the same way, and each verdict is a cell record in
 RESULTS/results.jsonl (default RESULTS = OUT) with the usual report (report.md / .html / .json);
-the recipe, backend name and route default to those the outputs file records.  A problem with
-no outputs is an ``error`` cell (``crashed`` where capture left NAME.crashed), one its route
-skipped (NAME.skipped) a skipped cell; a problem or outputs file that cannot be read (bad input
-in the file form) is that case's ``error`` cell naming the file, and the rest are judged.
+the recipe, backend name and route default to those the outputs file records.  A problem
+whose kernel raised in capture is an ``error`` cell (``crashed`` where capture left
+NAME.crashed), one its route skipped (NAME.skipped) a skipped cell; a problem or outputs file
+that cannot be read, or a problem with no outputs and no capture marker (bad input in the file
+form), is that case's ``bad-input`` cell naming the file, and the rest are judged.
 ``--resume`` keeps the cells already in results.jsonl.
-Exit 0 when every judged cell passed (or is a known failure), 1 when one failed, 2 when none
-was judged.
+Exit 0 when every judged cell passed (or is a known failure), 1 when one failed, else 2 when a
+file was bad input or none was judged (verification.policy.exit_code).
 """
 from __future__ import annotations
 
@@ -209,7 +210,7 @@ def run_dir(args) -> int:
     from verification.commands.capture import problem_files
     from verification.errors import writable_dir
     from verification.problem_file import load_outputs, load_outputs_metadata, load_problem
-    from verification.policy import exit_code, headline
+    from verification.policy import BAD_INPUT, exit_code, headline
     from verification.record import RESULTS_FILE, Record, append_record, cell_key, read_records
     from verification.record import encode as jsonable
     from verification.report import write_report
@@ -289,7 +290,7 @@ def run_dir(args) -> int:
             except (UsageError, ProblemError) as e:
                 bad = f"bad outputs file: {e}"
         if bad is not None:                     # this case's file cannot be judged: its row, the rest go on
-            rec.update(status="error", reason=bad)
+            rec.update(status=BAD_INPUT, reason=bad)
         elif problem.is_empty:
             rec.update(status="skipped", reason=f"not applicable: {problem.empty_reason()}")
         elif not target.exists():
@@ -300,7 +301,7 @@ def run_dir(args) -> int:
             elif error.exists():
                 rec.update(status="error", reason=f"the kernel raised {error.read_text(encoding='utf-8').strip()}")
             else:
-                rec.update(status="error", reason=f"no outputs file {target} (was capture run on {args.inputs}?)")
+                rec.update(status=BAD_INPUT, reason=f"no outputs file {target} (was capture run on {args.inputs}?)")
         else:
             outs = {k: v.to(args.device) for k, v in outs.items()}
             t0 = time.perf_counter()

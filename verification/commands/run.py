@@ -47,10 +47,16 @@ def add_arguments(p):
     p.add_argument("--route", action="append", metavar="ROUTE",
                    help="route name (default: every route of the backend); repeatable or comma-separated")
     p.add_argument("--suite", action="append", required=True, metavar="SUITE",
-                   help=f"case suite ({', '.join(SUITES)}); repeatable or comma-separated")
+                   help=f"case suite ({', '.join(SUITES)}, serving); repeatable or comma-separated (serving alone)")
     p.add_argument("--case", action="append", metavar="ID",
                    help="only cases whose id matches (exact or shell glob, e.g. 'stress/weak-*'); repeatable")
     add_fuzz_arguments(p)
+    p.add_argument("--decode-backend", action="append", metavar="BACKEND",
+                   help="with --suite serving: the backend running the decode and spec calls (default: --backend, "
+                        "which runs the prefill calls)")
+    p.add_argument("--decode-route", action="append", metavar="ROUTE",
+                   help="with --suite serving: decode trace routes (default: every trace route of the decode "
+                        "backend running decode or spec calls); --route then picks the prefill routes")
     p.add_argument("--long", choices=("auto", "yes", "no"), default="auto",
                    help="include the suites' long cases (64k tokens, production shapes): auto = on CUDA only "
                         "(a case named by --case always runs)")
@@ -91,6 +97,10 @@ def run(args) -> int:
     from verification.runner import cell_key, check_resume, clip_words, load, plan, run_matrix
 
     started = time.perf_counter()
+    from verification.serving.command import SUITE, check_serving_args, run_serving
+    check_serving_args(args, split_list(args.suite))
+    if SUITE in split_list(args.suite):     # the serving suite pairs trace routes: its own loop (verification/serving)
+        return run_serving(args)
 
     if args.max_cells is not None and args.max_cells < 1:
         raise UsageError(f"--max-cells: expected an integer >= 1, got {args.max_cells}")

@@ -1,0 +1,141 @@
+"""``kda-verify run --suite serving`` at the CLI: refusals (one line, exit 2), a run with test-local
+RunsTraces backends (records, report, exit policy), not applicable without a baseline, Ctrl-C
+(exit 130, the report INTERRUPTED)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from verification.cli import main
+from verification.record import read_records
+
+EXACT = "serving_backends:exact"
+
+
+@pytest.fixture
+def baseline(monkeypatch):
+    monkeypatch.setenv("KDA_SERVING_BASELINE", EXACT)
+
+
+def _one_line(capsys, rc, want_rc, *needles):
+    cap = capsys.readouterr()
+    err = cap.err.strip().splitlines()
+    assert rc == want_rc, cap
+    assert len(err) == 1 and "Traceback" not in cap.err, cap
+    for n in needles:
+        assert n in err[0], err
+    return err[0]
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--backend", "fla-naive"], "--backend fla-naive: runs no serving-trace calls (no RunsTraces)"),
+    (["--backend", EXACT, "--decode-backend", "fla-naive"],
+     "--decode-backend fla-naive: runs no serving-trace calls (no RunsTraces)"),
+    (["--backend", EXACT, "--route", "nope"], "--route: backend 'serving-exact' has no trace route 'nope'"),
+    (["--backend", EXACT, "--route", "exact-decode"],
+     "--route: trace route 'exact-decode' of 'serving-exact' runs decode, spec calls, not prefill"),
+    (["--backend", EXACT, "--decode-route", "exact-prefill"],
+     "--decode-route: trace route 'exact-prefill' of 'serving-exact' runs prefill calls, not decode or spec"),
+    (["--backend", f"{EXACT},{EXACT}"], "--backend: expected one backend with --suite serving"),
+    (["--backend", EXACT, "--suite", "smoke"], "--suite: expected serving alone"),
+    (["--backend", EXACT, "--case", "serving/nope"], "--case: expected a case id (or glob) of suite serving"),
+    (["--backend", EXACT, "--isolate"], "--isolate: expected without --suite serving"),
+])
+def test_refusals_one_line_exit_2(argv, needle, capsys, tmp_path):
+    out = tmp_path / "o"
+    rc = main(["run", "--suite", "serving", *argv, "--out", str(out)])
+    _one_line(capsys, rc, 2, needle)
+    assert not out.exists()
+
+
+def test_decode_options_need_the_serving_suite(capsys, tmp_path):
+    rc = main(["run", "--suite", "smoke", "--backend", "emulator", "--decode-backend", EXACT, "--out", str(tmp_path / "o")])
+    _one_line(capsys, rc, 2, "--decode-backend: expected together with --suite serving")
+
+
+def test_run_pass_and_fail(baseline, capsys, tmp_path):
+    out = tmp_path / "ok"
+    rc = main(["run", "--suite", "serving", "--backend", EXACT, "--route", "exact-prefill", "--decode-route",
+               "exact-decode", "--case", "serving/spec-accepts", "--case", "serving/one-token-prompts",
+               "--out", str(out)])
+    cap = capsys.readouterr()
+    assert rc == 0, cap
+    assert "VERIFIED 2 of 2 cells: 2 pass" in cap.out
+    recs = read_records(out / "results.jsonl")
+    assert [r["status"] for r in recs] == ["pass", "pass"]
+    r = recs[0]
+    assert r["suite"] == "serving" and r["route"] == "exact-prefill+exact-decode"
+    assert set(r["tensors"]) == {"o", "state_cache"} and r["margin"] < 1
+    assert r["repro"].startswith("kda-verify run --suite serving --backend serving_backends:exact --route exact-prefill")
+    assert (out / "report.md").exists()
+    bad = tmp_path / "bad"
+    rc = main(["run", "--suite", "serving", "--backend", "serving_backends:transposed", "--route", "exact-prefill",
+               "--decode-backend", EXACT, "--decode-route", "exact-decode", "--case", "serving/atom-1750",
+               "--out", str(bad)])
+    cap = capsys.readouterr()
+    assert rc == 1, cap
+    rec = read_records(bad / "results.jsonl")[0]
+    assert rec["backend"] == "serving-transposed+serving-exact" and rec["status"] == "fail"
+    assert rec["serving"]["diagnosis"].startswith("layout disagreement: prefill serving-transposed:exact-prefill "
+                                                  "wrote slot")
+    assert "layout disagreement" in (bad / "report.md").read_text()
+
+
+def test_cross_product_of_routes(baseline, capsys, tmp_path):
+    rc = main(["run", "--suite", "serving", "--backend", EXACT, "--case", "serving/one-token-prompts",
+               "--out", str(tmp_path / "x")])
+    capsys.readouterr()
+    assert rc == 0
+    routes = sorted(r["route"] for r in read_records(tmp_path / "x" / "results.jsonl"))
+    assert routes == ["exact-all+exact-all", "exact-all+exact-decode", "exact-prefill+exact-all",
+                      "exact-prefill+exact-decode"]
+
+
+def test_no_baseline_is_not_applicable(monkeypatch, capsys, tmp_path):
+    monkeypatch.setenv("KDA_SERVING_BASELINE", "kda_test_backends:exact")     # a backend without RunsTraces
+    rc = main(["run", "--suite", "serving", "--backend", EXACT, "--route", "exact-prefill", "--decode-route",
+               "exact-decode", "--case", "serving/one-token-prompts", "--out", str(tmp_path / "n")])
+    cap = capsys.readouterr()
+    assert rc == 2, cap
+    rec = read_records(tmp_path / "n" / "results.jsonl")[0]
+    assert rec["status"] == "skipped"
+    assert "runs no serving-trace calls yet (no RunsTraces), so no baseline exists" in rec["reason"]
+
+
+def test_ctrl_c_exits_130_interrupted(baseline, capsys, tmp_path):
+    out = tmp_path / "i"
+    rc = main(["run", "--suite", "serving", "--backend", "serving_backends:interrupt", "--route", "exact-prefill",
+               "--decode-route", "exact-decode", "--case", "serving/one-token-prompts", "--out", str(out)])
+    cap = capsys.readouterr()
+    assert rc == 130
+    assert "INTERRUPTED: 1 of 1 selected cells not run" in cap.out
+    assert "kda-verify run: interrupted: 1 of 1 selected cells not run" in cap.err
+    assert "INTERRUPTED" in (out / "report.md").read_text()
+    runs = json.loads((out / "run.json").read_text())["runs"]
+    assert runs[-1]["interrupted"] == {"selected": 1, "not_run": 1}
+
+
+def test_pytest_plugin_runs_serving_cells(baseline, tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(root / "tests"), env.get("PYTHONPATH", "")])
+    env.pop("PYTEST_XDIST_WORKER", None)
+    rep = tmp_path / "rep"
+    cmd = [sys.executable, "-m", "pytest", "tests/test_verify_matrix.py", "-p", "no:cacheprovider", "-q", "-rfs",
+           "-m", "verify", "--kda-suite", "serving", "--kda-backend", "serving_backends:transposed",
+           "--kda-route", "exact-prefill", "--kda-decode-backend", EXACT, "--kda-decode-route", "exact-decode",
+           "--kda-case", "serving/one-token-prompts", "--kda-case", "serving/mixed-kv", "--kda-report", str(rep)]
+    res = subprocess.run(cmd, cwd=root, capture_output=True, text=True, env=env, timeout=240)
+    out = res.stdout + res.stderr
+    assert res.returncode == 1, out
+    # V-first: the transposed handover fails, named; K-first: the same bytes are the right layout
+    assert "1 failed, 1 passed" in out, out
+    assert ("verify[serving-transposed+serving-exact-exact-prefill+exact-decode-serving/one-token-prompts]" in out)
+    assert "layout disagreement: prefill serving-transposed:exact-prefill wrote slot" in out
+    recs = read_records(rep / "results.jsonl")
+    assert sorted(r["status"] for r in recs) == ["fail", "pass"]

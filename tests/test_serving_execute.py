@@ -1,0 +1,167 @@
+"""The serving-trace runner and its verdicts (verification/serving): a correct pairing passes,
+each planted bug fails naming request, step, phase and call, the handover diagnosis names a
+layout (or dtype) disagreement, the bitwise check catches writes outside the written slots."""
+from __future__ import annotations
+
+import pytest
+
+import serving_backends as sb
+from kda_ref.trace import DECODE, PAD, PREFILL, SPEC, CacheSpec
+from kda_ref.trace_gen import generate, trace_from_rows
+from verification.serving.execute import Pairing, Side, run_pairing
+from verification.serving.cells import tolerances_for
+from verification.tolerances import load_tolerances
+
+DB = load_tolerances()
+EXACT = sb.ServingBackend("exact")
+
+
+def _route(b, name):
+    return next(r for r in b.trace_routes() if r.name == name)
+
+
+def pairing(prefill_mode="exact", decode_mode="exact"):
+    bp = sb.ServingBackend(prefill_mode)
+    bd = bp if decode_mode == prefill_mode else sb.ServingBackend(decode_mode)
+    return Pairing(Side(bp, _route(bp, "exact-prefill")), Side(bd, _route(bd, "exact-decode")))
+
+
+def run(tr, p, **kw):
+    base = pairing()
+    dt = {"float32": "fp32", "bfloat16": "bf16"}[str(tr.v.dtype).replace("torch.", "")]
+    return run_pairing(tr, p, tolerances_for(DB, p, dt), baseline=base, **kw)
+
+
+def chunked_spec_trace(layout="vk", cache_dtype="float32", guard_rows=2):
+    """Request 0: prefill chunks of 5 and 21 tokens, a decode, spec steps accepting 1 and 3 of 3,
+    a decode; request 1 beside it; graph padding rows at slot -1 in the decode-only steps."""
+    cache = CacheSpec(slots=5, HV=2, K=8, V=16, layout=layout, dtype=cache_dtype, guard_rows=guard_rows)
+    steps = [
+        [(5, 0, PREFILL, [0, -1, -1], False, 1, 5), (3, 1, PREFILL, [3, -1, -1], False, 1, 3)],
+        [(21, 0, PREFILL, [0, -1, -1], True, 1, 21), (1, 1, DECODE, [3, -1, -1], True, 1, 1)],
+        [(1, 0, DECODE, [0, -1, -1], True, 1, 1), (1, 1, DECODE, [3, -1, -1], True, 1, 1),
+         (1, -1, PAD, [-1, -1, -1], False, 1, 0)],
+        [(3, 0, SPEC, [0, 1, 2], True, 1, 1), (1, 1, DECODE, [3, -1, -1], True, 1, 1)],
+        [(3, 0, SPEC, [0, 1, 2], True, 1, 3), (1, 1, DECODE, [3, -1, -1], True, 1, 1)],
+        [(1, 0, DECODE, [2, -1, -1], True, 1, 1), (1, 1, DECODE, [3, -1, -1], True, 1, 1),
+         (1, -1, PAD, [-1, -1, -1], False, 1, 0), (1, -1, PAD, [-1, -1, -1], False, 1, 0)],
+    ]
+    return trace_from_rows(cache, steps, seed=7, H=2)
+
+
+@pytest.mark.parametrize("layout", ["vk", "kv"])
+@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
+def test_correct_pairing_passes(layout, cache_dtype):
+    res = run(chunked_spec_trace(layout, cache_dtype), pairing())
+    assert res.status == "pass", res.reason
+    assert res.steps == 6 and res.worst is not None and res.worst.margin < 1
+
+
+def test_transposed_handover_is_a_layout_disagreement():
+    res = run(chunked_spec_trace("vk"), pairing("transposed", "exact"))
+    assert res.status == "fail"
+    f = res.first_failure
+    assert (f.step, f.request, f.kind, f.phase) == (0, 0, "state", "prefill")
+    assert res.diagnosis == ("layout disagreement: prefill serving-transposed:exact-prefill wrote slot 0 K-first "
+                             "where the trace's cache is V-first (step 0, request 0)")
+    assert res.reason.startswith("layout disagreement") and "call prefill serving-transposed:exact-prefill" in res.reason
+
+
+def test_has_initial_state_ignored_names_the_second_chunk():
+    res = run(chunked_spec_trace(), pairing("no_initial", "exact"))
+    f = res.first_failure
+    assert res.status == "fail" and (f.step, f.request, f.phase) == (1, 0, "prefill")
+    assert "request 0 step 1" in res.reason or "step 1 (request 0" in res.reason
+    assert res.diagnosis.startswith("has_initial_state ignored: prefill serving-no-initial:exact-prefill started "
+                                    "request 0 from a zero state instead of slot 0")
+
+
+def test_padding_row_writing_slot0_is_caught_bitwise():
+    # request 1 lives in slot 3, so slot 0 is request 0's: at step 2 it is written by request 0's
+    # decode and the padding row both; at step 5 request 0 reads slot 2, slot 0 is unwritten
+    res = run(chunked_spec_trace(), pairing("exact", "pad_slot0"))
+    assert res.status == "fail"
+    first = res.first_failure
+    assert first.step == 2 and first.slot == 0
+    untouched = [i for i in res.failures if i.kind == "untouched"]
+    assert untouched and untouched[0].step == 5
+    assert "slot 0 changed" in untouched[0].reason
+    assert "padding row" in untouched[0].reason and "call decode serving-pad-slot0:exact-decode" in untouched[0].reason
+
+
+def test_rejected_draft_kept_names_the_checkpoint():
+    res = run(chunked_spec_trace(), pairing("exact", "keep_rejected"))
+    f = res.first_failure
+    assert res.status == "fail" and (f.step, f.request, f.phase) == (4, 0, "spec")
+    assert res.diagnosis.startswith("wrong checkpoint read: spec serving-keep-rejected:exact-decode read slot 2 "
+                                    "(state_indices column 2) instead of slot 0 (column 0")
+
+
+def test_stale_read_fails_naming_request_and_step():
+    res = run(chunked_spec_trace(), pairing("exact", "stale"))
+    f = res.first_failure
+    # request 1 decodes from slot 3 at step 1 (first read, correct) and again at step 2 (stale)
+    assert res.status == "fail" and (f.step, f.request, f.phase) == (2, 1, "decode")
+    assert "call decode serving-stale:exact-decode" in f.where
+
+
+def test_guard_row_write_is_named():
+    res = run(chunked_spec_trace(), pairing("exact", "guard_write"))
+    assert res.status == "fail"
+    f = res.first_failure
+    assert f.kind == "untouched" and f.step == 1
+    assert "guard rows before slot 0 changed" in f.reason and "call decode serving-guard-write:exact-decode" in f.reason
+
+
+def test_bf16_rounded_state_in_fp32_cache_is_a_dtype_disagreement():
+    res = run(chunked_spec_trace(), pairing("bf16_state", "exact"))
+    assert res.status == "fail"
+    assert res.diagnosis.startswith("dtype disagreement: prefill serving-bf16-state:exact-prefill wrote slot 0 "
+                                    "rounded to bf16 where the trace's cache is fp32 (step 0, request 0)")
+
+
+def test_raising_call_is_an_error_naming_step_and_call():
+    res = run(chunked_spec_trace(), pairing("exact", "raising"))
+    assert res.status == "error"
+    assert res.reason.startswith("step 1 call decode serving-raising:exact-decode (rows [3]) raised RuntimeError")
+
+
+def test_wrong_layout_read_by_decode_is_named():
+    """The decode side reading V-first memory K-first: its first decode's o fails, and the
+    replay from the slot taken in the other layout names it."""
+    class ReadsKFirst(sb.ServingBackend):
+        def run_call(self, call, route):
+            if call.group == "decode":
+                view = call.slots_view()
+                for s in call.state_indices.tolist():
+                    if s >= 0:
+                        view[s].copy_(view[s].clone().reshape(-1).reshape(view[s].shape[0], view[s].shape[2],
+                                                                          view[s].shape[1]).transpose(-1, -2))
+            return super().run_call(call, route)
+    bd = ReadsKFirst("exact")
+    bd.name = "serving-reads-kfirst"
+    bp = sb.ServingBackend("exact")
+    p = Pairing(Side(bp, _route(bp, "exact-prefill")), Side(bd, _route(bd, "exact-decode")))
+    res = run(chunked_spec_trace("vk"), p)
+    assert res.status == "fail"
+    assert res.first_failure.step == 1 and res.first_failure.request == 1
+    assert res.diagnosis.startswith("layout disagreement: decode serving-reads-kfirst:exact-decode read slot 3 "
+                                    "K-first where the trace's cache is V-first, written by prefill "
+                                    "serving-exact:exact-prefill at step 0 (request 1)")
+
+
+def test_drift_curve_recorded():
+    tr = generate(1, None, requests=1, max_batch=1, prompt=(4, 4), decodes=(60, 60), H=2, HV=2, K=8, V=8,
+                  cache_dtype="bfloat16")
+    res = run(tr, pairing(), drift=True)
+    assert res.status == "pass"
+    d = res.drift
+    assert d["decode_steps"] == 60 and len(d["step"]) == 60 and d["cache_dtype"] == "bfloat16"
+    assert d["worst"]["request"] == 0 and d["worst"]["o_err"] == max(d["o_err"])
+
+
+def test_baseline_rows_reused():
+    tr = chunked_spec_trace()
+    first = run(tr, pairing())
+    again = run_pairing(tr, pairing(), tolerances_for(DB, pairing(), "fp32"), baseline_rows=first.baseline_rows)
+    assert again.status == "pass" and again.worst.margin == first.worst.margin

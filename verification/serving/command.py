@@ -1,0 +1,191 @@
+"""``kda-verify run --suite serving``: every (serving case, prefill route, decode route) cell,
+recorded as it goes, then the report (the run command's behaviour, verification/commands/run.py:
+results.jsonl appended and fsynced per cell, --resume, the report, the exit policy of
+verification/policy.py, Ctrl-C exits 130 with the report headed INTERRUPTED).
+
+    --backend A            the prefill side (and the decode side unless --decode-backend)
+    --route R              prefill routes (default: every trace route of A running prefill calls)
+    --decode-backend B     the decode side (default A)
+    --decode-route R2      decode routes (default: every trace route of B running decode or spec calls)
+
+Refused in one line, exit 2, before --out is made: a backend without RunsTraces, a route that is
+not a trace route of its backend or does not run its side's groups, --suite serving beside other
+suites, more than one --backend, --decode-* without --suite serving, --isolate.
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+SUITE = "serving"
+
+
+def check_serving_args(args, suites: list) -> None:
+    """The refusals of the module docstring that need no backend loaded."""
+    from verification.errors import UsageError
+    from verification.selection import split_list
+    if SUITE not in suites:
+        for opt, val in (("--decode-backend", getattr(args, "decode_backend", None)),
+                         ("--decode-route", getattr(args, "decode_route", None))):
+            if val:
+                raise UsageError(f"{opt}: expected together with --suite serving, got {opt} "
+                                 f"{','.join(split_list(val))} with suite(s) {', '.join(suites)}")
+        return
+    if len(suites) > 1:
+        raise UsageError(f"--suite: expected serving alone (its cells pair trace routes, not routes), got "
+                         f"{', '.join(suites)}")
+    backends = split_list(args.backend)
+    if len(backends) != 1:
+        raise UsageError(f"--backend: expected one backend with --suite serving (the decode side is "
+                         f"--decode-backend), got {', '.join(backends)}")
+    if len(split_list(getattr(args, "decode_backend", None))) > 1:
+        raise UsageError(f"--decode-backend: expected one backend, got {', '.join(split_list(args.decode_backend))}")
+    if getattr(args, "isolate", False):
+        raise UsageError("--isolate: expected without --suite serving (a serving cell runs in this process), got it")
+    if getattr(args, "fuzz_n", None) is not None or getattr(args, "fuzz_seed", None) is not None:
+        raise UsageError("--fuzz-n: expected together with the fuzz suite, got it with --suite serving")
+
+
+def select_serving_cases(patterns: list, long: bool) -> list:
+    """The serving cases, filtered by --case patterns (exact id or glob; each must match)."""
+    import fnmatch
+
+    from verification.errors import UsageError
+    from verification.serving.cases import get_serving_suite
+    cases = get_serving_suite(long=long or bool(patterns))
+    if not patterns:
+        return cases
+    chosen = []
+    for pat in patterns:
+        hit = [c for c in cases if c.id == pat or fnmatch.fnmatchcase(c.id, pat)]
+        if not hit:
+            raise UsageError(f"--case: expected a case id (or glob) of suite serving, got {pat!r}; ids look like: "
+                             f"{', '.join(c.id for c in cases[:5])}, ...")
+        chosen.extend(c for c in hit if c not in chosen)
+    return [c for c in cases if c in chosen]
+
+
+def plan_cells(args, device: str):
+    """(prefill LoadedBackend, decode LoadedBackend, [(rp, rd)], cases, selection)."""
+    from verification.runner import load
+    from verification.selection import split_list
+    from verification.serving.cells import pairings
+    spec_a = split_list(args.backend)[0]
+    spec_b = (split_list(getattr(args, "decode_backend", None)) or [spec_a])[0]
+    la = load(spec_a)
+    lb = la if spec_b == spec_a else load(spec_b)
+    pairs = pairings(la, lb, split_list(args.route) or None, split_list(getattr(args, "decode_route", None)) or None,
+                     decode_option="--decode-backend" if lb is not la else "--backend")
+    long = args.long == "yes" or (args.long == "auto" and device.startswith("cuda"))
+    cases = select_serving_cases(split_list(args.case), long)
+    if not long and not split_list(args.case):
+        from verification.serving.cases import get_serving_suite
+        left = len(get_serving_suite(long=True)) - len(cases)
+        if left:
+            print(f"kda-verify run: {left} long case(s) of suite serving left out on {device} (--long yes runs them "
+                  f"here)", file=sys.stderr)
+    selection = {"--backend": [spec_a], "--decode-backend": [spec_b], "--route": split_list(args.route) or None,
+                 "--decode-route": split_list(getattr(args, "decode_route", None)) or None, "--suite": [SUITE],
+                 "--case": split_list(args.case)}
+    return la, lb, pairs, cases, selection
+
+
+def run_serving(args) -> int:
+    """The serving suite's ``run`` (module docstring)."""
+    from pathlib import Path
+
+    from verification import provenance, timing
+    from verification.devices import check_device
+    from verification.errors import Interrupted, UsageError, writable_dir
+    from verification.policy import exit_code, headline, nothing_verified_reason
+    from verification.record import RESULTS_FILE, append_record, read_records, repair_partial_line
+    from verification.record import encode as jsonable
+    from verification.runner import Progress, RunSummary, check_resume, clip_words, _note_interrupted
+    from verification.serving.cells import TraceCache, cell_names, run_serving_cell
+    from verification.record import cell_key
+    from verification.selection import split_list
+    import json
+
+    started = time.perf_counter()
+    check_serving_args(args, split_list(args.suite))
+    if args.max_cells is not None and args.max_cells < 1:
+        raise UsageError(f"--max-cells: expected an integer >= 1, got {args.max_cells}")
+    device = check_device(args.device)
+    la, lb, pairs, cases, selection = plan_cells(args, device)
+    if args.tolerances:
+        from verification.tolerances import load_tolerances
+        db = load_tolerances(args.tolerances)
+    else:
+        from verification.tolerances import load_tolerances
+        db = load_tolerances(None)
+    cells = [(rp, rd, c) for c in cases for rp, rd in pairs]
+    keys = [cell_key(*cell_names(la, lb, rp, rd)[:2], c.id) for rp, rd, c in cells]
+    wanted = set(keys)
+    check_resume(args.out, args.resume, selection, wanted)
+    writable_dir(args.out, "--out")
+    out = Path(args.out)
+    results = out / RESULTS_FILE
+    summary = RunSummary(out_dir=out, selected=len(cells))
+    done = set()
+    if results.exists() and results.stat().st_size > 0:
+        repair_partial_line(results)
+        prev = read_records(results)
+        done = {r["key"] for r in prev}
+        summary.records.extend(r for r in prev if r["key"] in wanted)
+    prov = provenance.collect(device=device, seeds={c.id: c.seed for c in cases})
+    prov["selection"] = selection
+    prov["backends"] = {x.name: {"spec": x.spec, "version": x.version, "available": x.available, "reason": x.reason}
+                        for x in {id(la): la, id(lb): lb}.values()}
+    prov["cases"] = {c.id: {"suite": c.suite, "seed": c.seed} for c in cases}
+    from verification.record import read_runs, RUN_FILE
+    runs = read_runs(out) if args.resume else []
+    runs.append(jsonable(prov))
+    (out / RUN_FILE).write_text(json.dumps({"runs": runs}, indent=1, allow_nan=False))
+    todo = [(cell, k) for cell, k in zip(cells, keys) if k not in done]
+    summary.resumed = len(cells) - len(todo)
+    if args.max_cells is not None and len(todo) > args.max_cells:
+        todo, summary.stopped_early = todo[:args.max_cells], True
+    progress = Progress(len(todo))
+    cache = TraceCache()
+    try:
+        for (rp, rd, case), _ in todo:
+            rec = run_serving_cell(la, lb, rp, rd, case, db, cache, device=device)
+            append_record(results, rec)
+            summary.records.append(rec)
+            summary.fresh.append(rec)
+            summary.ran += 1
+            progress.step(rec)
+    except KeyboardInterrupt:
+        summary.not_run = len(cells) - len({r["key"] for r in read_records(results)} & wanted)
+        _note_interrupted(out, len(cells), summary.not_run)
+    print(f"{summary.ran} cells run, {summary.resumed} already done")
+    print(headline(summary.records, summary.not_run or 0))
+    if summary.stopped_early:
+        print(f"stopped after --max-cells {args.max_cells}; continue with --resume")
+    for r in summary.failed[:10]:
+        print(f"  {r['status'].upper():<10} {r['backend']} {r['route']} {r['case']}: {clip_words(r.get('reason', ''), 400)}")
+        print(f"             repro: {r.get('repro', '').replace('--out DIR', f'--out {args.out}/repro')}")
+    if len(summary.failed) > 10:
+        print(f"  ... and {len(summary.failed) - 10} more failing cells (see the report)")
+    sums = timing.record_sums(summary.fresh)
+    if args.no_report:
+        bd = timing.breakdown(sums, wall_s=time.perf_counter() - started)
+    else:
+        from verification.report import write_report
+        paths = write_report(args.out, timing={"started": started, "sums": sums})
+        bd = paths["timing"]
+        print(f"report: {paths['md']} {paths['html']}")
+    from verification.commands.run import save_breakdown
+    save_breakdown(args.out, bd)
+    if summary.not_run is not None:
+        raise Interrupted(f"interrupted: {summary.not_run} of {summary.selected} selected cells not run; finished "
+                          f"cells are in {args.out}/results.jsonl" + ("" if args.no_report else
+                                                                        f", report {args.out}/report.md")
+                          + " (continue with --resume)")
+    statuses = [r.get("status") for r in summary.records]
+    code = exit_code(statuses, allow_nothing_verified=args.allow_nothing_verified)
+    why = nothing_verified_reason(summary.records)
+    if why is not None and exit_code(statuses, allow_nothing_verified=True) == 0:
+        print(f"kda-verify run: nothing verified ({why}); exit 0 (--allow-nothing-verified)" if code == 0
+              else f"kda-verify run: nothing verified: {why}", file=sys.stderr)
+    return code
