@@ -750,7 +750,8 @@ class AiterBackend:
                   initial_state=call.slots_view(), output_final_state=False, inplace_final_state=True,
                   state_v_first=call.spec.layout == "vk", cu_seqlens=call.cu_seqlens.to(torch.int64).contiguous(),
                   ssm_state_indices=call.state_indices.contiguous(),
-                  num_accepted_tokens=None if call.num_accepted_tokens is None else call.num_accepted_tokens.contiguous(),
+                  num_accepted_tokens=(None if call.num_accepted_tokens is None
+                                       else call.num_accepted_tokens.contiguous()),
                   use_qk_l2norm_in_kernel=bool(m["qk_l2norm"]), use_gate_in_kernel=gate_in,
                   use_beta_sigmoid_in_kernel=m["beta_kind"] in ("sigmoid", "sigmoid2"),
                   allow_neg_eigval=m["beta_kind"] == "sigmoid2", pad_slot_guard=call.spec.pad == "null0")
