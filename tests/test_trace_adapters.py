@@ -50,7 +50,7 @@ def test_kda_gluon_refuses_what_its_kernels_cannot_take(arch, scenario, knobs, w
     assert not ok and why.startswith("not applicable: ") and words in why, why
 
 
-@pytest.mark.parametrize("arch,scenario,knobs", [("gfx1250", "spec", dict(layout="kv")), ("gfx950", "null-block", {}),
+@pytest.mark.parametrize("arch,scenario,knobs", [("gfx1250", "spec", dict(layout="kv", pad="null0")), ("gfx950", "null-block", {}),
                                                   ("gfx1250", "mixed", dict(pad="null0")),
                                                   ("gfx1250", "graph-padded", dict(slots=7))])
 def test_kda_gluon_maps_every_call_onto_the_cache_view(arch, scenario, knobs):
