@@ -50,8 +50,8 @@ Trace routes (kda_kernels.base.RunsTraces; docs/backends.md "Trace routes"):
                        chunk_kda's ``state_cache`` (a private copy of the whole buffer is written
                        and copied back, as for a paged Problem); recipes as their Problem routes
     kda:gluon          decode and spec calls: ``aiter.ops.triton.attention.kda.fused_recurrent_kda``
-                       (ssm_state_indices, num_accepted_tokens, inplace_final_state, pad_slot_guard
-                       under the NULL-block convention), the Gluon packed decode of gfx1250 / gfx950
+                       (ssm_state_indices, num_accepted_tokens, inplace_final_state, pad_slot_guard),
+                       the Gluon packed decode of gfx1250 / gfx950
                        (recipe aiter-decode-gfx1250 / aiter-decode-gfx950); it raises RuntimeError on
                        any other arch, so off AMD the route is not applicable.  aiter publishes no
                        Triton KDA decode (docs/backends.md says what was searched).
@@ -713,10 +713,11 @@ class AiterBackend:
         """fused_recurrent_kda's limits, read from kda.py and both kda_decode.py kernels: an AMD
         gfx1250 / gfx950 GPU, fp32 state slabs dense in [HV, ., .] (the slot stride a whole number
         of rows); on gfx950 V-first only and no speculative rows (static_assert); A_log with the
-        in-kernel gate; padding rows only under the NULL-block convention (pad_slot_guard skips
-        slots <= 0, which under pad -1 would skip the live slot 0 as well, and without the guard
-        index -1 addresses one slot stride before slot 0)."""
-        from .trace_support import has_padding_rows, problem_of_trace, trace_refusal
+        in-kernel gate.  The calls run with pad_slot_guard (a row whose slot is <= 0 is skipped, its
+        o zero), which takes padding rows at -1 and at the NULL block 0 alike, and, under pad -1,
+        would skip a live row given slot 0 too: such a trace is not applicable (the emulator's
+        aiter-decode recipes decide the same)."""
+        from .trace_support import problem_of_trace, trace_refusal
         kda = self._load_kda()
         if kda is None:
             return False, f"not applicable: this aiter tree has no KDA decode host ({self._kda_why})"
@@ -734,26 +735,27 @@ class AiterBackend:
             return False, why
         if arch == "gfx950" and bool((trace.row_phase == 2).any()):
             return False, "not applicable: gfx950's kda_decode kernel has no speculative decoding (static_assert)"
-        if trace.cache.pad == "minus1" and has_padding_rows(trace):
-            return False, ("not applicable: fused_recurrent_kda's pad_slot_guard marks slots <= 0 as padding "
-                           "(the NULL-block convention); under pad -1 slot 0 is live, and without the guard index "
-                           "-1 addresses one slot stride before slot 0")
+        live = (trace.row_phase == 1) | (trace.row_phase == 2)
+        if trace.cache.pad == "minus1" and bool((trace.state_indices[live] == 0).any()):
+            return False, ("not applicable: fused_recurrent_kda's pad_slot_guard takes slots <= 0 for padding, "
+                           "and this trace (pad -1) gives slot 0 to a decode or spec row")
         return True, ""
 
     def kda_call_arguments(self, call) -> dict:
         """Keyword arguments of fused_recurrent_kda for a decode or spec PhaseCall: the cache's
         [slots, HV, ., .] view as initial_state, written in place (inplace_final_state);
-        pad_slot_guard under the NULL-block convention."""
+        pad_slot_guard on (padding rows at -1 or 0 skipped)."""
         m = call.model
         gate_in = m["gate"] in ("lower_bound", "softplus")
         kw = dict(q=call.q, k=call.k, v=call.v, g=call.g, beta=call.beta, scale=m["scale"],
                   initial_state=call.slots_view(), output_final_state=False, inplace_final_state=True,
                   state_v_first=call.spec.layout == "vk", cu_seqlens=call.cu_seqlens.to(torch.int64).contiguous(),
                   ssm_state_indices=call.state_indices.contiguous(),
-                  num_accepted_tokens=None if call.num_accepted_tokens is None else call.num_accepted_tokens.contiguous(),
+                  num_accepted_tokens=(None if call.num_accepted_tokens is None
+                                       else call.num_accepted_tokens.contiguous()),
                   use_qk_l2norm_in_kernel=bool(m["qk_l2norm"]), use_gate_in_kernel=gate_in,
                   use_beta_sigmoid_in_kernel=m["beta_kind"] in ("sigmoid", "sigmoid2"),
-                  allow_neg_eigval=m["beta_kind"] == "sigmoid2", pad_slot_guard=call.spec.pad == "null0")
+                  allow_neg_eigval=m["beta_kind"] == "sigmoid2", pad_slot_guard=True)
         if gate_in:
             kw.update(A_log=m["A_log"].to(torch.float32).contiguous(),
                       dt_bias=None if m["dt_bias"] is None else m["dt_bias"].reshape(-1).to(torch.float32).contiguous(),

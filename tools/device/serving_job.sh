@@ -9,7 +9,9 @@
 #         generated scenarios (serving_direct.txt / .jsonl: worst o and state error per group and
 #         step, anything written outside the step's slots), within $T_DIRECT
 #      b. `python -m verification run --suite serving --backend P --decode-backend D` for every P in
-#         $PREFILL and D in $DECODE (serving-P-D.txt and its results directory), within $T_CLI;
+#         $PREFILL and D in $DECODE (serving-P-D.txt and its results directory), within $T_CLI
+#         (the suite is at K = V = 16 but for its long decode cases: FlashKDA's prefill, K = V = 128
+#         only, is not applicable to most of it; serving_direct.py's traces are at K = V = 128);
 #         a pairing whose decode backend has no route here (aiter's decode is Gluon, gfx950 / gfx1250
 #         only) runs with --allow-nothing-verified
 #   3. the summaries: serving_direct.txt, each run's report tail, then one .tgz per CLI run
@@ -17,14 +19,17 @@
 #   OUT=DIR tools/device/serving_job.sh        (run from the repository root; all of it within 8 min)
 #
 # Carry .whl (fla-core) and the aiter tree.  Env: AITER, PREFILL (triton,aiter,fla), DECODE
-# (fla,aiter), T_DIRECT (300 s), T_CLI (330 s), JOBS (3: CLI runs at a time), NO_INSTALL (set: skip
-# `pip install -e .`), DRY=1 (print the steps, run setup only).  DIR gets log.txt, serving_direct.*,
+# (fla,aiter), T_DIRECT (300 s), T_CLI (330 s), JOBS (6: CLI runs at a time; the pairings with
+# aiter's decode end at once, not applicable on sm90), DEVICE (cuda),
+# DIRECT_ARGS (more arguments of serving_direct.py, e.g. --pairs / --knobs for a rehearsal),
+# NO_INSTALL (set: skip `pip install -e .`), DRY=1 (print the steps, run setup only).  DIR gets log.txt, serving_direct.*,
 # serving-P-D.tgz.
 set -u -o pipefail
 export PYTHONUNBUFFERED=1 AITER_TRITON_ONLY=1
 OUT=${OUT:?OUT: expected the output directory in the environment, got none}
 AITER=${AITER:-.vendor/aiter-upstream} PREFILL=${PREFILL:-triton,aiter,fla} DECODE=${DECODE:-fla,aiter}
-T_DIRECT=${T_DIRECT:-300} T_CLI=${T_CLI:-330} JOBS=${JOBS:-3} DRY=${DRY:-0}
+T_DIRECT=${T_DIRECT:-300} T_CLI=${T_CLI:-330} JOBS=${JOBS:-6} DRY=${DRY:-0} DEVICE=${DEVICE:-cuda}
+DIRECT_ARGS=${DIRECT_ARGS:-}
 [ -d "$AITER/aiter" ] || echo "serving_job.sh: AITER: no aiter/ in '$AITER': the aiter routes will say so"
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/log.txt") 2>&1
@@ -59,26 +64,26 @@ step setup 60 bash -c '
 step backends 60 python3 -m verification.cli backends
 
 # the CLI's serving runs, $JOBS at a time, each within T_CLI / (batches)
-PAIRS=() ; for p in ${PREFILL//,/ }; do for d in ${DECODE//,/ }; do PAIRS+=("$p/$d"); done; done
+PAIRS=() ; for d in ${DECODE//,/ }; do for p in ${PREFILL//,/ }; do PAIRS+=("$p/$d"); done; done
 BATCHES=$(( (${#PAIRS[@]} + JOBS - 1) / JOBS )); T_RUN=$(( T_CLI / (BATCHES > 0 ? BATCHES : 1) ))
-cli_runs() {
-  local n=0
+cli_runs() {   # waits on its own runs by pid (a bare `wait` would also wait for the log's tee)
+  local n=0 pids=()
   for pd in "${PAIRS[@]}"; do
     local p=${pd%/*} d=${pd#*/} extra=()
     [ "$d" = aiter ] && extra=(--allow-nothing-verified)
     ( timeout "$T_RUN" python3 -m verification run --suite serving --backend "$p" --decode-backend "$d" \
-        --out "$OUT/serving-$p-$d" "${extra[@]}" > "$OUT/serving-$p-$d.txt" 2>&1
+        --device "$DEVICE" --out "$OUT/serving-$p-$d" "${extra[@]}" > "$OUT/serving-$p-$d.txt" 2>&1
       echo "exit $? at +$(( $(date +%s) - T0 ))s" >> "$OUT/serving-$p-$d.txt" ) &
-    n=$(( n + 1 ))
-    if [ $(( n % JOBS )) = 0 ]; then wait; fi
+    pids+=($!); n=$(( n + 1 ))
+    if [ $(( n % JOBS )) = 0 ]; then wait "${pids[@]}"; pids=(); fi
   done
-  wait
+  [ ${#pids[@]} = 0 ] || wait "${pids[@]}"
 }
 if [ "$DRY" = 1 ]; then
   echo "(dry run) serving_direct.py within ${T_DIRECT}s; CLI: ${PAIRS[*]}, $JOBS at a time, ${T_RUN}s each"
 else
   echo; echo "=== direct + CLI side by side at +$(( $(date +%s) - T0 ))s (CLI runs ${T_RUN}s each, $JOBS at a time)"
-  ( timeout "$T_DIRECT" python3 tools/device/serving_direct.py --out "$OUT" --device cuda --budget $(( T_DIRECT - 60 )) \
+  ( timeout "$T_DIRECT" python3 tools/device/serving_direct.py --out "$OUT" --device "$DEVICE" --budget $(( T_DIRECT - 60 )) $DIRECT_ARGS \
       > "$OUT/direct.txt" 2>&1; echo "exit $? at +$(( $(date +%s) - T0 ))s" >> "$OUT/direct.txt" ) &
   DIRECT=$!
   cli_runs
