@@ -153,6 +153,7 @@ def problem(device):
     P["qk_l2norm"] = meta.get("qk_l2norm", "true") == "true"
     P["state_layout"] = meta.get("state_layout", "kv")
     P["output_final_state"] = meta.get("output_final_state", "true") == "true"
+    P["norm_eps"] = float(meta.get("norm_eps", "1e-05"))       # with out_gate / norm_weight: the fused norm
     P["_meta"] = meta.get("meta")
     return P
 
@@ -397,11 +398,11 @@ def kernel(P):
     from kda_kernels.base import load_backend
     from kda_ref.problem import Problem, validate
     fields = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "cu_seqlens", "initial_state", "state_cache",
-              "state_indices", "has_initial_state")
+              "state_indices", "has_initial_state", "out_gate", "norm_weight")
     meta = json.loads(P["_meta"]) if P.get("_meta") else {{}}
     prob = validate(Problem(scale=P["scale"], lower_bound=P["lower_bound"], gate=P["gate"], beta_kind=P["beta_kind"],
                             qk_l2norm=P["qk_l2norm"], state_layout=P["state_layout"],
-                            output_final_state=P["output_final_state"], meta=meta,
+                            output_final_state=P["output_final_state"], meta=meta, norm_eps=P["norm_eps"],
                             **{{k: P.get(k) for k in fields}}))
     backend = load_backend({spec!r})
     if hasattr(backend, "with_taps"):
@@ -585,6 +586,8 @@ def kernel(P):
     if paged:                                                       # written in place: a private copy
         kw.update(state_cache=P["state_cache"].clone(), state_indices=P["state_indices"].to(torch.int32),
                   has_initial_state=P["has_initial_state"].bool())
+    if P.get("out_gate") is not None:                               # the walk's fused gated RMSNorm
+        kw.update(out_gate=packed(P["out_gate"]), norm_weight=P["norm_weight"].contiguous(), norm_eps=P["norm_eps"])
     kw["out"] = torch.empty_like(kw["v"])
     with torch.inference_mode():
         _, final = ck.chunk_kda(**kw)
