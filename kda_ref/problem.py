@@ -10,7 +10,7 @@ Shapes, with HV value heads sharing H query/key heads (GVA, HV % H == 0):
     state_cache [slots, HV, V, K] + state_indices int [N] + has_initial_state bool [N] ("paged")
     out_gate [B, T, HV, V] + norm_weight [V] + norm_eps > 0   (optional: a fused output norm)
 
-Every float tensor (q k v g beta A_log dt_bias initial_state state_cache) is float16,
+Every float tensor (q k v g beta A_log dt_bias initial_state state_cache out_gate norm_weight) is float16,
 bfloat16, float32 or float64 on any device; the oracle converts to float64 itself.  With
 ``gate=pregated`` g is the natural-log decay itself, so g <= 0 (a decay exp(g) <= 1).
 With ``out_gate`` (and then ``norm_weight``) the forward's output is the gated RMSNorm of

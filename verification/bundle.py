@@ -252,7 +252,8 @@ def tail_rel(P, d, r):
 
 
 def check_name(c):
-    return f"{c['tensor']} {c.get('where') or c['measure']}" if c["measure"] == "slice" else f"{c['tensor']} {c['measure']}"
+    what = (c.get("where") or c["measure"]) if c["measure"] == "slice" else c["measure"]
+    return f"{c['tensor']} {what}"
 
 
 def outcome(failed):
