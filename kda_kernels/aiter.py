@@ -23,7 +23,8 @@ which dispatches to the kimi_delta_attn ``flash_kda_fwd`` (C = 32).  Routes ``ch
 "not applicable" with the reason.  Its states are V-first fp32 [N, H, V, K] (a K-first Problem's
 state is transposed in and out), its tokens one packed [1, T, H, 128] batch with cu_seqlens (a
 dense [B, T] Problem goes in as B sequences of T tokens).  The fused gated RMSNorm output
-(``out_gate``, ``norm_weight``) has no route: the Problem carries no gate or weight for it.
+(``out_gate``, ``norm_weight``, ``norm_eps``): route ``chunk_kda:gluon:norm`` (flag ``fused_norm``), for
+Problems that carry them (kda_kernels.base.applicable keeps every other route off those).
 
 Routes: ``<kernels>:<segmentation>[:prefetch=on|off]`` with kernels in triton | gluon |
 gluon-k1 | gluon-k2 (AITER_FDA_USE_GLUON = 0 / 1 / k1 / k2) and segmentation in unseg |
@@ -117,7 +118,10 @@ CHUNK_KDA_GLUON_KERNELS = (("prepare", "chunk_kda_prepare_kernel", "gluon:prepar
 # doubling and block substitution: of the recipes here the fla one (C = 64, 16-row anchors, fp32
 # inverse) is the closest; a recipe of its own replaces it once one exists.
 # route -> (kernels, recipe); the Gluon route's recipe is its GPU's (``_gluon_recipe``)
-CHUNK_KDA_ROUTES = {"chunk_kda:gluon": ("gluon", None), "chunk_kda:triton": ("triton", "flashkda")}
+# chunk_kda:gluon:norm: the Gluon pair with the walk's fused gated RMSNorm (out_gate, norm_weight, norm_eps:
+# FUSE_NORM), for Problems that carry the norm (only it takes them: kda_kernels.base.applicable)
+CHUNK_KDA_ROUTES = {"chunk_kda:gluon": ("gluon", None), "chunk_kda:gluon:norm": ("gluon", None),
+                    "chunk_kda:triton": ("triton", "flashkda")}
 # the decode host (fused_recurrent_kda) and the emulator recipe of its Gluon kernel by arch
 KDA_DECODE = "aiter.ops.triton.attention.kda"
 DECODE_RECIPES = {"gfx1250": "aiter-decode-gfx1250", "gfx950": "aiter-decode-gfx950"}
@@ -144,7 +148,8 @@ def parse_route(name: str) -> dict:
     'chunk_kda:gluon' / 'chunk_kda:triton' -> entry "chunk_kda", kernels gluon / triton (segments
     and prefetch as the library decides)."""
     if name in CHUNK_KDA_ROUTES:
-        return dict(entry="chunk_kda", kernels=CHUNK_KDA_ROUTES[name][0], chunks_per_seg=None, prefetch=None)
+        return dict(entry="chunk_kda", kernels=CHUNK_KDA_ROUTES[name][0], chunks_per_seg=None, prefetch=None,
+                    fused_norm=name.endswith(":norm"))
     m = _ROUTE_RE.match(name)
     if not m:
         raise ValueError(f"--route: expected <triton|gluon|gluon-k1|gluon-k2>:<unseg|seg|seg:cps=N>"
@@ -310,6 +315,7 @@ class AiterBackend:
                 recipe = recipe or self._gluon_recipe()
                 what = ("the Gluon prepare and walk (gfx1250 / gfx950)" if kernels == "gluon" else
                         "the Triton fallback (chunk_kimi_delta_attn -> flash_kda_fwd) on other archs")
+                what += ", the walk's fused gated RMSNorm (out_gate, norm_weight)" if r["fused_norm"] else ""
                 out.append(Route(name, recipe=recipe, flags=flags, description=f"chunk_kda: {what}"))
                 continue
             out.append(Route(name, recipe="flashkda", flags=flags,
@@ -367,6 +373,9 @@ class AiterBackend:
         fallback in [-5, 0) (chunk_kimi_delta_attn raises outside its safe range); a paged cache
         fp32 with dense [H, V, K] slots (stride(0) may be padded)."""
         gluon = r["kernels"] == "gluon"
+        if r.get("fused_norm") and not p.fused_norm:
+            return False, ("not applicable: chunk_kda:gluon:norm applies the fused output norm; the problem has "
+                           "no out_gate / norm_weight (route chunk_kda:gluon runs it without)")
         if p.K != 128 or p.V != 128:
             return False, f"not applicable: chunk_kda is specialised to K = V = 128, got K={p.K} V={p.V}"
         if p.HV != p.H:
@@ -556,6 +565,9 @@ class AiterBackend:
             kw.update(state_cache=copy_with_padding(p.state_cache),
                       state_indices=p.state_indices.to(device=dev, dtype=torch.int32).contiguous(),
                       has_initial_state=p.has_initial_state.to(device=dev).bool().contiguous())
+        if p.fused_norm:                    # the walk's fused gated RMSNorm (chunk_kda:gluon:norm)
+            kw.update(out_gate=packed(p.out_gate), norm_weight=p.norm_weight.to(device=dev).contiguous(),
+                      norm_eps=float(p.norm_eps))
         kw["out"] = torch.empty_like(kw["v"])
         return kw
 

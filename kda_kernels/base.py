@@ -27,6 +27,21 @@ class Route:
         return dict(self.flags).get(key, default)
 
 
+FUSED_NORM_FLAG = "fused_norm"   # a Route flag: its kernel applies the Problem's fused output norm itself
+
+
+def applicable(backend, problem: Problem, route: Route) -> tuple[bool, str]:
+    """Whether ``route`` of ``backend`` can take ``problem``: the one place that decides that a
+    Problem with a fused output norm (``out_gate``) runs only on a route flagged ``fused_norm``
+    (its kernel applies the gated RMSNorm; every other route returns the plain o, which the truth
+    of such a problem is not), so no backend needs to know of the norm; then the backend's own
+    ``accepts``."""
+    if problem.fused_norm and not route.flag(FUSED_NORM_FLAG, False):
+        return False, ("not applicable: the problem has a fused output norm (out_gate, norm_weight) and this "
+                       "route's kernel applies none")
+    return backend.accepts(problem, route)
+
+
 @dataclass
 class Outputs:
     """What one run returns, in the Problem's layouts (see kda_ref.truth.Truth)."""

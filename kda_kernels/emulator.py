@@ -105,6 +105,7 @@ class Recipe:
     transfer_dtype: object = F64  # gfx950: a group's transfer matrix M_g as stored
     scan_operand_dtype: object = F64  # gfx950: the entry state as the scan's operand
     paged_store_empty: bool = True    # a paged zero-length sequence still writes its slot
+    fused_norm: bool = False          # the kernel fuses the gated RMSNorm of o (fused_output_norm)
 
 
 def exact_recipe(recipe: "Recipe") -> "Recipe":
@@ -165,14 +166,14 @@ RECIPES: dict[str, Recipe] = {
                             FP32, BF16, BF16, BF16, BF16, FP32,
                             "aiter chunk_kda Gluon gfx1250: C=64, 16-token bands, bf16 WMMA factors, fp32-WMMA "
                             "inverse, bf16 A_inv diag(beta), workspace in the input dtype, fp32 state with a bf16 "
-                            "operand", prep="gfx1250", inv_beta_dtype=BF16),
+                            "operand", prep="gfx1250", inv_beta_dtype=BF16, fused_norm=True),
     "aiter-gfx950": Recipe("aiter-gfx950", 64, "aiter", "band16", FP32, BF16, INPUT, "aiter", FP32, FP32, INPUT,
                            FP32, BF16, BF16, BF16, BF16, FP32,
                            "aiter chunk_kda Gluon gfx950: the gfx1250 numerics (MFMA), and the grouped walk of "
                            "long sequences (pass 1 / scan / pass 2: transfer matrices in the input dtype, entry "
                            "states through a bf16 operand)", prep="gfx950", inv_beta_dtype=BF16,
                            walk_groups="auto", transfer_dtype=INPUT, scan_operand_dtype=BF16,
-                           paged_store_empty=False),
+                           paged_store_empty=False, fused_norm=True),
 }
 # Recipes of references, not of production kernels: a route may name one as its baseline, but they
 # take no part in a cap lift or a degenerate-baseline fallback (verification.baselines iterates
@@ -971,6 +972,8 @@ def emulate(problem: Problem, recipe="flashkda", keep_f64: bool = False, taps: b
                 o[t0:t1] = rows[n, : t1 - t0]
         del o_t, rows
     o = o.reshape(problem.B, problem.T, HV, V)
+    if problem.fused_norm:
+        o = fused_output_norm(o, problem, recipe, keep_f64)
     final = S.to(state_dt)
     unwritten = [] if recipe.paged_store_empty else [n for n in range(N) if lens_list[n] == 0]
     out = _finish(problem, o, final, recipe.name, unwritten)
@@ -978,6 +981,26 @@ def emulate(problem: Problem, recipe="flashkda", keep_f64: bool = False, taps: b
         inv_dt = _dtype(recipe.inv_dtype, problem)
         out.taps["ws_inv"] = _head_major_tiles(inv_all, lens).to(inv_dt if not keep_f64 else F64)
     return out
+
+
+def fused_output_norm(o: torch.Tensor, problem: Problem, recipe: Recipe, keep_f64: bool = False) -> torch.Tensor:
+    """The gated RMSNorm epilogue of aiter's Gluon walk on o [B, T, HV, V] as stored (o already in
+    its output dtype): to fp32, ``of * (rsqrt(sum(of^2) / V + eps) * w)``, times the gate's sigmoid
+    ``0.5 + 0.5 tanh(x / 2)`` (common/utils.py), every step fp32, rounded once to o's dtype
+    (gfx1250 walk.py _store_o, "gated RMSNorm on the bf16-rounded output"; gfx950 walk.py _store_o,
+    the same formulas; docs/backends.md cites the lines).  With ``keep_f64``: the float64 norm
+    (kda_ref.norm).  A recipe whose kernel fuses no norm (``Recipe.fused_norm`` false) raises."""
+    if not recipe.fused_norm:
+        raise ValueError(f"recipe: {recipe.name} has no fused output norm, but the problem asks for one (out_gate)")
+    if keep_f64:
+        from kda_ref.norm import gated_rmsnorm
+        return gated_rmsnorm(o, problem.out_gate, problem.norm_weight, problem.norm_eps)
+    of = o.to(FP32)
+    w = problem.norm_weight.to(device=o.device, dtype=FP32)
+    gate = problem.out_gate.to(device=o.device, dtype=FP32)
+    eps = torch.tensor(problem.norm_eps, dtype=FP32)
+    of = of * (torch.rsqrt((of * of).sum(-1, keepdim=True) / o.shape[-1] + eps) * w)
+    return (of * (0.5 + 0.5 * torch.tanh(0.5 * gate))).to(o.dtype)
 
 
 def _head_major_tiles(x: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
@@ -1073,7 +1096,8 @@ class EmulatorBackend:
         return "kda-verify emulator 1 (float64 with explicit rounding)"
 
     def routes(self) -> list[Route]:
-        return [Route(name=r.name, recipe=r.name, flags=(("recipe", r.name),), description=r.description)
+        return [Route(name=r.name, recipe=r.name, description=r.description,
+                      flags=(("recipe", r.name),) + ((("fused_norm", True),) if r.fused_norm else ()))
                 for r in RECIPES.values()]
 
     def accepts(self, problem: Problem, route: Route):

@@ -6,8 +6,9 @@ aiter's chunk_kda with ``out_gate`` and ``norm_weight`` writes, per token t and 
 
 o [..., V] the attention output, gate like o, weight [V], eps > 0 (aiter's default 1e-5).  This
 is the same formula in float64 on the float64 truth of o, so a kernel that fuses the norm is
-judged against the norm of the true o.  No route uses it yet: the Problem carries no gate or
-weight, and the emulator's baselines would need the same norm (docs/backends.md, aiter).
+judged against the norm of the true o.  A Problem with ``out_gate`` / ``norm_weight`` / ``norm_eps``
+asks for it; ``kda_ref.truth.finish`` applies it to the truth of every method.  aiter's Gluon walk
+computes it in fp32 on o already rounded to its output dtype (docs/backends.md, "fused output norm").
 """
 from __future__ import annotations
 

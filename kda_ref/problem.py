@@ -8,10 +8,14 @@ Shapes, with HV value heads sharing H query/key heads (GVA, HV % H == 0):
     cu_seqlens [N+1] (varlen, B == 1)
     initial_state [N, HV, K, V] ("kv") or [N, HV, V, K] ("vk")
     state_cache [slots, HV, V, K] + state_indices int [N] + has_initial_state bool [N] ("paged")
+    out_gate [B, T, HV, V] + norm_weight [V] + norm_eps > 0   (optional: a fused output norm)
 
-Every float tensor (q k v g beta A_log dt_bias initial_state state_cache) is float16,
+Every float tensor (q k v g beta A_log dt_bias initial_state state_cache out_gate norm_weight) is float16,
 bfloat16, float32 or float64 on any device; the oracle converts to float64 itself.  With
 ``gate=pregated`` g is the natural-log decay itself, so g <= 0 (a decay exp(g) <= 1).
+With ``out_gate`` (and then ``norm_weight``) the forward's output is the gated RMSNorm of
+the attention output, ``kda_ref.norm.gated_rmsnorm(o, out_gate, norm_weight, norm_eps)`` (a kernel
+that fuses it, aiter's chunk_kda); without, o itself.
 ``validate`` raises :class:`ProblemError` with a one-line message naming the argument,
 what was expected and what came.  A problem with B*T = 0 is valid but empty (``is_empty``,
 ``empty_reason``): it has no token whose output could be verified.
@@ -63,6 +67,14 @@ class Problem:
     has_initial_state: Optional[torch.Tensor] = None
     output_final_state: bool = True
     meta: dict = field(default_factory=dict)  # free-form provenance (case name, seed, ...)
+    out_gate: Optional[torch.Tensor] = None      # [B, T, HV, V]: the fused output norm's gate (logits)
+    norm_weight: Optional[torch.Tensor] = None   # [V]: its weight
+    norm_eps: float = 1e-5                       # its eps (inside the rsqrt)
+
+    @property
+    def fused_norm(self) -> bool:
+        """True when the output is the gated RMSNorm of o (out_gate given)."""
+        return self.out_gate is not None
 
     # ----- derived sizes -------------------------------------------------------------
     @property
@@ -148,7 +160,8 @@ class Problem:
         return (f"B={self.B} T={self.T} H={self.H} HV={self.HV} K={self.K} V={self.V} N={self.N} "
                 f"lens={lens if len(lens) <= 8 else str(lens[:8])[:-1] + ', ...]'} gate={self.gate} lb={lb} "
                 f"beta={self.beta_kind} l2norm={self.qk_l2norm} state={self.state_layout}"
-                f"{'' if self.initial_state is not None or self.paged else '(none)'}")
+                f"{'' if self.initial_state is not None or self.paged else '(none)'}"
+                f"{f' norm=gated-rms(eps={self.norm_eps:g})' if self.fused_norm else ''}")
 
 
 def _req(cond: bool, msg: str):
@@ -217,7 +230,7 @@ def validate(p: Problem) -> Problem:
     """Check every argument of a Problem; raise ProblemError naming the first bad one."""
     for name in ("q", "k", "v", "g", "beta"):
         _float_tensor(name, getattr(p, name))
-    for name in ("A_log", "dt_bias", "initial_state", "state_cache"):
+    for name in ("A_log", "dt_bias", "initial_state", "state_cache", "out_gate", "norm_weight"):
         if getattr(p, name) is not None:
             _float_tensor(name, getattr(p, name))
     for name, dims in (("q", "[B,T,H,K]"), ("k", "[B,T,H,K]"), ("v", "[B,T,HV,V]"), ("g", "[B,T,HV,K]")):
@@ -291,7 +304,17 @@ def validate(p: Problem) -> Problem:
         _req(not out, f"state_indices: expected values in [0, {sc.shape[0]}) (slots), got {out[:1]}")
         dup = sorted({i for i in idx if idx.count(i) > 1})
         _req(not dup, f"state_indices: expected distinct slots, got slot {dup[:1]} used twice")
-    for name in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state"):
+    # the fused output norm: both tensors or neither, eps > 0
+    if p.out_gate is not None or p.norm_weight is not None:
+        _req(p.out_gate is not None, f"out_gate: expected [{B},{T},{HV},{V}] with norm_weight given, got None")
+        _req(p.norm_weight is not None, f"norm_weight: expected [{V}] with out_gate given, got None")
+        _req(tuple(p.out_gate.shape) == (B, T, HV, V),
+             f"out_gate: expected [{B},{T},{HV},{V}] ([B,T,HV,V], like v), got {shape_of(p.out_gate)}")
+        _req(tuple(p.norm_weight.shape) == (V,), f"norm_weight: expected [{V}] (V), got {shape_of(p.norm_weight)}")
+        _req(isinstance(p.norm_eps, (int, float)) and not isinstance(p.norm_eps, bool)
+             and math.isfinite(p.norm_eps) and p.norm_eps > 0,
+             f"norm_eps: expected a finite number > 0, got {p.norm_eps!r}")
+    for name in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state", "out_gate", "norm_weight"):
         _finite(name, getattr(p, name))
     if p.gate == "pregated":
         pos = p.g > 0

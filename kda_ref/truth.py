@@ -1,6 +1,6 @@
 """Truth: the float64 outputs of a Problem, in the Problem's own layouts.
 
-    o            [B, T, HV, V]
+    o            [B, T, HV, V]  (with a fused output norm: its gated RMSNorm, kda_ref.norm)
     final_state  [N, HV, K, V] (kv) or [N, HV, V, K] (vk); None unless output_final_state
     state_cache  [slots, HV, V, K] after the paged write-back (paged problems only)
     extras       ws_*, ws_pivot, ws_cond1, A_seg, b_seg, h_in, seg_desc, seq_seg_off (workspace=True)
@@ -48,8 +48,13 @@ class Truth:
 
 
 def finish(p: Problem, o_packed: torch.Tensor, final_kfirst: torch.Tensor) -> Truth:
-    """Put packed o [Ttot,HV,V] and K-first final states into the Problem's layouts."""
+    """Put packed o [Ttot,HV,V] and K-first final states into the Problem's layouts; with a fused
+    output norm (``p.out_gate``) o is its float64 gated RMSNorm (``kda_ref.norm.gated_rmsnorm``:
+    the one place the oracle applies it, so every method's truth carries it)."""
     o = o_packed.reshape(p.B, p.T, p.HV, p.V)
+    if p.fused_norm:
+        from .norm import gated_rmsnorm
+        o = gated_rmsnorm(o, p.out_gate, p.norm_weight, p.norm_eps)
     if p.paged:
         return Truth(o=o, state_cache=paged_write(p.state_cache, p.state_indices, final_kfirst))
     if not p.output_final_state:

@@ -13,6 +13,7 @@
     held         routes "fast" (exact) and "held": "held" writes $KDA_TEST_HOLD.waiting, then waits,
                  before answering exactly, while the file named by $KDA_TEST_HOLD exists (at most
                  600 s): a cell that is running when a test sends SIGINT
+    norm_mutant  aiter-gfx1250 with a slip in its fused output norm: routes "eps1e-3", "no_gate"
 """
 from __future__ import annotations
 
@@ -162,3 +163,41 @@ def write_tolerances(directory) -> str:
     p = pathlib.Path(directory) / "test-tolerances.yaml"
     p.write_text(TEST_TOLERANCES)
     return str(p)
+
+
+class _NormMutant:
+    """aiter-gfx1250's walk with its fused output norm mutated (route "eps1e-3": eps 1e-3 in place
+    of the problem's; "no_gate": the gate's sigmoid left out): the emulated kernel's o before the
+    norm, then the walk's fp32 norm with the slip, rounded to o's dtype.  Routes flagged
+    fused_norm, so they take the problems of the norm suite."""
+    name = "test-norm-mutant"
+
+    def available(self):
+        return True, ""
+
+    def version(self):
+        return "test-0"
+
+    def routes(self):
+        return [Route(name=n, recipe="aiter-gfx1250", flags=(("fused_norm", True),), description=n)
+                for n in ("eps1e-3", "no_gate")]
+
+    def accepts(self, problem, route):
+        return True, ""
+
+    def run(self, problem, route):
+        from kda_kernels.emulator import emulate
+        out = emulate(problem.replace(out_gate=None, norm_weight=None), "aiter-gfx1250")
+        of = out.o.to(torch.float32)
+        eps = 1e-3 if route.name == "eps1e-3" else problem.norm_eps
+        of = of * (torch.rsqrt((of * of).sum(-1, keepdim=True) / of.shape[-1] + eps)
+                   * problem.norm_weight.to(torch.float32))
+        if route.name != "no_gate":
+            of = of * torch.sigmoid(problem.out_gate.to(torch.float32))
+        out.o = of.to(out.o.dtype)
+        out.info = {"route_ran": route.name}
+        return out
+
+
+def norm_mutant():
+    return _NormMutant()

@@ -115,7 +115,9 @@ def test_aiter_route_names_parse_and_reject():
     assert aiter_mod.parse_route("gluon-k2:seg:cps=4:prefetch=on") == dict(entry="flash_kda", kernels="gluon-k2",
                                                                           chunks_per_seg=4, prefetch=True)
     assert aiter_mod.parse_route("chunk_kda:triton") == dict(entry="chunk_kda", kernels="triton",
-                                                             chunks_per_seg=None, prefetch=None)
+                                                             chunks_per_seg=None, prefetch=None, fused_norm=False)
+    assert aiter_mod.parse_route("chunk_kda:gluon:norm") == dict(entry="chunk_kda", kernels="gluon",
+                                                                 chunks_per_seg=None, prefetch=None, fused_norm=True)
     assert aiter_mod.parse_route("triton:unseg")["chunks_per_seg"] == 0
     assert aiter_mod.parse_route("triton:seg")["chunks_per_seg"] is None
     with pytest.raises(ValueError, match="--route: expected"):

@@ -283,3 +283,30 @@ def test_confirm_takes_upstreams_gluon_pass_c_as_k2():
 def test_confirm_refuses_a_gluon_kernel_the_route_did_not_ask_for(kernels, counts, why):
     with pytest.raises(RuntimeError, match=why):
         AiterBackend.confirm(dict(kernels=kernels, chunks_per_seg=0, prefetch=None), counts, None)
+
+
+def test_the_norm_route_passes_gate_weight_and_eps_and_takes_only_norm_problems():
+    """chunk_kda:gluon:norm hands chunk_kda out_gate (packed like v), norm_weight and norm_eps; it
+    takes only problems that carry the norm, chunk_kda:gluon none that do (one place decides:
+    kda_kernels.base.applicable), and off gfx1250 / gfx950 it is not applicable with the reason."""
+    from kda_kernels.base import applicable
+    b, ck, *_ = _backend("gfx1250")
+    routes = {r.name: r for r in b.routes()}
+    assert routes["chunk_kda:gluon:norm"].flag("fused_norm") and not routes["chunk_kda:gluon"].flag("fused_norm")
+    assert routes["chunk_kda:gluon:norm"].recipe == "aiter-gfx1250"
+    p = build_problem(dict(B=2, T=40, H=1, state="kv", norm=True, norm_eps=1e-6), 0)
+    assert applicable(b, p, routes["chunk_kda:gluon:norm"]) == (True, "")
+    out = b.run(p, routes["chunk_kda:gluon:norm"])
+    kw = ck.calls[-1]
+    assert kw["out_gate"].shape == (1, 80, 1, 128) and torch.equal(kw["out_gate"][0, 40:], p.out_gate[1])
+    assert torch.equal(kw["norm_weight"], p.norm_weight) and kw["norm_eps"] == 1e-6
+    assert out.info["route_ran"] == "gluon:preparex1, gluon:walkx1"
+    ok, why = applicable(b, p, routes["chunk_kda:gluon"])
+    assert not ok and "fused output norm" in why
+    ok, why = applicable(b, p.replace(out_gate=None, norm_weight=None), routes["chunk_kda:gluon:norm"])
+    assert not ok and "no out_gate / norm_weight" in why
+    b.run(p.replace(out_gate=None, norm_weight=None), routes["chunk_kda:gluon"])
+    assert ck.calls[-1]["out_gate"] is None
+    sm = _backend("sm90")[0]
+    ok, why = applicable(sm, p, {r.name: r for r in sm.routes()}["chunk_kda:gluon:norm"])
+    assert not ok and "Gluon prepare and walk on gfx1250 / gfx950 only" in why

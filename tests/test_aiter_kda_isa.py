@@ -1,9 +1,10 @@
 """``kda-verify isa --backend aiter`` on ROCm/aiter's own Gluon KDA kernels (chunk_kda prepare /
 walk / scan, kda decode) for gfx1250 and gfx950.
 
-The variant derivation and the compile need the assembled tree (``.vendor/aiter-upstream``, built
-by tools/assemble_aiter_upstream.py from files no repository of this project holds); those tests
-skip with the reason when it is absent, as in CI, which fetches nothing.  The gfx1250 prefill
+The variant derivation and the compile need the assembled tree (``$KDA_AITER_UPSTREAM``, default
+``.vendor/aiter-upstream``, built by tools/assemble_aiter_upstream.py from files no repository of
+this project holds); those tests skip, naming each file missing (repository@commit:path) or whose
+sha256 differs from the record, as in CI, which cannot fetch them (docs/backends.md).  The gfx1250 prefill
 needs triton >= 3.9; the rows an older Triton gets are checked without the tree.  The compiles run in
 a child process without TRITON_INTERPRET (other test modules set it; the interpreter replaces
 the kernels this command compiles)."""
@@ -18,10 +19,61 @@ import pytest
 from verification import aiter_isa, aiter_kda_isa
 
 ROOT = Path(__file__).resolve().parents[1]
-TREE = ROOT / ".vendor" / "aiter-upstream"
-needs_tree = pytest.mark.skipif(not (TREE / "aiter" / "ops" / "triton" / "attention" / "chunk_kda.py").is_file(),
-                                reason=f"no assembled aiter tree at {TREE} (python tools/assemble_aiter_upstream.py "
-                                       "builds it from ROCm/aiter's files; none are in this repository)")
+TREE = Path(os.environ.get("KDA_AITER_UPSTREAM") or ROOT / ".vendor" / "aiter-upstream")
+P = "aiter/ops/triton/"
+# what compiling one gfx1250 prepare and one walk imports besides the base tree (ROCm/aiter's aiter/):
+# the host, the two kernels, their helpers and the host's config reader, and the walk's BV tiers
+GFX1250_COMPILE = (P + "attention/chunk_kda.py", P + "_gluon_kernels/gfx1250/attention/chunk_kda/prepare.py",
+                   P + "_gluon_kernels/gfx1250/attention/chunk_kda/walk.py", P + "_gluon_kernels/common/utils.py",
+                   P + "utils/config_utils.py", P + "configs/gfx1250/gluon/attention/chunk_kda/DEFAULT.json")
+
+
+def _recorded() -> dict:
+    """tools/assemble_aiter_upstream.py's FILES by destination: (repository, commit, path, sha256)."""
+    import importlib.util
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        spec = importlib.util.spec_from_file_location("assemble_aiter_upstream",
+                                                      ROOT / "tools" / "assemble_aiter_upstream.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    return {dest or path: (repo, commit, path, sha) for repo, commit, path, dest, sha, _ in mod.FILES}
+
+
+def tree_gaps(tree: Path, dests) -> list:
+    """What ``tree`` lacks of the files ``dests`` at their recorded commits: one entry per file
+    absent or whose sha256 differs from the record, and the base tree when aiter/__init__.py is absent."""
+    import hashlib
+    rec, gaps = _recorded(), []
+    if not (tree / "aiter" / "__init__.py").is_file():
+        gaps.append("the base tree aiter/ (ROCm/aiter e4048607a5: git archive e4048607a535ace3a2b51ded31b1c8c2d45c0879 "
+                    "aiter)")
+    for dest in dests:
+        repo, commit, path, sha = rec[dest]
+        f = tree / dest
+        if not f.is_file():
+            gaps.append(f"{repo}@{commit[:10]}:{path}")
+        elif hashlib.sha256(f.read_bytes()).hexdigest() != sha:
+            gaps.append(f"{dest} (sha256 differs from {repo}@{commit[:10]}'s, recorded {sha[:12]}...)")
+    return gaps
+
+
+def needs_files(dests, what: str):
+    """Skip, saying exactly which files are missing and how to provide them, unless TREE holds ``dests``."""
+    gaps = tree_gaps(TREE, dests)
+    return pytest.mark.skipif(bool(gaps), reason=(
+        f"{what} needs ROCm/aiter's files, none of which this repository may hold; {TREE} "
+        f"($KDA_AITER_UPSTREAM, default .vendor/aiter-upstream) lacks {len(gaps)}: {'; '.join(gaps)}. "
+        "Provide them: python tools/assemble_aiter_upstream.py --base BASE --src SRC builds the tree (SRC "
+        "written from a ROCm/aiter git clone by tools/export_aiter_src.py, each file sha256-checked against "
+        "tools/assemble_aiter_upstream.py's FILES), or set KDA_AITER_UPSTREAM to a tree that holds them"))
+
+
+needs_tree = needs_files(tuple(d for d in _recorded() if "kimi_delta_attn" not in d),   # chunk_kda and kda decode
+                         "deriving the variants from aiter's host wrappers")
+needs_gfx1250 = needs_files(GFX1250_COMPILE, "compiling a gfx1250 chunk_kda prepare and walk")
 # a string condition, evaluated when the test runs: importing triton while the tests are collected
 # (before the interpreter tests set TRITON_INTERPRET) builds later tests' kernels compiled
 needs_39 = pytest.mark.skipif("aiter_kda_isa.triton_too_old('gfx1250', 'chunk_kda') is not None",
@@ -124,7 +176,7 @@ print(json.dumps(out))
     assert len(fused) == 1 and fused[0]["o"]["llvm_fn_attrs"] == repr("amdgpu-sched-strategy=max-ilp")
 
 
-@needs_tree
+@needs_gfx1250
 @needs_39
 def test_gfx1250_prepare_and_walk_compile_with_wmma_and_register_figures():
     """One prepare and one walk (BV 64, paged) compiled for gfx1250: they compile, their products

@@ -9,8 +9,9 @@ from verification.cli import UsageError
 
 
 def test_suite_names_and_unknown_suite():
-    assert SUITES == ("smoke", "default", "k3-prefill", "stress", "fuzz", "long")
-    with pytest.raises(UsageError, match=r"--suite: expected one of smoke, default, k3-prefill, stress, fuzz, long, got 'smok'"):
+    assert SUITES == ("smoke", "default", "k3-prefill", "stress", "fuzz", "long", "norm")
+    with pytest.raises(UsageError, match=r"--suite: expected one of smoke, default, k3-prefill, stress, fuzz, long, norm, "
+                                         r"got 'smok'"):
         get_suite("smok")
     with pytest.raises(UsageError, match="unknown option"):
         get_suite("smoke", n=3)

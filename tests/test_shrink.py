@@ -206,7 +206,7 @@ def test_a_workspace_tap_failure_reproduces_from_a_moved_bundle(tmp_path, monkey
     assert data["final"]["failure"].startswith("ws_inv over its threshold")
     outputs_margins = [t["margin"] for n, t in data["final"]["tensors"].items() if n != "ws_inv"]
     assert outputs_margins and max(outputs_margins) <= 1, "not a tap-only failure: the test would not test taps"
-    assert [c["tensor"] for c in data["checks"]] == ["ws_inv"]
+    assert [c["tensor"] for c in data["checks"] if c["failed"]] == ["ws_inv"]
     assert data["repro_check"] == {"exit": 1, "reproduced": True, "last_line": "REPRODUCED"}
     report = (out / "REPORT.md").read_text()
     assert str(tmp_path) not in report and "python repro.py          # exit 1: REPRODUCED" in report
@@ -218,7 +218,7 @@ def test_a_workspace_tap_failure_reproduces_from_a_moved_bundle(tmp_path, monkey
     r = subprocess.run([sys.executable, str(moved / "repro.py")], capture_output=True, text=True,
                        cwd=tmp_path / "cwd", timeout=300)
     assert r.returncode == 1 and r.stdout.strip().splitlines()[-1] == "REPRODUCED", r.stdout + r.stderr
-    observed = data["checks"][0]["observed"]
+    observed = next(c for c in data["checks"] if c["tensor"] == "ws_inv")["observed"]
     assert any(ln.startswith("check ws_inv rel_l2: ") and f"{observed:.4g}" in ln and ln.endswith("FAILS")
                for ln in r.stdout.splitlines()), r.stdout
     monkeypatch.chdir(moved)                                 # REPORT.md's check command, from the bundle
@@ -458,9 +458,11 @@ def test_checks_name_the_failing_measures():
                                                                "threshold": 0.01, "err": 0.02, "where": "s"}}},
            "metrics": {"o": {"nan_frac": 0.0, "inf_frac": 0.0}, "final_state": {"nan_frac": 0.0, "inf_frac": 0.0}}}
     checks = checks_from_record(rec)
-    assert [(c["tensor"], c["measure"]) for c in checks] == [("o", "tail_rel_l2"), ("final_state", "slice")]
+    assert [(c["tensor"], c["measure"], c["failed"]) for c in checks] == [
+        ("o", "tail_rel_l2", True), ("final_state", "rel_l2", False), ("final_state", "slice", True)]
     rec["metrics"]["o"]["nan_frac"] = 0.1
-    assert checks_from_record(rec)[0]["measure"] == "finite"
+    assert [(c["measure"], c["failed"]) for c in checks_from_record(rec)[:2]] == [("finite", True),
+                                                                                 ("tail_rel_l2", True)]
 
 
 def test_max_runs_stops_the_shrink(tmp_path):
@@ -580,3 +582,82 @@ def test_a_crash_bundle_reproduces_by_dying_and_a_broken_repro_is_not_reproduced
     r = subprocess.run([sys.executable, str(out / "repro.py")], capture_output=True, text=True, cwd=tmp_path,
                        env=env, timeout=300)
     assert r.returncode == 2 and "repro: error: the repro itself failed" in r.stderr, (r.returncode, r.stderr[-800:])
+
+
+SHAPESHIFTER = '''
+import os
+import torch
+from kda_kernels.base import Outputs, Route
+from kda_ref.truth import truth
+
+
+class Shapeshifter:
+    """Fails in the form the file $KDA_TEST_FORM names, read at every call: "nan" (one NaN in the
+    final state, o exact), "o" (o off by noise as large as itself, the state exact) or "pass"
+    (exact): a kernel whose failure differs between processes, as one that leaves memory unwritten."""
+    name = "shapeshifter"
+
+    def available(self):
+        return True, ""
+
+    def version(self):
+        return "test-0"
+
+    def routes(self):
+        return [Route(name="flashkda", recipe="flashkda", description="shapeshifter")]
+
+    def accepts(self, problem, route):
+        return True, ""
+
+    def run(self, problem, route):
+        form = open(os.environ["KDA_TEST_FORM"]).read().strip()
+        t = truth(problem)
+        o, fs = t.o.clone(), t.final_state.to(torch.float32).clone()
+        if form == "nan":
+            fs.view(-1)[0] = float("nan")
+        elif form == "o":
+            o = o + torch.randn(o.shape, generator=torch.Generator().manual_seed(0), dtype=o.dtype) * o.std()
+        return Outputs(o=o.to(torch.bfloat16), final_state=fs, info={"route_ran": route.name})
+
+
+def shapeshifter():
+    return Shapeshifter()
+'''
+
+
+def test_a_failure_that_changes_form_still_reproduces_and_a_pass_does_not(tmp_path, monkeypatch, capsys):
+    """The bundle's checks hold the verdict (each judged tensor's metric against its recorded
+    threshold, and its worst slice) as well as the failure's kind: shrunk while the final state
+    held a NaN, the repro run where the kernel now gets o wrong instead (the state finite and
+    right) reproduces, naming what fails now and what was recorded; where the kernel is right,
+    it does not.  (With the kind alone, the finite check held and the repro said NOT REPRODUCED,
+    exit 0, while o was off by 100%.)"""
+    (tmp_path / "shapekernel.py").write_text(SHAPESHIFTER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    form = tmp_path / "form"
+    form.write_text("nan")
+    monkeypatch.setenv("KDA_TEST_FORM", str(form))
+    out = tmp_path / "b"
+    assert main(["shrink", "--backend", "shapekernel:shapeshifter", "--route", "flashkda", "--case",
+                 "smoke/initial-state-kv-lb-5", "--out", str(out), "--max-runs", "2"]) == 0
+    data = json.loads((out / "shrink.json").read_text())
+    assert data["final"]["failure"] == "final_state NaN values"
+    assert data["repro_check"] == {"exit": 1, "reproduced": True, "last_line": "REPRODUCED"}
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path)] + [x for x in sys.path if x]))
+
+    def repro():
+        r = subprocess.run([sys.executable, str(out / "repro.py")], capture_output=True, text=True, cwd=tmp_path,
+                           env=env, timeout=300)
+        return r.returncode, r.stdout.strip().splitlines()[-1] if r.stdout.strip() else r.stderr[-2000:]
+
+    form.write_text("o")
+    code, last = repro()
+    assert code == 1 and last.startswith("REPRODUCED in another form: now fails o ") and \
+        "(the bundle recorded final_state finite" in last, (code, last)
+    form.write_text("pass")
+    assert repro() == (0, "NOT REPRODUCED")
+    form.write_text("nan")
+    assert repro() == (1, "REPRODUCED")
+    failed = {(c["tensor"], c["measure"]) for c in data["checks"] if c.get("failed")}
+    held = {(c["tensor"], c["measure"]) for c in data["checks"] if not c.get("failed")}
+    assert ("final_state", "finite") in failed and any(t == "o" for t, _ in held), data["checks"]

@@ -13,8 +13,10 @@ truth streamed (kda_ref.truth), then the rel-L2 error of o and the final state f
                            one head: G = min(128, T/256, 32) from T = 1536 tokens; the scan's
                            entry states go through bf16)
 
-Each T's figures are appended to the JSON file as they come (a long T can be stopped and the
-rest kept).  The plot is o and state error against T, log axes."""
+Each T's figures are written to the JSON file as they come, after the truth and after each
+recipe (a row's ``done`` lists the recipes it holds; a long T can be stopped and the rest kept),
+with a progress line on stderr at each.  The plot is o and state error against T, log axes (the
+recipes a row holds)."""
 from __future__ import annotations
 
 import argparse
@@ -34,21 +36,28 @@ def recipes():
             "aiter-gfx950": RECIPES["aiter-gfx950"]}
 
 
-def measure(T: int, lb: float, state: str) -> dict:
+def measure(T: int, lb: float, state: str, emit=lambda row: None) -> dict:
+    """One T and gate: the row of figures; ``emit(row)`` after the truth and after each recipe, so
+    a long T leaves what it has measured so far (the row's ``done`` lists the recipes in it)."""
     from kda_kernels.emulator import aiter_gfx950_groups, emulate
     from kda_ref.truth import truth
     from verification.cases import _case
     from verification.metrics import compare
+    t0 = time.time()
     p = _case("long", f"T{T}-H1-lb{lb:g}", B=1, T=T, H=1, lb=lb, state=state).build()
+    row = {"T": T, "lb": lb, "state": state, "build_s": round(time.time() - t0, 1),
+           "gfx950_groups": aiter_gfx950_groups(1, 1, -(-T // 64)), "done": []}
     t0 = time.time()
     tr = truth(p)
-    row = {"T": T, "lb": lb, "state": state, "truth_s": round(time.time() - t0, 1),
-           "gfx950_groups": aiter_gfx950_groups(1, 1, -(-T // 64))}
+    row["truth_s"] = round(time.time() - t0, 1)
+    emit(row)
     for name, r in recipes().items():
         t0 = time.time()
         m = compare(emulate(p, r).tensors(), tr.tensors(), p)
         row[name] = {"o": m["o"]["rel_l2"], "o_tail": m["o"]["tail_rel_l2"],
                      "state": m["final_state"]["rel_l2"], "seconds": round(time.time() - t0, 1)}
+        row["done"].append(name)
+        emit(row)
     return row
 
 
@@ -59,12 +68,12 @@ def plot(rows: list, png: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(8, 3.2), dpi=80)
     for ax, what in zip(axes, ("o", "state")):
         for lb, _ in GATES:
-            sel = sorted((r for r in rows if r["lb"] == lb), key=lambda r: r["T"])
-            if not sel:
-                continue
+            sel = sorted((r for r in rows if r and r["lb"] == lb), key=lambda r: r["T"])
             for name, style in (("aiter-gfx1250", "-o"), ("aiter-gfx1250-fp32op", "--s"), ("aiter-gfx950", ":^")):
-                ax.plot([r["T"] for r in sel], [r[name][what] for r in sel], style, ms=3,
-                        label=f"{name} lb {lb:g}")
+                pts = [r for r in sel if name in r]
+                if pts:
+                    ax.plot([r["T"] for r in pts], [r[name][what] for r in pts], style, ms=3,
+                            label=f"{name} lb {lb:g}")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("T (tokens, one sequence, H 1)")
@@ -108,9 +117,15 @@ def main(argv=None) -> int:
     rows = json.loads(out.read_text()) if out.exists() else []
     for T in Ts:
         for lb, state in gates:
-            row = measure(T, lb, state)
-            rows.append(row)
-            out.write_text(json.dumps(rows, indent=1))
+            at = len(rows)
+            rows.append(None)
+
+            def emit(row, at=at, t0=time.time()):
+                rows[at] = dict(row)
+                out.write_text(json.dumps(rows, indent=1))
+                print(f"[{time.strftime('%H:%M:%S')}] T={T} lb={lb:g}: {', '.join(['truth'] + row['done'])} "
+                      f"done, {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+            row = measure(T, lb, state, emit)
             print(json.dumps(row), flush=True)
     return 0
 

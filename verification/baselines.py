@@ -142,9 +142,12 @@ class BaselineCache:
 
 def recipe_baselines(baseline_cache: BaselineCache, case, problem, truth, timings: dict) -> dict:
     """Every production recipe's baseline metrics on the case (for a cap lift; cached per
-    case and recipe like the route's own baseline; the time is added to baseline_s)."""
+    case and recipe like the route's own baseline; the time is added to baseline_s); on a problem
+    with a fused output norm, the recipes of kernels that fuse it only."""
     out = {}
-    for recipe in _recipes():
+    for recipe, r in _recipes().items():
+        if problem.fused_norm and not r.fused_norm:   # a kernel of this recipe applies no output norm
+            continue
         m, s, fresh = baseline_cache.get(case, recipe, problem, truth)
         if fresh:
             timings["baseline_s"] = timings.get("baseline_s", 0.0) + s

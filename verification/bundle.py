@@ -30,8 +30,14 @@ A check is (tensor, measure[, slice], threshold): the failure reproduces when th
 exceeds the threshold; for a non-finite failure when the tensor holds NaN or Inf; for a
 mistrusted one when more than 30% of it is exactly zero where the truth is not negligible
 (|r| > 2^-24 max|r|); for the paged cache when a slot the problem does not write changed; for a
-kernel that raised, when it raises.  ``write_bundle`` runs repro.py once in a fresh process from
-another directory (``verify_repro``) and records whether it reproduced; REPORT.md states that outcome.
+kernel that raised, when it raises.  Besides the failure's kinds, every judged tensor is checked
+against the verdict itself (its judged metric against the recorded threshold, its worst slice
+against that slice's), whether or not it failed when the bundle was made (``failed``): the repro
+reproduces when any check fails, so a failure that changes form between processes (a kernel that
+leaves memory unwritten: NaN in the state in one process, o wrong in the next) still reproduces,
+its last line then naming what fails now and what was recorded, and a kernel that passes does
+not.  ``write_bundle`` runs repro.py once in a fresh process from another directory
+(``verify_repro``) and records whether it reproduced; REPORT.md states that outcome.
 """
 from __future__ import annotations
 
@@ -54,42 +60,48 @@ LIBRARY = {"moonshot": "flash_kda", "fla": "fla", "aiter": "aiter"}
 # Checks: what the repro holds the kernel to
 # ----------------------------------------------------------------------------------------
 def checks_from_record(rec: dict) -> list[dict]:
-    """The failing measures of a cell record: one check per failing tensor measure."""
+    """What repro.py holds the kernel to: the failure's own kinds (a raise, NaN / Inf, a missing
+    tensor, changed unwritten slots, mostly zeros, a wrong dtype), then the verdict itself: for
+    every judged tensor its judged metric against the recorded threshold, and its worst slice
+    against that slice's threshold.  Each check says whether it failed when the bundle was made
+    (``failed``); the repro reproduces when any check fails, so a failure that changes form between
+    processes (memory a kernel leaves unwritten) still reproduces, and a pass does not."""
     from verification.shrink import _f
     out = []
     if underlying_status_of(rec) == "error":           # the kernel raised: the repro holds it to that
         out.append({"tensor": "run", "measure": "raises", "threshold": 0.0,
-                    "observed": str(rec.get("reason", ""))[:300]})
+                    "observed": str(rec.get("reason", ""))[:300], "failed": True})
     for name, t in (rec.get("tensors") or {}).items():
         if not isinstance(t, dict) or name not in CHECKED:
             continue
         met = (rec.get("metrics") or {}).get(name) or {}
         if _f(met.get("nan_frac", 0.0)) > 0 or _f(met.get("inf_frac", 0.0)) > 0:
-            out.append({"tensor": name, "measure": "finite", "threshold": 0.0,
+            out.append({"tensor": name, "measure": "finite", "threshold": 0.0, "failed": True,
                         "observed": f"{100 * _f(met.get('nan_frac', 0)):.3g}% NaN, "
                                     f"{100 * _f(met.get('inf_frac', 0)):.3g}% Inf"})
-            continue
-        if met.get("missing"):
-            out.append({"tensor": name, "measure": "present", "threshold": 0.0, "observed": "missing"})
+        elif met.get("missing"):
+            out.append({"tensor": name, "measure": "present", "threshold": 0.0, "observed": "missing",
+                        "failed": True})
             continue
         if _f(met.get("untouched_changed", 0) or 0) > 0:
-            out.append({"tensor": name, "measure": "untouched", "threshold": 0.0,
+            out.append({"tensor": name, "measure": "untouched", "threshold": 0.0, "failed": True,
                         "observed": f"{int(_f(met['untouched_changed']))} values changed in unwritten slots"})
         if met.get("mistrusted"):
-            out.append({"tensor": name, "measure": "zeros", "threshold": 0.3,
+            out.append({"tensor": name, "measure": "zeros", "threshold": 0.3, "failed": True,
                         "observed": f"{100 * _f(met.get('zero_frac', 0)):.3g}% exact zeros"})
         if t.get("dtype") and t.get("expected_dtype") and t["dtype"] != t["expected_dtype"]:
             out.append({"tensor": name, "measure": "dtype", "threshold": 0.0, "expected": t["expected_dtype"],
-                        "observed": t["dtype"]})
-        whole = _f(t.get("tensor_margin", t.get("margin")))
-        if whole > 1 and t.get("metric") in ("rel_l2", "tail_rel_l2"):
-            out.append({"tensor": name, "measure": t["metric"], "threshold": _f(t["threshold"]),
-                        "observed": _f(t["err"]), "baseline": _f(t.get("baseline_err"))})
+                        "observed": t["dtype"], "failed": True})
+        thr = _f(t.get("threshold"))
+        if t.get("metric") in ("rel_l2", "tail_rel_l2") and math.isfinite(thr):   # the verdict on the tensor
+            whole = _f(t.get("tensor_margin", t.get("margin")))
+            out.append({"tensor": name, "measure": t["metric"], "threshold": thr, "observed": _f(t["err"]),
+                        "baseline": _f(t.get("baseline_err")), "failed": not whole <= 1})
         sl = t.get("slice")
-        if isinstance(sl, dict) and _f(sl.get("margin")) > 1:
+        if isinstance(sl, dict) and math.isfinite(_f(sl.get("threshold"))):         # ... and on its worst slice
             out.append({"tensor": name, "measure": "slice", "kind": sl["kind"], "label": list(sl["label"]),
                         "where": sl.get("where", ""), "threshold": _f(sl["threshold"]), "observed": _f(sl["err"]),
-                        "baseline": _f(sl.get("baseline_err"))})
+                        "baseline": _f(sl.get("baseline_err")), "failed": not _f(sl.get("margin")) <= 1})
     return out
 
 
@@ -141,6 +153,7 @@ def problem(device):
     P["qk_l2norm"] = meta.get("qk_l2norm", "true") == "true"
     P["state_layout"] = meta.get("state_layout", "kv")
     P["output_final_state"] = meta.get("output_final_state", "true") == "true"
+    P["norm_eps"] = float(meta.get("norm_eps", "1e-05"))       # with out_gate / norm_weight: the fused norm
     P["_meta"] = meta.get("meta")
     return P
 
@@ -238,6 +251,24 @@ def tail_rel(P, d, r):
     return _rel(d[ix], r[ix])
 
 
+def check_name(c):
+    what = (c.get("where") or c["measure"]) if c["measure"] == "slice" else c["measure"]
+    return f"{c['tensor']} {what}"
+
+
+def outcome(failed):
+    """The last line: NOT REPRODUCED when every check holds; REPRODUCED when the checks that failed
+    when the bundle was made fail again; REPRODUCED in another form, naming what fails now and what
+    the bundle recorded, when the failure changed form (a kernel that leaves memory unwritten)."""
+    if not failed:
+        return "NOT REPRODUCED"
+    recorded = [c for c in CHECKS if c.get("failed", True)]
+    if all(any(c is f for f in failed) for c in recorded):
+        return "REPRODUCED"
+    return (f"REPRODUCED in another form: now fails {', '.join(check_name(c) for c in failed)} "
+            f"(the bundle recorded {', '.join(check_name(c) for c in recorded)})")
+
+
 def main(argv):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if "--device" in argv:
@@ -273,7 +304,7 @@ def main(argv):
         mx = float(d.abs().nan_to_num(nan=math.inf).max()) if d.numel() else 0.0
         print(f"{name:12} {_rel(d, r):10.3e} {tail:12.3e} {mx:10.3e} {nan:6d} {inf:6d}  "
               f"{str(x.dtype).replace('torch.', '')}")
-    failed = 0
+    failed = []                                            # the checks that fail now
     for c in CHECKS:
         name = c["tensor"]
         if c["measure"] == "crash":
@@ -286,22 +317,22 @@ def main(argv):
         if c["measure"] == "present":
             bad, got = x is None, "missing" if x is None else "present"
             print(f"check {name} present: {got} -> {'FAILS' if bad else 'holds'}")
-            failed += bad
+            failed += [c] if bad else []
             continue
         if x is None:
             print(f"check {name}: missing from the kernel's outputs -> FAILS")
-            failed += 1
+            failed.append(c)
             continue
         if name in truth and tuple(x.shape) != tuple(truth[name].shape):
             print(f"check {name} shape: {list(x.shape)}, expected {list(truth[name].shape)} -> FAILS")
-            failed += 1
+            failed.append(c)
             continue
         if c["measure"] == "dtype":
             got = str(x.dtype).replace("torch.", "").replace("bfloat16", "bf16").replace("float32", "fp32") \
                 .replace("float16", "fp16").replace("float64", "fp64")
             bad = got != c["expected"]
             print(f"check {name} dtype: {got}, expected {c['expected']} -> {'FAILS' if bad else 'holds'}")
-            failed += bad
+            failed += [c] if bad else []
             continue
         if c["measure"] == "untouched":                              # slots the problem does not write
             keep = torch.ones(x.shape[0], dtype=torch.bool)
@@ -309,7 +340,7 @@ def main(argv):
             xo, ro = x.double().cpu()[keep], truth[name].double()[keep]
             n = int((~((xo == ro) | (torch.isnan(xo) & torch.isnan(ro)))).sum())
             print(f"check {name} unwritten slots unchanged: {n} values changed -> {'FAILS' if n else 'holds'}")
-            failed += bool(n)
+            failed += [c] if n else []
             continue
         d, r = measures(P, name, x, truth[name])
         if c["measure"] == "zeros":                                  # mostly exact zeros where the truth is not negligible
@@ -320,13 +351,13 @@ def main(argv):
             bad = zero > c["threshold"] and spurious > c["threshold"]
             print(f"check {name} exact zeros: {100 * zero:.3g}% ({100 * spurious:.3g}% where the truth is not "
                   f"negligible) vs {100 * c['threshold']:.3g}% -> {'FAILS' if bad else 'holds'}")
-            failed += bad
+            failed += [c] if bad else []
             continue
         if c["measure"] == "finite":
             nan, inf = int(torch.isnan(d).sum()), int(torch.isinf(d).sum())
             bad = nan + inf > 0
             print(f"check {name} finite: {nan} NaN, {inf} Inf -> {'FAILS' if bad else 'holds'}")
-            failed += bad
+            failed += [c] if bad else []
             continue
         if c["measure"] == "slice":
             err = slice_error(P, name, d, r, c["kind"], c["label"])
@@ -337,12 +368,12 @@ def main(argv):
             err, what = _rel(d, r), f"{name} rel_l2"
         bad = not (err <= c["threshold"])
         print(f"check {what}: {err:.4g} vs threshold {c['threshold']:.4g} -> {'FAILS' if bad else 'holds'}")
-        failed += bad
+        failed += [c] if bad else []
     if not CHECKS:
         print("repro: no check stated: nothing to reproduce (judge the stored outputs with kda-verify check)",
               file=sys.stderr)
         return 2
-    print("REPRODUCED" if failed else "NOT REPRODUCED")
+    print(outcome(failed))
     return 1 if failed else 0
 
 
@@ -368,11 +399,11 @@ def kernel(P):
     from kda_kernels.base import load_backend
     from kda_ref.problem import Problem, validate
     fields = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "cu_seqlens", "initial_state", "state_cache",
-              "state_indices", "has_initial_state")
+              "state_indices", "has_initial_state", "out_gate", "norm_weight")
     meta = json.loads(P["_meta"]) if P.get("_meta") else {{}}
     prob = validate(Problem(scale=P["scale"], lower_bound=P["lower_bound"], gate=P["gate"], beta_kind=P["beta_kind"],
                             qk_l2norm=P["qk_l2norm"], state_layout=P["state_layout"],
-                            output_final_state=P["output_final_state"], meta=meta,
+                            output_final_state=P["output_final_state"], meta=meta, norm_eps=P["norm_eps"],
                             **{{k: P.get(k) for k in fields}}))
     backend = load_backend({spec!r})
     if hasattr(backend, "with_taps"):
@@ -556,6 +587,8 @@ def kernel(P):
     if paged:                                                       # written in place: a private copy
         kw.update(state_cache=P["state_cache"].clone(), state_indices=P["state_indices"].to(torch.int32),
                   has_initial_state=P["has_initial_state"].bool())
+    if P.get("out_gate") is not None:                               # the walk's fused gated RMSNorm
+        kw.update(out_gate=packed(P["out_gate"]), norm_weight=P["norm_weight"].contiguous(), norm_eps=P["norm_eps"])
     kw["out"] = torch.empty_like(kw["v"])
     with torch.inference_mode():
         _, final = ck.chunk_kda(**kw)
@@ -732,7 +765,10 @@ def report_md(d: dict, p) -> str:
           f"K={p.K}, V={p.V}, {fin['T']} token{'s' if fin['T'] != 1 else ''}) the kernel {what}.", ""]
     L += ["## What fails", "", "| tensor | measure | observed | expected (threshold) | baseline (the recipe's own error) |",
           "|---|---|---|---|---|"]
+    held = [c for c in d["checks"] if not c.get("failed", True)]
     for c in d["checks"]:
+        if not c.get("failed", True):
+            continue
         meas = c["measure"] + (f" {c.get('where')}" if c["measure"] == "slice" else "")
         exp = {"crash": "the call returns", "finite": "finite values", "present": "present", "dtype": c.get("expected", ""),
                "untouched": "unwritten slots unchanged", "zeros": "at most 30% exact zeros"}.get(
@@ -741,6 +777,11 @@ def report_md(d: dict, p) -> str:
         L.append(f"| {c['tensor']} | {meas} | {obs} | {exp} | {_fmt(c.get('baseline', math.nan))} |")
     if not d["checks"]:
         L.append("| (workspace tap) | see the verdict below | | | |")
+    if held:
+        L += ["", "repro.py also checks what held when the bundle was made (a failure that changes form between "
+              "processes still reproduces): " + "; ".join(
+                  f"{c['tensor']} {c['measure']}" + (f" {c.get('where')}" if c["measure"] == "slice" else "")
+                  + f" {_fmt(c['observed'])} <= {_fmt(c['threshold'])}" for c in held) + "."]
     L += ["", f"Verdict (kda-verify): {fin['verdict_status'].upper()}: {fin['verdict_reason']}"]
     if fin["status"] == "known-fail":
         L.append("(kda-verify lists this failure in its tolerances.yaml known_failures.)")
@@ -776,7 +817,7 @@ def report_md(d: dict, p) -> str:
     rc = d.get("repro_check") or {}
     said = (f"exit {rc.get('exit')}: the kernel kills the process: REPRODUCED"
             if rc.get("reproduced") and rc.get("exit") != 1 else
-            "exit 1: REPRODUCED" if rc.get("reproduced") else
+            f"exit 1: {rc.get('last_line') or 'REPRODUCED'}" if rc.get("reproduced") else
             f"did NOT reproduce when the bundle was written (exit {rc.get('exit')}: {rc.get('last_line', '')})")
     L += ["## Reproduce", "",
           "The bundle holds problem.safetensors, truth.safetensors (float64), outputs.safetensors (what the "

@@ -28,6 +28,9 @@ Parameters (``Case.params``; every one optional):
                         their slots and every unused slot hold NaN; slot_pad adds a slot stride pad
     fused_proj          q/k/v/g are strided bands of one [B,T,H*(3K+V)] projection
     chunks_per_seg      a hint for segmented routes (stored in problem.meta)
+    norm                a fused output norm: out_gate ~ N(0,1) bf16 [B,T,HV,V], norm_weight =
+                        1 + 0.1 N(0,1) fp32 [V] (drawn after every other input, so the rest of the
+                        problem is the one the same parameters give without it); norm_eps (1e-5)
     long                a case too long for CPU runs (get_suite(..., long=False) drops it)
 """
 from __future__ import annotations
@@ -44,11 +47,11 @@ import torch
 
 from kda_ref.problem import Problem, validate
 
-SUITES = ("smoke", "default", "k3-prefill", "stress", "fuzz", "long")
+SUITES = ("smoke", "default", "k3-prefill", "stress", "fuzz", "long", "norm")
 # The numeric parameters of the module docstring: the ones a known failure in tolerances.yaml may
 # put conditions on (its ``params`` field; verification.tolerances).
 NUMERIC_PARAMS = ("B", "T", "H", "HV", "K", "V", "lb", "g_scale", "g_shift", "beta_raw", "rho", "qk_scale",
-                  "exact_keys", "state_scale", "slots", "slot_pad", "chunks_per_seg")
+                  "exact_keys", "state_scale", "slots", "slot_pad", "chunks_per_seg", "norm_eps")
 
 DEFAULT_SHAPES = ((1, 256, 12), (1, 512, 12), (1, 1664, 12), (1, 2048, 12), (1, 8192, 12), (1, 16384, 12),
                   (1, 16384, 64), (1, 16384, 96), (1, 8192, 32), (1, 8192, 64), (2, 2664, 12), (4, 4096, 16),
@@ -209,10 +212,15 @@ def build_problem(params: dict, seed: int, device="cpu", meta=None) -> Problem:
     meta = dict(meta or {})
     if "chunks_per_seg" in p:
         meta["chunks_per_seg"] = int(p["chunks_per_seg"])
+    norm = {}
+    if p.get("norm"):
+        norm = dict(out_gate=_bf16(randn(B, T, HV, V)), norm_weight=1.0 + 0.1 * randn(V),
+                    norm_eps=float(p.get("norm_eps", 1e-5)))
     prob = Problem(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, scale=K ** -0.5,
                    lower_bound=lb, gate="lower_bound", beta_kind="sigmoid", qk_l2norm=True,
                    cu_seqlens=cu, initial_state=init, state_layout=layout, state_cache=cache,
-                   state_indices=indices, has_initial_state=has_init, output_final_state=True, meta=meta)
+                   state_indices=indices, has_initial_state=has_init, output_final_state=True, meta=meta,
+                   **norm)
     if str(device) != "cpu":
         prob = _to_device_keep_views(prob, device)
     return validate(prob)
@@ -290,6 +298,23 @@ def smoke_suite() -> list[Case]:
         _case(s, "paged-lb-5", lens=[20, 47], H=2, state="paged", paged_new=[1]),
         _case(s, "weak-gate-lb-0.1-vk", B=1, T=96, H=2, lb=-0.1, state="vk"),
         _case(s, "correlated-weak-lb-0.01", B=1, T=64, H=1, lb=-0.01, rho=0.9, beta_raw=4.0),
+    ]
+
+
+def norm_suite() -> list[Case]:
+    """Problems with a fused output norm (``norm``: out_gate, norm_weight, norm_eps), which only a
+    route that applies the norm takes (aiter's ``chunk_kda:gluon:norm``, the emulator's aiter
+    recipes; kda_kernels.base.applicable): a smoke-sized varlen case with an initial state and a
+    k3-prefill-sized one (H 12, a paged cache, fresh and continued sequences, a padded slot
+    stride, eps 1e-6), both at the weak gate lb -0.1, where the state persists and o's mean
+    square per token (median 3.0e-4 and 1.7e-4) dwarfs eps; at lb -5 these inputs give o a mean
+    square near 5e-6, below aiter's eps 1e-5, where the norm barely normalises and a wrong eps
+    hides.  A suite of its own, so every other suite's cells stay as they were."""
+    s = "norm"
+    return [
+        _case(s, "varlen-tail33-kv-lb-0.1", lens=[33, 64], H=2, state="kv", lb=-0.1, norm=True),
+        _case(s, "k3-N4-T1939-paged-lb-0.1", lens=[1024, 7, 640, 268], H=12, state="paged", paged_new=[1],
+              slot_pad=64, lb=-0.1, norm=True, norm_eps=1e-6),
     ]
 
 
@@ -462,7 +487,7 @@ def get_suite(name: str, **opts) -> list[Case]:
         raise _usage_error(f"get_suite: unknown option(s) {', '.join(sorted(opts))} for suite {name!r} "
                            f"(expected long, and n, seed for fuzz)")
     cases = {"smoke": smoke_suite, "default": default_suite, "k3-prefill": k3_prefill_suite,
-             "stress": stress_suite, "long": long_suite}.get(name)
+             "stress": stress_suite, "long": long_suite, "norm": norm_suite}.get(name)
     cases = cases() if cases else fuzz_suite(n=n, seed=seed)
     return [c for c in cases if long or not c.long]
 

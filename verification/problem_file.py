@@ -1,8 +1,8 @@
 """Problem and output files (safetensors).
 
 A problem file holds the tensors ``q k v g beta`` and, when present, ``A_log dt_bias
-cu_seqlens initial_state state_cache state_indices has_initial_state`` (each in its own
-dtype), and string metadata:
+cu_seqlens initial_state state_cache state_indices has_initial_state out_gate norm_weight``
+(each in its own dtype), and string metadata:
 
     format              kda-verify-problem/1
     scale               a number, or "none" (K^-1/2)
@@ -12,6 +12,7 @@ dtype), and string metadata:
     qk_l2norm           true | false
     state_layout        kv | vk | paged
     output_final_state  true | false
+    norm_eps            a number > 0 (written with out_gate / norm_weight, the fused output norm)
     meta                (optional) Problem.meta as a JSON object ({...}; an array or a scalar is refused)
 
 A missing metadata key takes the Problem's default, but the block itself is required: a
@@ -43,8 +44,8 @@ PROBLEM_FORMAT = "kda-verify-problem/1"
 OUTPUTS_FORMAT = "kda-verify-outputs/1"
 REQUIRED_TENSORS = ("q", "k", "v", "g", "beta")
 OPTIONAL_TENSORS = ("A_log", "dt_bias", "cu_seqlens", "initial_state", "state_cache", "state_indices",
-                    "has_initial_state")
-META_KEYS = ("scale", "lower_bound", "gate", "beta", "qk_l2norm", "state_layout", "output_final_state")
+                    "has_initial_state", "out_gate", "norm_weight")
+META_KEYS = ("scale", "lower_bound", "gate", "beta", "qk_l2norm", "state_layout", "output_final_state", "norm_eps")
 
 
 def _usage(msg: str) -> Exception:
@@ -89,6 +90,8 @@ def save_problem(path: str, problem: Problem) -> None:
     meta = {"format": PROBLEM_FORMAT, "scale": _num(problem.scale), "lower_bound": _num(problem.lower_bound),
             "gate": problem.gate, "beta": problem.beta_kind, "qk_l2norm": _bool(problem.qk_l2norm),
             "state_layout": problem.state_layout, "output_final_state": _bool(problem.output_final_state)}
+    if problem.fused_norm:
+        meta["norm_eps"] = _num(problem.norm_eps)
     if problem.meta:
         meta["meta"] = json.dumps(problem.meta, default=str, sort_keys=True)
     _save(path, tensors, meta)
@@ -149,6 +152,11 @@ def load_problem(path: str) -> Problem:
     kw["qk_l2norm"] = _parse_bool("qk_l2norm", meta.get("qk_l2norm", "true"), path)
     kw["state_layout"] = _parse_choice("state_layout", meta.get("state_layout", "kv"), STATE_LAYOUTS, path)
     kw["output_final_state"] = _parse_bool("output_final_state", meta.get("output_final_state", "true"), path)
+    if "norm_eps" in meta:
+        eps = _parse_num("norm_eps", meta["norm_eps"], path)
+        if eps is None or not eps > 0:
+            raise _usage(f"norm_eps: expected a number > 0 in the metadata of {path}, got {meta['norm_eps']!r}")
+        kw["norm_eps"] = eps
     if kw["gate"] == "lower_bound" and "lower_bound" not in meta:
         raise _usage(f"lower_bound: expected a number < 0 in the metadata of {path} for gate=lower_bound"
                      f"{'' if 'gate' in meta else ' (the default gate)'}, got no 'lower_bound' key")

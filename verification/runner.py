@@ -437,7 +437,8 @@ def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: Base
     rec["shape_key"] = list(getattr(case, "shape_key", (problem.B, problem.T, problem.H)))
     rec["dtype"] = _tol_dtype(problem)
     try:
-        ok, why = backend.backend.accepts(problem, route)
+        from kda_kernels.base import applicable
+        ok, why = applicable(backend.backend, problem, route)
         # a documented-but-unchecked range the problem violates: the cell runs, never passes or fails
         from kda_kernels.base import out_of_contract
         contract = out_of_contract(backend.backend, problem, route) if ok else None
@@ -609,7 +610,8 @@ class IsolatedRunner:
             return run_cell(lb, route, case, self.truth_cache, self.baseline_cache, None, device)
         try:
             problem = self.truth_cache.problem(case)
-            ok, why = lb.backend.accepts(problem, route)
+            from kda_kernels.base import applicable
+            ok, why = applicable(lb.backend, problem, route)
         except Exception as e:  # noqa: BLE001
             ok, why = False, f"accepts() raised {type(e).__name__}: {e}"
         if not ok:

@@ -9,7 +9,7 @@ fails the same way:
     sequences   drop whole sequences (dense problems: batch rows); an empty sequence stays
                 only where dropping it loses the failure
     heads       keep one value head (the worst first; its query/key head under GVA), or drop
-                one; every per-head tensor is sliced (q k [.., H], v g beta [.., HV], A_log
+                one; every per-head tensor is sliced (q k [.., H], v g beta out_gate [.., HV], A_log
                 [HV], dt_bias [HV*K] / [HV, K], initial_state [N, HV, ..], state_cache
                 [slots, HV, V, K])
     leading     drop the first c*CUT chunks' tokens of a sequence (CUT = 64 tokens, a multiple of
@@ -209,6 +209,8 @@ def subproblem(p, spans: list, heads: Optional[list] = None, starts: Optional[di
               beta=hs(tok(p.beta), sel_v).contiguous(), cu_seqlens=cu)
     if p.A_log is not None:
         ch["A_log"] = hs(p.A_log, sel_v, 0).contiguous()
+    if p.out_gate is not None:                    # the fused output norm's gate, per token and value head
+        ch["out_gate"] = hs(tok(p.out_gate), sel_v).contiguous()
     if p.dt_bias is not None:
         d2 = p.dt_bias.reshape(HV, p.K)
         d2 = hs(d2, sel_v, 0)

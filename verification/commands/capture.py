@@ -98,7 +98,8 @@ def run(args) -> int:
     backend, route, device = backend_route_device(args)
     writable_file(args.out, "--out")            # after the backend and route: a bad one creates nothing
     problem = validate(load_problem(args.inputs).to(device))
-    ok, why = backend.accepts(problem, route)
+    from kda_kernels.base import applicable
+    ok, why = applicable(backend, problem, route)
     if not ok:
         raise BackendError(f"--route: {backend.name}/{route.name} does not accept {args.inputs}: {why}")
     kwargs = {}
@@ -187,7 +188,8 @@ def run_dir(args) -> int:
             problem = validate(prob.to(device))
         except ProblemError as e:
             raise UsageError(f"--inputs: {f.name}: {e}") from None
-        ok, why = backend.accepts(problem, route)
+        from kda_kernels.base import applicable
+        ok, why = applicable(backend, problem, route)
         if not ok:
             (out_dir / f"{stem}.skipped").write_text(str(why) + "\n", encoding="utf-8")
             counts["skipped"] += 1

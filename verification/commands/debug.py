@@ -79,7 +79,8 @@ def run(args) -> int:
     else:
         from verification.problem_file import load_problem
         problem, label = load_problem(args.inputs).to(device), args.inputs
-    ok, why = backend.accepts(problem, route)
+    from kda_kernels.base import applicable
+    ok, why = applicable(backend, problem, route)
     if not ok:
         raise UsageError(f"--case: {why}")
     passes = [x.strip() for x in args.passes.split(",") if x.strip()]

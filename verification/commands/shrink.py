@@ -146,5 +146,6 @@ def run(args) -> int:
     print(f"bundle: {out}/ (REPORT.md, repro.py, {have}.safetensors)")
     rc = data["repro_check"]
     print(f"repro.py in a fresh process: exit {rc['exit']}: " + (
-          "REPRODUCED" if rc["reproduced"] else f"did NOT reproduce ({rc['last_line']})"))
+          (rc["last_line"] if rc["last_line"].startswith("REPRODUCED") else "REPRODUCED") if rc["reproduced"]
+          else f"did NOT reproduce ({rc['last_line']})"))
     return 0
