@@ -20,6 +20,7 @@ Options:
                        cuda without xdist; cpu without CUDA)
     --kda-tolerances F tolerances file (default: the repository's tolerances.yaml)
     --kda-allow-skips  exit 0 even when every cell was skipped (a CI job that expects it)
+    --kda-no-cache     neither read nor write the disk cache of truths and baselines
 
 The terminal summary's headline says how many cells were judged (``VERIFIED n of N cells:
 ...``); a session whose matrix judged no cell at all (``NOTHING VERIFIED: N cells skipped
@@ -93,6 +94,8 @@ def pytest_addoption(parser):
     g.addoption("--kda-device", default=None, metavar="DEVICE",
                 help="torch device (default: cuda:N for xdist worker gwN; cuda; cpu without CUDA)")
     g.addoption("--kda-tolerances", default=None, metavar="YAML", help="tolerances file")
+    g.addoption("--kda-no-cache", action="store_true", default=False,
+                help="no disk cache of truths and baselines (verification/cache.py; KDA_VERIFY_CACHE=off)")
     g.addoption("--kda-allow-skips", action="store_true", default=False,
                 help="exit 0 even when every cell of the matrix was skipped (without it: exit 2, nothing verified)")
 
@@ -129,6 +132,9 @@ def pytest_configure(config):
     setattr(config, _T0_KEY, time.perf_counter())
     config.addinivalue_line("markers", "verify: the on-device verification matrix (backend x route x case)")
     config.pluginmanager.register(_CellTally(config), f"kda-verify-cells-{id(config)}")
+    if config.getoption("--kda-no-cache", default=False):
+        from verification.cache import turn_off
+        turn_off()
     out = config.getoption("--kda-report", default=None)
     if out and _worker_id(config) is None:
         # the controller (or a run without xdist) starts the report directory afresh
