@@ -193,6 +193,7 @@ class _State:
         self.baseline_cache = BaselineCache()
         self._db = None
         self.timings: list[dict] = []       # the timings of every cell this process ran
+        self.warmup = None                  # verification.warmup.warm_up's figures (xdist workers)
 
     @property
     def db(self):
@@ -385,9 +386,25 @@ def _own_timing(config) -> dict | None:
 
     from verification import timing
     st = getattr(config, _STATE_KEY, None)
-    if st is None or not st.timings:
+    if st is None or not (st.timings or st.warmup):
         return None
-    return {"wall_s": time.perf_counter() - getattr(config, _T0_KEY), "sums": timing.cell_sums(st.timings)}
+    return {"wall_s": time.perf_counter() - getattr(config, _T0_KEY),
+            "sums": timing.add_warmup(timing.cell_sums(st.timings), st.warmup)}
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session):
+    """xdist worker: before its first cell, its share of the session's Triton variants compiled
+    into the shared cache, then the others awaited (verification/warmup.py)."""
+    wi = getattr(session.config, "workerinput", None)
+    if not wi:
+        return
+    from verification import warmup
+    cells = [i.cell for i in session.items if isinstance(i, VerifyItem)]
+    workers = int(wi.get("workercount") or 1)
+    if cells and warmup.enabled(workers):
+        st = _state(session.config)
+        st.warmup = warmup.warm_up(cells, wi.get("workerid"), workers, str(wi.get("testrunuid", "run")), st.device)
 
 
 @pytest.hookimpl(optionalhook=True)

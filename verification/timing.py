@@ -47,7 +47,8 @@ def cell_sums(timings: Iterable[dict]) -> dict:
     ``compiles`` and the compile modes seen (``compile_how``)."""
     s = {f"{p}_s": 0.0 for p in CELL_PARTS}
     s.update(cells=0, build_runs=0, oracle_runs=0, baseline_runs=0, compiles=0, compile_cache_hits=0, compile_how=[],
-             truths_loaded=0, baselines_loaded=0)
+             truths_loaded=0, baselines_loaded=0, warmup_variants=0, warmup_compiles=0, warmup_s=0.0,
+             warmup_wait_s=0.0)
     for t in timings:
         t = t or {}
         s["cells"] += 1
@@ -70,6 +71,19 @@ def cell_sums(timings: Iterable[dict]) -> dict:
         if how and how not in s["compile_how"]:
             s["compile_how"].append(how)
     return s
+
+
+def add_warmup(sums: dict, warm: Optional[dict]) -> dict:
+    """Add a worker's compile warm-up (verification.warmup.warm_up's dict) to its sums: its compile
+    seconds and compiles to compile's, its calls and its wait counted apart (they are in other)."""
+    if warm:
+        sums["compile_s"] += float(warm.get("compile_s", 0.0))
+        sums["compiles"] += int(warm.get("compiles", 0))
+        sums["warmup_compiles"] += int(warm.get("compiles", 0))
+        sums["warmup_variants"] += int(warm.get("mine", 0))
+        sums["warmup_s"] += float(warm.get("s", 0.0))
+        sums["warmup_wait_s"] += float(warm.get("wait_s", 0.0))
+    return sums
 
 
 def record_sums(records: Iterable) -> dict:
@@ -106,9 +120,11 @@ def breakdown(sums: dict, wall_s: float, report_s: float = 0.0, workers: Optiona
         bd["busy_s"] = float(wall_s)
     bd["other_s"] = bd["busy_s"] - sum(bd[f"{p}_s"] for p in CELL_PARTS + ("report",))
     for k in ("cells", "build_runs", "oracle_runs", "baseline_runs", "compiles", "compile_cache_hits",
-              "truths_loaded", "baselines_loaded"):
+              "truths_loaded", "baselines_loaded", "warmup_variants", "warmup_compiles"):
         bd[k] = int(sums.get(k, 0))
     hows = list(sums.get("compile_how") or [])
+    bd["warmup_s"] = float(sums.get("warmup_s", 0.0))
+    bd["warmup_wait_s"] = float(sums.get("warmup_wait_s", 0.0))
     bd["compile_how"] = ("measured" if "measured" in hows else "interpreted" if "interpreted" in hows else
                          "unavailable" if "unavailable" in hows else "no triton" if hows else "no kernel ran")
     return bd
@@ -131,16 +147,19 @@ def part_note(bd: dict, part: str) -> str:
                 "kda-verify's disk cache: nothing loaded" if bd.get("cache_s", 0) > 0 else "kda-verify's disk cache unused")
     if part == "compile":
         how = bd.get("compile_how")
+        warm = (f"; warm-up: {bd['warmup_variants']} variants, {bd.get('warmup_compiles', 0)} compiles, "
+                f"{bd.get('warmup_s', 0.0):.1f} s of calls, {bd.get('warmup_wait_s', 0.0):.1f} s waiting"
+                if bd.get("warmup_variants") else "")
         if how == "interpreted":
-            return "interpreted (TRITON_INTERPRET=1): nothing compiled"
+            return "interpreted (TRITON_INTERPRET=1): nothing compiled" + warm
         if how == "unavailable":
-            return "not measured (Triton's compile hooks unavailable)"
+            return "not measured (Triton's compile hooks unavailable)" + warm
         if how == "no triton":
-            return "Triton not used"
+            return "Triton not used" + warm
         if how != "measured":
-            return how
+            return how + warm
         hits = bd.get("compile_cache_hits", 0)
-        return _count(bd["compiles"], "Triton compile") + (f", {hits} loaded from Triton's cache" if hits else "")
+        return _count(bd["compiles"], "Triton compile") + (f", {hits} loaded from Triton's cache" if hits else "") + warm
     if part == "report":
         return "loading, plots, rendering" if bd["report_s"] > 0 else "no report written"
     return NOTES.get(part, "")
