@@ -251,3 +251,43 @@ def test_the_breakdown_counts_loads_apart():
     assert bd["cache_s"] == 0.75 and bd["oracle_s"] == 1.0 and bd["oracle_runs"] == 1
     line = next(ln for ln in timing.format_lines(bd) if ln.strip().startswith("cache"))
     assert "1 truth, 2 baselines loaded" in line
+
+
+WAITER = """
+import sys, time
+from verification.cases import get_case
+from verification.runner import TruthCache
+tc = TruthCache()
+case = get_case(sys.argv[1])
+print("ready", flush=True)
+t0 = time.perf_counter()
+tc.get(case)
+print(sum(tc.computed.values()), sum(tc.loaded.values()), f"{time.perf_counter() - t0:.3f}")
+"""
+
+
+def test_a_process_that_wants_a_truth_being_computed_waits_and_loads_it(disk):
+    case = get_case(CASE)
+    key = cache.truth_key(case.build(), case)
+    env = dict(os.environ, PYTHONPATH=str(cache._ROOT), OMP_NUM_THREADS="1")
+    with cache.computing("truth", key):          # another worker is computing it
+        proc = subprocess.Popen([sys.executable, "-c", WAITER, CASE], env=env, stdout=subprocess.PIPE, text=True)
+        import time
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(3)                             # the child is waiting on the lock by now (else it computes)
+        assert proc.poll() is None
+        from kda_ref.truth import truth
+        cache.store("truth", key, truth(case.build()))    # ... and stores it
+    out, _ = proc.communicate(timeout=300)
+    computed, loaded, waited = out.split()
+    assert float(waited) > 1.0
+    assert (computed, loaded) == ("0", "1")       # the child loaded it, it computed nothing
+
+
+def test_a_lock_held_too_long_is_not_waited_for(disk):
+    import time
+    with cache.computing("truth", "ab" * 32):
+        t0 = time.perf_counter()
+        with cache.computing("truth", "ab" * 32, timeout_s=0.2):    # flock: a second open file is another holder
+            pass
+        assert 0.2 <= time.perf_counter() - t0 < 5

@@ -131,25 +131,26 @@ class BaselineCache:
             m, s = self._store[key]
             return m, s, False
         from verification import cache as disk
-        dkey = None
-        if disk.enabled():
-            d0 = time.perf_counter()
-            dkey = disk.baseline_key(problem, recipe, case)
-            m = disk.load("baseline", dkey)
-            self.disk_s += time.perf_counter() - d0
-            if m is not None:       # computed by an earlier process on the same problem with the same code
-                self.loaded[key] = self.loaded.get(key, 0) + 1
-                self._store[key] = (m, 0.0)
-                return m, 0.0, False
-        t0 = time.perf_counter()
-        m = baseline_metrics(problem, recipe, truth)
-        s = time.perf_counter() - t0
-        self.computed[key] = self.computed.get(key, 0) + 1
-        self._store[key] = (m, s)
-        if dkey:
-            d0 = time.perf_counter()
-            disk.store("baseline", dkey, m)
-            self.disk_s += time.perf_counter() - d0
+        from contextlib import nullcontext
+        d0 = time.perf_counter()             # keys, the wait for another process's computation, the load
+        dkey = disk.baseline_key(problem, recipe, case) if disk.enabled() else None
+        with disk.computing("baseline", dkey) if dkey else nullcontext():
+            if dkey:
+                m = disk.load("baseline", dkey)
+                self.disk_s += time.perf_counter() - d0
+                if m is not None:   # computed by another process on the same problem with the same code
+                    self.loaded[key] = self.loaded.get(key, 0) + 1
+                    self._store[key] = (m, 0.0)
+                    return m, 0.0, False
+            t0 = time.perf_counter()
+            m = baseline_metrics(problem, recipe, truth)
+            s = time.perf_counter() - t0
+            self.computed[key] = self.computed.get(key, 0) + 1
+            self._store[key] = (m, s)
+            if dkey:
+                d0 = time.perf_counter()
+                disk.store("baseline", dkey, m)
+                self.disk_s += time.perf_counter() - d0
         return m, s, True
 
     def forget_case(self, case_id: str) -> None:

@@ -28,7 +28,8 @@ Where and how much (each read once per process, from the environment):
 
 Entries are written atomically (a private temporary file in the same directory, then
 ``os.replace``): concurrent writers of one key leave one complete file, a reader sees a complete
-file or none.  An entry that cannot be read is a miss (and is removed).
+file or none.  An entry that cannot be read is a miss (and is removed).  While one process
+computes a value, others that want it wait on its lock (``computing``) and then load it.
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ import hashlib
 import os
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
@@ -285,6 +287,40 @@ def store(kind: str, key: str, value) -> bool:
     return True
 
 
+LOCK_WAIT_S = 600.0
+
+
+@contextmanager
+def computing(kind: str, key: str, timeout_s: float = LOCK_WAIT_S):
+    """Hold the lock of (kind, key) while its value is computed: a process that wants the same
+    value meanwhile waits here, then finds it stored (workers that meet one case at once compute
+    its truth once).  A lock that cannot be made, or is held past ``timeout_s``, is not waited
+    for (the value is computed again, as without the cache); released when the block ends."""
+    fd = None
+    if enabled():
+        import fcntl
+        path = cache_dir() / f"v{FORMAT}" / "locks" / f"{kind}-{key}.lock"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+            t0 = time.monotonic()
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() - t0 > timeout_s:
+                        break
+                    time.sleep(0.02)
+        except OSError:
+            pass
+    try:
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)              # releases the lock
+
+
 def evict(limit: Optional[int] = None) -> int:
     """Remove the least recently used entries until the cache fits ``limit`` bytes (default
     ``max_bytes()``); temporary files older than an hour (a writer that died) go too.  Returns
@@ -300,7 +336,7 @@ def evict(limit: Optional[int] = None) -> int:
             continue
         if not f.is_file():
             continue
-        if f.name.endswith(".tmp"):
+        if f.name.endswith((".tmp", ".lock")):      # a writer's file, or a lock: gone after an hour
             if now - st.st_mtime > 3600:
                 f.unlink(missing_ok=True)
                 removed += 1

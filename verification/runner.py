@@ -58,6 +58,11 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _no_lock():
+    from contextlib import nullcontext
+    return nullcontext()
+
+
 class TruthCache:
     """The Problem and float64 Truth of each case, computed once per run.
 
@@ -144,27 +149,27 @@ class TruthCache:
         from kda_ref.truth import truth as oracle
         from verification import cache as disk
         self._make_room(self._truths, case.id)
-        key = None
-        if disk.enabled():
-            d0 = time.perf_counter()
-            key = disk.truth_key(p, case)
-            t = disk.load("truth", key, self.device)
-            self.disk_s += time.perf_counter() - d0
-            if t is not None:      # computed by an earlier process with the same problem and oracle code
-                self.loaded[case.id] = self.loaded.get(case.id, 0) + 1
-                self._remember(self._truths, case.id, (t, 0.0))
-                return p, t, 0.0, False
-        _sync(self.device)
-        t0 = time.perf_counter()
-        t = oracle(p)
-        _sync(self.device)
-        s = time.perf_counter() - t0
-        self.computed[case.id] = self.computed.get(case.id, 0) + 1
-        self._remember(self._truths, case.id, (t, s))
-        if key:
-            d0 = time.perf_counter()
-            disk.store("truth", key, t)
-            self.disk_s += time.perf_counter() - d0
+        d0 = time.perf_counter()             # keys, the wait for another process's computation, the load
+        key = disk.truth_key(p, case) if disk.enabled() else None
+        with disk.computing("truth", key) if key else _no_lock():
+            if key:
+                t = disk.load("truth", key, self.device)
+                self.disk_s += time.perf_counter() - d0
+                if t is not None:  # computed by another process with the same problem and oracle code
+                    self.loaded[case.id] = self.loaded.get(case.id, 0) + 1
+                    self._remember(self._truths, case.id, (t, 0.0))
+                    return p, t, 0.0, False
+            _sync(self.device)
+            t0 = time.perf_counter()
+            t = oracle(p)
+            _sync(self.device)
+            s = time.perf_counter() - t0
+            self.computed[case.id] = self.computed.get(case.id, 0) + 1
+            self._remember(self._truths, case.id, (t, s))
+            if key:
+                d0 = time.perf_counter()
+                disk.store("truth", key, t)
+                self.disk_s += time.perf_counter() - d0
         return p, t, s, True
 
 
