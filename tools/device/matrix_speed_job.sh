@@ -10,8 +10,8 @@
 #   OUT=DIR BEFORE=DIR tools/device/matrix_speed_job.sh      (run from the repository root)
 #
 # BEFORE: e.g. mkdir -p .vendor/before && git archive 7073469 | tar -x -C .vendor/before
-# Carry (59 MiB): .whl/fla_core-0.6.0-py3-none-any.whl, .vendor/aiter-upstream (25 MB), .vendor/before
-# (2.5 MB), and for moonshot .vendor/flashkda-fwdsub with .vendor/cutlass-5c149f5 (31 MB).
+# Carry (54 MiB, no __pycache__ in them): .whl/fla_core-0.6.0-py3-none-any.whl (1 MB), .vendor/aiter-upstream
+# (23 MB), .vendor/before (2.4 MB), and for moonshot .vendor/flashkda-fwdsub with .vendor/cutlass-5c149f5 (30 MB).
 # Moonshot needs its CUTLASS build (tools/build_flash_kda.sh, about 95 s on 16 cores), done first so that
 # it does not share the CPU with a timed run: with it the job takes about 8 to 9 minutes when the after
 # tree is as slow as before (145 + 90 s per tree).  FLASH_KDA_BUILT=FILE.tgz (an installed flash_kda, as
