@@ -291,3 +291,16 @@ def test_a_lock_held_too_long_is_not_waited_for(disk):
         with cache.computing("truth", "ab" * 32, timeout_s=0.2):    # flock: a second open file is another holder
             pass
         assert 0.2 <= time.perf_counter() - t0 < 5
+
+
+def test_a_hashed_problem_is_not_kept_alive():
+    import gc
+    import weakref
+    case = get_case(CASE)
+    p = case.build()
+    k = cache.problem_key(p, case)
+    assert cache.problem_key(p, case) == k
+    ref = weakref.ref(p)
+    del p
+    gc.collect()
+    assert ref() is None          # the memo of keys holds no Problem (a 16k-token one is GiBs on the GPU)

@@ -38,6 +38,7 @@ import hashlib
 import os
 import tempfile
 import time
+import weakref
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
@@ -181,14 +182,14 @@ def _feed(h, name: str, v) -> None:
     h.update(b"\0")
 
 
-_PROBLEM_KEYS: dict = {}          # id(problem) -> (problem, key): the last few problems hashed
+_PROBLEM_KEYS: dict = {}          # id(problem) -> (weak reference, key): the last few problems hashed
 
 
 def problem_key(problem, case=None) -> str:
     """The content key of a Problem (and the case that built it); see the module docstring.
     Remembered for the last few Problem objects (a case's cells share one)."""
     hit = _PROBLEM_KEYS.get(id(problem))
-    if hit is not None and hit[0] is problem:
+    if hit is not None and hit[0]() is problem:
         return hit[1]
     import dataclasses
     h = hashlib.sha256(f"problem {FORMAT} torch {torch.__version__}\0".encode())
@@ -205,7 +206,7 @@ def problem_key(problem, case=None) -> str:
         _feed(h, f.name, v)
     h.update(device_kind(dev or "cpu").encode())
     key = h.hexdigest()
-    _PROBLEM_KEYS[id(problem)] = (problem, key)
+    _PROBLEM_KEYS[id(problem)] = (weakref.ref(problem), key)      # never what keeps a Problem alive
     while len(_PROBLEM_KEYS) > 4:
         del _PROBLEM_KEYS[next(iter(_PROBLEM_KEYS))]
     return key
