@@ -119,6 +119,8 @@ class BaselineCache:
     def __init__(self):
         self._store: dict = {}
         self.computed: dict = {}
+        self.loaded: dict = {}      # (case id, recipe) -> found in the disk cache (verification/cache.py)
+        self.disk_s = 0.0           # seconds on the disk cache: keys, loads, stores
 
     def prime(self, case_id: str, recipe: str, metrics: dict, seconds: float = 0.0) -> None:
         self._store[(case_id, recipe)] = (metrics, float(seconds))
@@ -128,11 +130,27 @@ class BaselineCache:
         if key in self._store:
             m, s = self._store[key]
             return m, s, False
-        t0 = time.perf_counter()
-        m = baseline_metrics(problem, recipe, truth)
-        s = time.perf_counter() - t0
-        self.computed[key] = self.computed.get(key, 0) + 1
-        self._store[key] = (m, s)
+        from verification import cache as disk
+        from contextlib import nullcontext
+        d0 = time.perf_counter()             # keys, the wait for another process's computation, the load
+        dkey = disk.baseline_key(problem, recipe, case) if disk.enabled() else None
+        with disk.computing("baseline", dkey) if dkey else nullcontext():
+            if dkey:
+                m = disk.load("baseline", dkey)
+                self.disk_s += time.perf_counter() - d0
+                if m is not None:   # computed by another process on the same problem with the same code
+                    self.loaded[key] = self.loaded.get(key, 0) + 1
+                    self._store[key] = (m, 0.0)
+                    return m, 0.0, False
+            t0 = time.perf_counter()
+            m = baseline_metrics(problem, recipe, truth)
+            s = time.perf_counter() - t0
+            self.computed[key] = self.computed.get(key, 0) + 1
+            self._store[key] = (m, s)
+            if dkey:
+                d0 = time.perf_counter()
+                disk.store("baseline", dkey, m)
+                self.disk_s += time.perf_counter() - d0
         return m, s, True
 
     def forget_case(self, case_id: str) -> None:

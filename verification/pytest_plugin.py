@@ -23,6 +23,7 @@ Options:
     --kda-decode-backend B, --kda-decode-route R
                        with --kda-suite serving: the decode side of the serving cells
                        (verification/serving/plugin.py)
+    --kda-no-cache     neither read nor write the disk cache of truths and baselines
 
 The terminal summary's headline says how many cells were judged (``VERIFIED n of N cells:
 ...``); a session whose matrix judged no cell at all (``NOTHING VERIFIED: N cells skipped
@@ -100,6 +101,8 @@ def pytest_addoption(parser):
     g.addoption("--kda-device", default=None, metavar="DEVICE",
                 help="torch device (default: cuda:N for xdist worker gwN; cuda; cpu without CUDA)")
     g.addoption("--kda-tolerances", default=None, metavar="YAML", help="tolerances file")
+    g.addoption("--kda-no-cache", action="store_true", default=False,
+                help="no disk cache of truths and baselines (verification/cache.py; KDA_VERIFY_CACHE=off)")
     g.addoption("--kda-allow-skips", action="store_true", default=False,
                 help="exit 0 even when every cell of the matrix was skipped (without it: exit 2, nothing verified)")
 
@@ -136,6 +139,9 @@ def pytest_configure(config):
     setattr(config, _T0_KEY, time.perf_counter())
     config.addinivalue_line("markers", "verify: the on-device verification matrix (backend x route x case)")
     config.pluginmanager.register(_CellTally(config), f"kda-verify-cells-{id(config)}")
+    if config.getoption("--kda-no-cache", default=False):
+        from verification.cache import turn_off
+        turn_off()
     out = config.getoption("--kda-report", default=None)
     if out and _worker_id(config) is None:
         # the controller (or a run without xdist) starts the report directory afresh
@@ -194,6 +200,7 @@ class _State:
         self.baseline_cache = BaselineCache()
         self._db = None
         self.timings: list[dict] = []       # the timings of every cell this process ran
+        self.warmup = None                  # verification.warmup.warm_up's figures (xdist workers)
 
     @property
     def db(self):
@@ -395,9 +402,25 @@ def _own_timing(config) -> dict | None:
 
     from verification import timing
     st = getattr(config, _STATE_KEY, None)
-    if st is None or not st.timings:
+    if st is None or not (st.timings or st.warmup):
         return None
-    return {"wall_s": time.perf_counter() - getattr(config, _T0_KEY), "sums": timing.cell_sums(st.timings)}
+    return {"wall_s": time.perf_counter() - getattr(config, _T0_KEY),
+            "sums": timing.add_warmup(timing.cell_sums(st.timings), st.warmup)}
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session):
+    """xdist worker: before its first cell, its share of the session's Triton variants compiled
+    into the shared cache, then the others awaited (verification/warmup.py)."""
+    wi = getattr(session.config, "workerinput", None)
+    if not wi:
+        return
+    from verification import warmup
+    cells = [i.cell for i in session.items if isinstance(i, VerifyItem)]
+    workers = int(wi.get("workercount") or 1)
+    if cells and warmup.enabled(workers):
+        st = _state(session.config)
+        st.warmup = warmup.warm_up(cells, wi.get("workerid"), workers, str(wi.get("testrunuid", "run")), st.device)
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -947,7 +947,8 @@ def sections(summary: dict, records: list[dict], prov: dict, plots: dict, out_di
                      + (f" on {breakdown['workers']} xdist workers ({breakdown['busy_s']:.1f} s of worker time; "
                         "shares are of that)" if breakdown.get("workers") else "") + "."),
             ("table", ["part", "seconds", "share", "what"],
-             [[p, f"{breakdown[f'{p}_s']:.2f}", f"{100 * breakdown[f'{p}_s'] / busy:.1f}%", part_note(breakdown, p)]
+             [[p, f"{breakdown.get(f'{p}_s', 0.0):.2f}", f"{100 * breakdown.get(f'{p}_s', 0.0) / busy:.1f}%",
+               part_note(breakdown, p)]
               for p in PARTS])]))
     out.append(("Provenance", [("code", json.dumps(jsonable(_prov_public(prov)), indent=1))]))
     assert [t for t, _ in out] == [t for t in SECTIONS if t in {x for x, _ in out}]

@@ -58,6 +58,11 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _no_lock():
+    from contextlib import nullcontext
+    return nullcontext()
+
+
 class TruthCache:
     """The Problem and float64 Truth of each case, computed once per run.
 
@@ -73,6 +78,8 @@ class TruthCache:
         self.computed: dict[str, int] = {}
         self.lock_wait_s: dict[str, float] = {}
         self.build_s: dict[str, float] = {}       # seconds each case's build took (its inputs drawn)
+        self.disk_s = 0.0           # seconds on the disk cache (verification/cache.py): keys, loads, stores
+        self.loaded: dict[str, int] = {}          # truths found on disk per case id (not computed)
         self._big = None            # verification.room.BigCaseLock, made on the first large case
 
     def _enter(self, case) -> None:
@@ -140,14 +147,29 @@ class TruthCache:
             t, s = self._truths[case.id]
             return p, t, s, False
         from kda_ref.truth import truth as oracle
+        from verification import cache as disk
         self._make_room(self._truths, case.id)
-        _sync(self.device)
-        t0 = time.perf_counter()
-        t = oracle(p)
-        _sync(self.device)
-        s = time.perf_counter() - t0
-        self.computed[case.id] = self.computed.get(case.id, 0) + 1
-        self._remember(self._truths, case.id, (t, s))
+        d0 = time.perf_counter()             # keys, the wait for another process's computation, the load
+        key = disk.truth_key(p, case) if disk.enabled() else None
+        with disk.computing("truth", key) if key else _no_lock():
+            if key:
+                t = disk.load("truth", key, self.device)
+                self.disk_s += time.perf_counter() - d0
+                if t is not None:  # computed by another process with the same problem and oracle code
+                    self.loaded[case.id] = self.loaded.get(case.id, 0) + 1
+                    self._remember(self._truths, case.id, (t, 0.0))
+                    return p, t, 0.0, False
+            _sync(self.device)
+            t0 = time.perf_counter()
+            t = oracle(p)
+            _sync(self.device)
+            s = time.perf_counter() - t0
+            self.computed[case.id] = self.computed.get(case.id, 0) + 1
+            self._remember(self._truths, case.id, (t, s))
+            if key:
+                d0 = time.perf_counter()
+                disk.store("truth", key, t)
+                self.disk_s += time.perf_counter() - d0
         return p, t, s, True
 
 
@@ -399,6 +421,24 @@ def guards_default(device) -> bool:
     return str(device).startswith("cuda")
 
 
+def _disk_counts(truth_cache, baseline_cache) -> tuple:
+    caches = (truth_cache, baseline_cache)
+    return (sum(getattr(c, "disk_s", 0.0) for c in caches),
+            *(sum((getattr(c, "loaded", None) or {}).values()) for c in caches))
+
+
+def add_disk_timings(timings: dict, before: tuple, truth_cache, baseline_cache) -> None:
+    """Add to a cell's timings what the disk cache did since ``before`` (``_disk_counts``):
+    ``cache_s`` (keys, loads, stores), ``truths_loaded``, ``baselines_loaded``."""
+    now = _disk_counts(truth_cache, baseline_cache)
+    if now == before:
+        return
+    timings["cache_s"] = timings.get("cache_s", 0.0) + now[0] - before[0]
+    for name, i in (("truths_loaded", 1), ("baselines_loaded", 2)):
+        if now[i] > before[i]:
+            timings[name] = timings.get(name, 0) + now[i] - before[i]
+
+
 def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: BaselineCache, db,
              device: Optional[str] = None, guards: Optional[bool] = None) -> dict:
     """Run one route of one backend on one case and record it; never raises for a kernel's
@@ -448,7 +488,8 @@ def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: Base
         why = str(why or "not applicable")
         rec.update(status="skipped", reason=why if why.startswith("not applicable") else f"not applicable: {why}")
         return rec
-    # truth and baseline, shared
+    # truth and baseline, shared (the memory caches, then the disk cache: verification/cache.py)
+    disk0 = _disk_counts(truth_cache, baseline_cache)
     try:
         problem, truth, oracle_s, fresh = harness_call(lambda: truth_cache.get(case), device,
                                                        before_retry=lambda: truth_cache.forget_others(case.id))
@@ -461,6 +502,8 @@ def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: Base
         if is_out_of_memory(e):
             return _resource_errored(rec, e, "oracle/baseline", device)
         return _errored(rec, e, "oracle/baseline")
+    finally:
+        add_disk_timings(timings, disk0, truth_cache, baseline_cache)
     # the kernel (Triton compilation inside the call is measured apart: compile_s)
     from verification.compile_time import compile_clock
     clock = compile_clock()
@@ -512,8 +555,13 @@ def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: Base
         t0 = time.perf_counter()
 
         def judging():
-            v = judge(backend.name, route, problem, outputs, truth, baseline, db,
-                      recipe_baselines=lambda: recipe_baselines(baseline_cache, case, problem, truth, timings))
+            def lift():
+                d0 = _disk_counts(truth_cache, baseline_cache)
+                try:
+                    return recipe_baselines(baseline_cache, case, problem, truth, timings)
+                finally:
+                    add_disk_timings(timings, d0, truth_cache, baseline_cache)
+            v = judge(backend.name, route, problem, outputs, truth, baseline, db, recipe_baselines=lift)
             return v, getattr(v, "metrics", None) or compare(outputs.tensors(), truth.tensors(), problem)
 
         verdict, metrics = harness_call(judging, device)

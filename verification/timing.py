@@ -4,6 +4,7 @@ Parts (seconds):
     build      cases built by this run: their inputs drawn (a cell whose problem came from the cache adds 0)
     oracle     float64 truths computed by this run (a cell whose truth came from the cache adds 0)
     baseline   emulated-recipe baselines computed by this run (cached ones add 0)
+    cache      the disk cache of truths and baselines (verification/cache.py): keys, loads, stores
     compile    Triton compilation inside the kernel calls (verification/compile_time.py)
     kernel     the kernel calls, compile excluded
     guards     the memory guards' allocations and checks
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
-CELL_PARTS = ("build", "oracle", "baseline", "compile", "kernel", "guards", "metrics")
+CELL_PARTS = ("build", "oracle", "baseline", "cache", "compile", "kernel", "guards", "metrics")
 PARTS = CELL_PARTS + ("report", "other")
 NOTES = {"kernel": "the kernel calls, compile excluded", "guards": "memory guards around the calls",
          "metrics": "metrics and verdicts", "other": "start-up, collection, caches, processes"}
@@ -45,7 +46,9 @@ def cell_sums(timings: Iterable[dict]) -> dict:
     accepted): each part in seconds, ``cells``, fresh ``oracle_runs`` / ``baseline_runs``,
     ``compiles`` and the compile modes seen (``compile_how``)."""
     s = {f"{p}_s": 0.0 for p in CELL_PARTS}
-    s.update(cells=0, build_runs=0, oracle_runs=0, baseline_runs=0, compiles=0, compile_cache_hits=0, compile_how=[])
+    s.update(cells=0, build_runs=0, oracle_runs=0, baseline_runs=0, compiles=0, compile_cache_hits=0, compile_how=[],
+             truths_loaded=0, baselines_loaded=0, warmup_variants=0, warmup_compiles=0, warmup_s=0.0,
+             warmup_wait_s=0.0)
     for t in timings:
         t = t or {}
         s["cells"] += 1
@@ -58,14 +61,29 @@ def cell_sums(timings: Iterable[dict]) -> dict:
         if t.get("baseline_s") is not None and not _yes(t.get("baseline_cached")):
             s["baseline_s"] += _num(t["baseline_s"])
             s["baseline_runs"] += 1
-        for p in ("compile", "kernel", "guards", "metrics"):
+        for p in ("cache", "compile", "kernel", "guards", "metrics"):
             s[f"{p}_s"] += _num(t.get(f"{p}_s"))
+        for k in ("truths_loaded", "baselines_loaded"):
+            s[k] += int(_num(t.get(k)))
         s["compiles"] += int(_num(t.get("compiles")))
         s["compile_cache_hits"] += int(_num(t.get("compile_cache_hits")))
         how = t.get("compile_how")
         if how and how not in s["compile_how"]:
             s["compile_how"].append(how)
     return s
+
+
+def add_warmup(sums: dict, warm: Optional[dict]) -> dict:
+    """Add a worker's compile warm-up (verification.warmup.warm_up's dict) to its sums: its compile
+    seconds and compiles to compile's, its calls and its wait counted apart (they are in other)."""
+    if warm:
+        sums["compile_s"] += float(warm.get("compile_s", 0.0))
+        sums["compiles"] += int(warm.get("compiles", 0))
+        sums["warmup_compiles"] += int(warm.get("compiles", 0))
+        sums["warmup_variants"] += int(warm.get("mine", 0))
+        sums["warmup_s"] += float(warm.get("s", 0.0))
+        sums["warmup_wait_s"] += float(warm.get("wait_s", 0.0))
+    return sums
 
 
 def record_sums(records: Iterable) -> dict:
@@ -101,9 +119,12 @@ def breakdown(sums: dict, wall_s: float, report_s: float = 0.0, workers: Optiona
         bd["workers"] = 0
         bd["busy_s"] = float(wall_s)
     bd["other_s"] = bd["busy_s"] - sum(bd[f"{p}_s"] for p in CELL_PARTS + ("report",))
-    for k in ("cells", "build_runs", "oracle_runs", "baseline_runs", "compiles", "compile_cache_hits"):
+    for k in ("cells", "build_runs", "oracle_runs", "baseline_runs", "compiles", "compile_cache_hits",
+              "truths_loaded", "baselines_loaded", "warmup_variants", "warmup_compiles"):
         bd[k] = int(sums.get(k, 0))
     hows = list(sums.get("compile_how") or [])
+    bd["warmup_s"] = float(sums.get("warmup_s", 0.0))
+    bd["warmup_wait_s"] = float(sums.get("warmup_wait_s", 0.0))
     bd["compile_how"] = ("measured" if "measured" in hows else "interpreted" if "interpreted" in hows else
                          "unavailable" if "unavailable" in hows else "no triton" if hows else "no kernel ran")
     return bd
@@ -120,18 +141,25 @@ def part_note(bd: dict, part: str) -> str:
         return _count(bd["oracle_runs"], "truth") + " computed"
     if part == "baseline":
         return _count(bd["baseline_runs"], "baseline") + " computed"
+    if part == "cache":
+        t, b = bd.get("truths_loaded", 0), bd.get("baselines_loaded", 0)
+        return (f"{_count(t, 'truth')}, {_count(b, 'baseline')} loaded from kda-verify's disk cache" if t or b else
+                "kda-verify's disk cache: nothing loaded" if bd.get("cache_s", 0) > 0 else "kda-verify's disk cache unused")
     if part == "compile":
         how = bd.get("compile_how")
+        warm = (f"; warm-up: {bd['warmup_variants']} variants, {bd.get('warmup_compiles', 0)} compiles, "
+                f"{bd.get('warmup_s', 0.0):.1f} s of calls, {bd.get('warmup_wait_s', 0.0):.1f} s waiting"
+                if bd.get("warmup_variants") else "")
         if how == "interpreted":
-            return "interpreted (TRITON_INTERPRET=1): nothing compiled"
+            return "interpreted (TRITON_INTERPRET=1): nothing compiled" + warm
         if how == "unavailable":
-            return "not measured (Triton's compile hooks unavailable)"
+            return "not measured (Triton's compile hooks unavailable)" + warm
         if how == "no triton":
-            return "Triton not used"
+            return "Triton not used" + warm
         if how != "measured":
-            return how
+            return how + warm
         hits = bd.get("compile_cache_hits", 0)
-        return _count(bd["compiles"], "Triton compile") + (f", {hits} loaded from Triton's cache" if hits else "")
+        return _count(bd["compiles"], "Triton compile") + (f", {hits} loaded from Triton's cache" if hits else "") + warm
     if part == "report":
         return "loading, plots, rendering" if bd["report_s"] > 0 else "no report written"
     return NOTES.get(part, "")
@@ -146,7 +174,7 @@ def format_lines(bd: dict) -> list[str]:
     lines = [head]
     busy = bd["busy_s"] if bd["busy_s"] > 0 else 1.0
     for p in PARTS:
-        sec = bd[f"{p}_s"]
+        sec = bd.get(f"{p}_s", 0.0)
         lines.append(f"  {p:<9}{sec:9.2f} s {100 * sec / busy:5.1f}%  {part_note(bd, p)}")
     return lines
 
@@ -158,6 +186,6 @@ def markdown(bd: dict) -> list[str]:
          "| part | seconds | share | what |", "|---|---|---|---|"]
     busy = bd["busy_s"] if bd["busy_s"] > 0 else 1.0
     for p in PARTS:
-        sec = bd[f"{p}_s"]
+        sec = bd.get(f"{p}_s", 0.0)
         L.append(f"| {p} | {sec:.2f} | {100 * sec / busy:.1f}% | {part_note(bd, p)} |")
     return L

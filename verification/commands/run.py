@@ -77,6 +77,9 @@ def add_arguments(p):
                         "without it a run that judged no cell exits 2")
     p.add_argument("--guards", choices=("auto", "on", "off"), default="auto",
                    help="memory guards around every buffer of each cell (auto: on for CUDA devices)")
+    p.add_argument("--no-cache", action="store_true",
+                   help="compute every truth and baseline, neither reading nor writing kda-verify's disk cache "
+                        "(verification/cache.py; the same as KDA_VERIFY_CACHE=off)")
 
 
 def add_fuzz_arguments(p):
@@ -111,6 +114,9 @@ def run(args) -> int:
                          f"process), got --timeout {args.timeout:g} alone")
     device = check_device(args.device)
     backends = split_list(args.backend)
+    if getattr(args, "no_cache", False):
+        from verification.cache import turn_off
+        turn_off()
     note = setup_interpreter(backends, device)
     if note:
         print(f"kda-verify run: {note}", file=sys.stderr)
