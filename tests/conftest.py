@@ -1,15 +1,6 @@
 import pytest
 import torch
 
-try:
-    # pytester's in-process runs (runpytest_inprocess) drop from sys.modules what they imported,
-    # and libtriton refuses to initialise twice in one process (nanobind aborts it: "refusing to
-    # add duplicate key"), so a test that first imports triton inside such a run kills the
-    # session; imported here, triton is in every run's snapshot.
-    import triton  # noqa: F401
-except ImportError:
-    pass
-
 
 @pytest.fixture
 def one_thread():
