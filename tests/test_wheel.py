@@ -1,7 +1,8 @@
 """The installed package, not the checkout: a wheel built from the sources holds
 verification/tolerances.yaml, and installed with --no-deps into a directory of its own (no
-editable link, no repository next to it) ``load_tolerances()`` finds it there.  The wheel is built
-from a copy of the sources (pyproject.toml, README.md, the three packages), so the build leaves
+editable link, no repository next to it) ``load_tolerances()`` finds it there, and the public API
+``kda_verify.assert_kda_close`` imports from it.  The wheel is built
+from a copy of the sources (pyproject.toml, README.md, the four packages), so the build leaves
 nothing in the checkout; --no-build-isolation uses the installed setuptools (no network)."""
 import os
 import shutil
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("kda_ref", "kda_kernels", "verification")
+PACKAGES = ("kda_ref", "kda_kernels", "kda_verify", "verification")
 
 pytest.importorskip("setuptools")
 pytest.importorskip("wheel")
@@ -41,13 +42,20 @@ def test_the_wheel_holds_the_tolerances(wheel):
     assert not any(n == "tolerances.yaml" for n in names)
 
 
+def test_the_wheel_holds_every_package(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    for pkg in PACKAGES:
+        assert f"{pkg}/__init__.py" in names, (pkg, sorted({n.split("/")[0] for n in names}))
+
+
 def test_installed_from_the_wheel_the_default_tolerances_load(wheel, tmp_path):
     target = tmp_path / "site"
     r = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--target", str(target),
                         str(wheel)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     code = ("import verification, verification.tolerances as t; db = t.load_tolerances(); "
-            "print(verification.__file__); print(t.DEFAULT_PATH); print(len(db))")
+            "import kda_verify; assert callable(kda_verify.assert_kda_close); "
+            "print(kda_verify.__file__); print(t.DEFAULT_PATH); print(len(db))")
     env = {k: v for k, v in os.environ.items() if k != "KDA_TOLERANCES"}
     env["PYTHONPATH"] = str(target)
     (tmp_path / "elsewhere").mkdir()
@@ -56,5 +64,6 @@ def test_installed_from_the_wheel_the_default_tolerances_load(wheel, tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     module, path, entries = r.stdout.split()
     assert Path(module).is_relative_to(target), f"imported {module}, not the wheel's copy under {target}"
+    assert Path(module) == target / "kda_verify" / "__init__.py"
     assert Path(path) == target / "verification" / "tolerances.yaml"
     assert int(entries) >= 5

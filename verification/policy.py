@@ -53,6 +53,7 @@ FAILING = ("fail", "mistrusted", "crashed", "error")      # a kernel failure: ex
 HEADLINE_ORDER = ("pass", "known-fail", "fail", "mistrusted", "error", "crashed", "out-of-contract", "skipped",
                   RESOURCE_ERROR, BAD_INPUT)
 JUDGED_METRICS = ("rel_l2", "tail_rel_l2")                # err of the verdict: each <= its threshold
+DEFAULT_RECIPE = "flashkda"   # the baseline's recipe when none is named (a route without one, check, assert_kda_close)
 
 
 # ---- the exit code ---------------------------------------------------------------------------

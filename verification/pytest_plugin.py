@@ -46,6 +46,9 @@ DIR/results-gwN.jsonl; the controller merges them into the report at the end.  E
 of one case carries ``xdist_group(case id)``, so ``--dist loadgroup`` computes each truth
 once.  In a run whose ``-m`` expression excludes ``verify`` (the default addopts) the
 matrix yields no items at all: no backend is loaded and no truth computed.
+
+The fixture ``kda_close`` is ``kda_verify.assert_kda_close`` (kda_verify/close.py), for a kernel
+author's own tests: ``def test_my_kernel(kda_close): kda_close(my_kernel(problem), problem)``.
 """
 from __future__ import annotations
 
@@ -75,6 +78,14 @@ def verify():  # pragma: no cover - a marker object: expanded into items by the 
 
 
 verify._kda_verify_matrix = True
+
+
+@pytest.fixture
+def kda_close():
+    """``kda_verify.assert_kda_close``: judge one kernel call with kda-verify's verdict, raising
+    AssertionError that names the worst slice (kda_verify/close.py)."""
+    from kda_verify import assert_kda_close
+    return assert_kda_close
 
 
 def pytest_addoption(parser):

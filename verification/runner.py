@@ -39,7 +39,7 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-from verification.policy import FAILING, JUDGED, RESOURCE_ERROR, exit_code
+from verification.policy import DEFAULT_RECIPE, FAILING, JUDGED, RESOURCE_ERROR, exit_code
 from verification.record import (RESULTS_FILE, RUN_FILE, append_record, cell_key, read_records,  # noqa: F401
                                  read_runs, repair_partial_line)
 from verification.baselines import BaselineCache, recipe_baselines  # noqa: F401 - BaselineCache: the old path
@@ -494,7 +494,7 @@ def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: Base
         problem, truth, oracle_s, fresh = harness_call(lambda: truth_cache.get(case), device,
                                                        before_retry=lambda: truth_cache.forget_others(case.id))
         timings.update(oracle_s=oracle_s, oracle_cached=not fresh)
-        recipe = getattr(route, "recipe", None) or "flashkda"
+        recipe = getattr(route, "recipe", None) or DEFAULT_RECIPE
         baseline, base_s, fresh_b = harness_call(lambda: baseline_cache.get(case, recipe, problem, truth), device)
         timings.update(baseline_s=base_s, baseline_cached=not fresh_b)
         rec["baseline"] = scalar_metrics(baseline)
@@ -669,7 +669,7 @@ class IsolatedRunner:
             case_file, oracle_s = harness_call(lambda: self._case_file(case), device)
             oracle_fresh = self.truth_cache.computed.get(case.id, 0) > truths_before
             problem, truth, _, _ = self.truth_cache.get(case)
-            recipe = getattr(route, "recipe", None) or "flashkda"
+            recipe = getattr(route, "recipe", None) or DEFAULT_RECIPE
             baseline, base_s, base_fresh = harness_call(
                 lambda: self.baseline_cache.get(case, recipe, problem, truth), device)
         except Exception as e:  # noqa: BLE001
@@ -740,7 +740,7 @@ def _child_main(spec_path: str, out_path: str) -> int:
     tc = TruthCache(device=device)
     tc.prime(case, problem, truth, data["oracle_s"])
     bc = BaselineCache()
-    bc.prime(case.id, getattr(spec["route"], "recipe", None) or "flashkda", spec["baseline"], spec["baseline_s"])
+    bc.prime(case.id, getattr(spec["route"], "recipe", None) or DEFAULT_RECIPE, spec["baseline"], spec["baseline_s"])
     lb = load(spec["backend_spec"])
     db = load_tolerances(spec["tolerances_path"])
     rec = run_cell(lb, spec["route"], case, tc, bc, db, device, guards=spec.get("guards"))

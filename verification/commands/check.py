@@ -210,7 +210,7 @@ def run_dir(args) -> int:
     from verification.commands.capture import problem_files
     from verification.errors import writable_dir
     from verification.problem_file import load_outputs, load_outputs_metadata, load_problem
-    from verification.policy import BAD_INPUT, exit_code, headline
+    from verification.policy import BAD_INPUT, DEFAULT_RECIPE, exit_code, headline
     from verification.record import RESULTS_FILE, Record, append_record, cell_key, read_records
     from verification.record import encode as jsonable
     from verification.report import write_report
@@ -258,7 +258,7 @@ def run_dir(args) -> int:
             except UsageError as e:
                 bad = bad or f"bad outputs file: {e}"
         cid, suite, seed, params = _case_of(problem, stem)
-        recipe = args.recipe or meta.get("recipe") or "flashkda"
+        recipe = args.recipe or meta.get("recipe") or DEFAULT_RECIPE
         if recipe not in RECIPES:
             raise UsageError(f"--recipe: expected one of {', '.join(RECIPES)} (none given, and {target} records "
                              f"{recipe!r}), got none")
