@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -9,3 +11,12 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (the README's ``-n auto``) each worker takes its share of the cores for
+    torch's intra-op threads: n workers with every core's thread each contend (on 2 cores a tiny
+    problem's step ran 5-50x slower with two threads than with one under load)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if os.environ.get("PYTEST_XDIST_WORKER") and workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
