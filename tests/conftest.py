@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -19,3 +21,12 @@ def _no_disk_cache(monkeypatch):
     turns it on, in a directory of its own).  A matrix cell of `pytest -m verify` is no function
     and keeps the session's setting."""
     monkeypatch.setenv("KDA_VERIFY_CACHE", "off")
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (the README's ``-n auto``) each worker takes its share of the cores for
+    torch's intra-op threads: n workers with every core's thread each contend (on 2 cores a tiny
+    problem's step ran 5-50x slower with two threads than with one under load)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if os.environ.get("PYTEST_XDIST_WORKER") and workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))

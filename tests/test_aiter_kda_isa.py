@@ -140,6 +140,7 @@ def _child(code: str, timeout=600):
 
 
 @needs_tree
+@pytest.mark.slow
 def test_variants_come_from_the_host_wrappers_config_selection():
     """Recorded, not compiled: the gfx1250 walk at every BV tier of its DEFAULT.json (the rule picks
     by sequences x heads against the CU count), paged and not, with and without the fused norm;
@@ -178,6 +179,7 @@ print(json.dumps(out))
 
 @needs_gfx1250
 @needs_39
+@pytest.mark.slow
 def test_gfx1250_prepare_and_walk_compile_with_wmma_and_register_figures():
     """One prepare and one walk (BV 64, paged) compiled for gfx1250: they compile, their products
     are v_wmma, and the row carries VGPRs, LDS (dynamic: Triton's metadata.shared), occupancy,
@@ -202,6 +204,7 @@ print(json.dumps([compile_bounded(v, "gfx1250", 600).as_dict() for v in (prep, w
 
 @needs_tree
 @needs_39
+@pytest.mark.slow
 def test_a_kernel_that_does_not_compile_is_a_row_with_its_reason():
     """gfx950's decode kernel static-asserts speculative decoding away; aiter's host still picks it
     for a paged spec-decode call: a row with the compiler's reason, not a traceback."""

@@ -36,6 +36,7 @@ def weak_long():
 
 
 @pytest.mark.parametrize("recipe", AITER)
+@pytest.mark.slow
 def test_on_the_smoke_suite_the_recipes_err_at_the_bf16_level(smoke, recipe):
     # every smoke case: o and the state within [1e-3, 1e-2] of the oracle (correlated keys with a
     # weak gate: 2e-2), and within 1.25x of the fla recipe (same chunk, same storage dtypes): the

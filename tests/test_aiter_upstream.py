@@ -91,6 +91,7 @@ CELLS = {   # name -> (route, case parameters, seed)
 
 
 @pytest.mark.parametrize("cell", list(CELLS))
+@pytest.mark.slow
 def test_upstream_route_passes_the_verdict(up, cell):
     b, _ = up
     name, params, seed = CELLS[cell]

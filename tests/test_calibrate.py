@@ -2,6 +2,8 @@
 import hashlib
 import json
 
+import pytest
+
 from verification.cli import main
 from verification.commands.calibrate import ceil2
 from verification.tolerances import parse_tolerances
@@ -77,6 +79,7 @@ def test_bad_headroom_is_a_usage_error(capsys):
     assert "--headroom: expected a number >= 1, got 0.5" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_from_results_reuses_an_earlier_run_and_leaves_known_failures_out(tmp_path, capsys):
     from verification.cli import main
     out = tmp_path / "run"

@@ -56,6 +56,7 @@ def test_truth_rounded_to_the_output_dtypes_passes(files, capsys):
 
 
 @pytest.mark.parametrize("control", list(NEGATIVE_CONTROLS))
+@pytest.mark.slow
 def test_negative_controls_are_rejected(files, capsys, control):
     d, paths = files
     inputs, p = paths[CATCHING_CASE[control]]
@@ -80,6 +81,7 @@ def test_bad_input_is_one_line_and_exit_two(files, capsys, tmp_path):
     assert f"--route: expected one of {', '.join(RECIPES)}, got 'nope'" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_export_then_oracle_then_check_from_the_command_line(tmp_path):
     """The cross-machine workflow: export a case, compute its truth, judge outputs made elsewhere."""
     from verification.cli import main

@@ -54,6 +54,7 @@ def test_clean_pipeline_names_no_pass():
     (("K1", "ws_kr", (5 + 7, 9, 3), 1.0), dict(pass_="K1", tensor="ws_kr", seq=2, chunk=3, head=1, row=9)),
     (("C", "o", (0, 50, 0, 1), 1.0), dict(pass_="C", tensor="o", seq=2, chunk=0, head=0, row=10)),
 ])
+@pytest.mark.slow
 def test_planted_error_is_localised(plant, where):
     reps = debug_passes(OracleBackend(plant), _problem(), Route("x"))
     bad = [r for r in reps if not r.ok]

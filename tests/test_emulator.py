@@ -27,6 +27,7 @@ def problems():
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.slow
 def test_without_rounding_every_recipe_is_the_oracle(problems, recipe):
     # the chunked algorithm with every storage point at float64: anchors, inverse
     # constructions, tails, empty sequences, layouts and the paged write are all exact
@@ -203,6 +204,7 @@ def test_moonshot_mqk_is_the_dot_of_its_stored_tiles():
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.slow
 def test_a_pack_is_each_sequence_emulated_alone(recipe, monkeypatch):
     """Sequences of very different lengths (a group holds only those still running) give, bit for
     bit, what each gives alone; and the chunk steps after the short ones end run on one sequence."""

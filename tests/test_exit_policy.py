@@ -135,6 +135,7 @@ def _interrupt_when(proc, ready, timeout_s: float = 420):
     return proc.communicate(timeout=timeout_s)
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_run_exits_130_with_a_report_of_the_cells_not_run_and_resume_finishes(tmp_path, tol):
     hold, out = tmp_path / "hold", tmp_path / "r"
     hold.write_text("held")
@@ -163,6 +164,7 @@ def test_ctrl_c_during_run_exits_130_with_a_report_of_the_cells_not_run_and_resu
     assert "**VERIFIED 4 of 4 cells: 4 pass**" in (out / "report.md").read_text()
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_pytest_verify_exits_130_with_a_report_of_the_cells_not_run(tmp_path, tol):
     hold, rep = tmp_path / "hold", tmp_path / "rep"
     hold.write_text("held")

@@ -120,6 +120,7 @@ def test_pytest_verify_with_a_judged_cell_prints_the_verified_headline(pytester,
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the main command runs the compiled kernels")
+@pytest.mark.slow
 def test_main_command_runs_our_triton_kernel_through_the_interpreter_on_a_cpu(tmp_path):
     """The README's main command in a fresh process without TRITON_INTERPRET: it turns the
     interpreter on itself and judges the kernel (one case here; the README times the suite)."""
@@ -150,7 +151,7 @@ def _readme_commands() -> list[str]:
 
 def test_ci_runs_the_readmes_install_test_and_main_lines_exactly_in_a_fresh_venv():
     install, test, main_cmd = _readme_commands()
-    assert install == 'pip install -e ".[test]"' and test == "python -m pytest -q"
+    assert install == 'pip install -e ".[test]"' and test == "python -m pytest -q -n auto"
     assert main_cmd.startswith("kda-verify run --backend triton ")
     ci = [ln.strip() for ln in (ROOT / ".ci/run").read_text().splitlines()]
     lines = [ln for ln in ci if ln and not ln.startswith("#")]

@@ -77,6 +77,8 @@ if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
                 allow_module_level=True)
 pytest.importorskip("fla", reason="fla-core is not installed")
 
+pytestmark = pytest.mark.slow   # one child process runs fla's chunk_kda in the interpreter (about 50 s)
+
 
 @pytest.fixture(scope="module")
 def result():

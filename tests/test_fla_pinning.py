@@ -205,6 +205,7 @@ CHILD = os.environ.get("KDA_FLA_DRY_RUN_CHILD") == "1"
 needs_fla = pytest.mark.skipif(not CHILD, reason="runs in a fresh process (test_fla_dry_runs_in_a_fresh_process)")
 
 
+@pytest.mark.slow
 def test_fla_dry_runs_in_a_fresh_process():
     """Part 2 (the tests named test_fla_dry_run_*) in a child pytest process; its failures are ours."""
     if CHILD:

@@ -86,6 +86,7 @@ def _missing(needs: tuple) -> list[str]:
 
 
 @pytest.mark.parametrize("command,needs,code", _params())
+@pytest.mark.slow
 def test_the_help_example_runs(command, needs, code, seed, tmp_path):
     miss = _missing(needs)
     if miss:

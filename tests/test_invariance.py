@@ -50,6 +50,7 @@ def problems():
 
 
 @pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.slow
 def test_bitwise_invariances(backend, problems, route):
     r = backend.route(route)
     results = [inv.determinism(backend, r, problems["one"], repeats=2),

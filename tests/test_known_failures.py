@@ -158,6 +158,7 @@ def test_calibrate_leaves_a_params_matched_fuzz_failure_out():
     assert collect_groups([{**rec, "params": {**rec["params"], "rho": 0.5}}], db) != {}
 
 
+@pytest.mark.slow
 def test_run_reports_a_fuzz_case_in_the_region_as_known_fail(tmp_path, capsys):
     import json
 

@@ -100,6 +100,7 @@ def test_cli_bad_jobs_is_a_one_line_usage_error(capsys):
     assert err == "kda-verify mutate: error: --jobs: expected a number of processes >= 1, got 0"
 
 
+@pytest.mark.slow
 def test_parallel_jobs_keep_the_catalogue_order(tmp_path, capsys):
     out = tmp_path / "m.json"
     rc = cli_main(["mutate", "--mutant", "tail_beta_not_zeroed,pivot_row_off_by_one", "--suite", "smoke",
@@ -123,6 +124,7 @@ def test_copy_is_patched_and_shipped_package_untouched(tmp_path):
     assert _digest(kernel_dir()) == before
 
 
+@pytest.mark.slow
 def test_a_real_slip_is_killed_and_localized():
     """Mqk without its diagonal: o is wrong on the first smoke case, and the debugger's first
     flagged pass is K1 (ws_mqk), the pass the mutant patched."""
@@ -177,6 +179,7 @@ def test_a_mutant_that_breaks_the_kernel_counts_as_crashed():
     ("paged_final_written_to_sequence_row", "smoke/paged-lb-5", "C", "final_state"),
     ("inverse_stored_bf16", "smoke/correlated-weak-lb-0.01", "K1", "ws_inv"),
 ])
+@pytest.mark.slow
 def test_slips_below_the_row_thresholds_are_localized(name, case, pass_name, tensor):
     """Two slips the verdict killed and the debugger did not name: the paged final-state store
     (the debugger's pass C wrote dense states only; it now stores through the paged path into a

@@ -58,6 +58,7 @@ def test_in_range_the_in_range_recipe_is_the_recipe():
 
 @pytest.mark.parametrize("scale", [1e-5, 1e-6])
 @pytest.mark.parametrize("state", ["none", "kv"])
+@pytest.mark.slow
 def test_the_recipes_own_outputs_below_its_range_are_out_of_contract_with_the_numbers(tmp_path, capsys, scale, state):
     p = _scaled({**LENS, "state": state}, scale, scale)
     inputs, outputs = str(tmp_path / "p.safetensors"), str(tmp_path / "o.safetensors")

@@ -126,6 +126,7 @@ def test_the_controls_table_covers_every_in_recipe_control():
 
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("control", list(NEGATIVE_CONTROLS))
+@pytest.mark.slow
 def test_a_reference_with_a_hidden_bug_fails_where_the_reference_passes(name, control):
     # the control on the references' own (fp32) recipe, judged as that backend's route: it must fail
     # on the tensors named; the real reference passes the same case (test above / below)

@@ -38,6 +38,7 @@ def run_matrix(tol):
     return run
 
 
+@pytest.mark.slow
 def test_emulator_over_smoke_passes_and_truth_is_computed_once_per_case(tmp_path, run_matrix, tol):
     s = run_matrix(["emulator"], SMOKE, tmp_path, device="cpu", progress_stream=_quiet())
     routes = {r.name for r in __import__("kda_kernels.emulator", fromlist=["x"]).EmulatorBackend().routes()}
@@ -120,6 +121,7 @@ def test_statuses_skipped_error_fail_mistrusted_and_the_exit_code(tmp_path, run_
     assert s.oracle_runs == {VARLEN.id: 1}
 
 
+@pytest.mark.slow
 def test_isolate_records_a_killed_process_as_crashed_and_goes_on(tmp_path, run_matrix, tol):
     # the paged case: in the child too, every slot the problem does not write stays bit-identical
     s = run_matrix(["kda_test_backends:crashing", "kda_test_backends:exact"], [PAGED], tmp_path, isolate=True,

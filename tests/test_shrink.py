@@ -324,6 +324,7 @@ def stand_in(tmp_path, monkeypatch):
     return lib, env
 
 
+@pytest.mark.slow
 def test_repro_runs_without_kda_verify_for_a_library_backend(stand_in, tmp_path, monkeypatch):
     lib, env = stand_in
     monkeypatch.setenv("FAKE_CARRY", "0.9")
@@ -548,6 +549,7 @@ def crasher():
 '''
 
 
+@pytest.mark.slow
 def test_isolate_shrinks_a_kernel_that_kills_its_process(tmp_path, monkeypatch, capsys):
     (tmp_path / "crashkernel.py").write_text(CRASHER)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -565,6 +567,7 @@ def test_isolate_shrinks_a_kernel_that_kills_its_process(tmp_path, monkeypatch, 
     assert "--timeout: expected together with --isolate" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_crash_bundle_reproduces_by_dying_and_a_broken_repro_is_not_reproduced(tmp_path, monkeypatch):
     """The crasher's bundle: repro.py loads the backend by its spec (package.module:factory) and
     the process dies as the cell did (exit 134), which the bundle states as reproduced; a repro that

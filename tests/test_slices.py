@@ -86,6 +86,7 @@ def test_a_slice_of_negligible_reference_raises_no_false_alarm():
 
 @pytest.mark.parametrize("scale,bug", [(1e-5, "fail"), (1e-6, "out-of-contract"), (1e-12, "out-of-contract"),
                                        (1e-30, "out-of-contract"), (3e4, "out-of-contract")])
+@pytest.mark.slow
 def test_a_bug_caught_in_range_is_never_a_pass_at_any_scale_of_v(scale, bug):
     # the exact outputs meet the recipe's in-range error at every scale; a 4% bug fails while the
     # flashkda recipe's own error at the scale is below it, and is out of the recipe's range (never a

@@ -208,6 +208,7 @@ def test_run_prints_the_breakdown_and_the_report_holds_it(tmp_path, capsys, tol)
     assert json.loads((out / "report.json").read_text())["time_breakdown"] == bd
 
 
+@pytest.mark.slow
 def test_run_isolated_counts_each_truth_once(tmp_path, capsys, tol):
     out = tmp_path / "r"
     rc = main(["run", "--backend", "emulator", "--route", "flashkda,fla", "--suite", "smoke", "--case", DENSE,

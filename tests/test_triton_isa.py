@@ -11,6 +11,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from verification.cli import main
 
 
@@ -20,6 +22,7 @@ def _isa(*args):
                           env=env, timeout=600)
 
 
+@pytest.mark.slow
 def test_isa_gfx950_and_sm90_compile_with_matrix_instructions_and_report_spills():
     res = _isa("--arch", "gfx950,sm90", "--routes", "unseg,seg:cps=4:A=fused:B=prefetch", "--json")
     assert res.returncode == 0, res.stderr[-2000:]
