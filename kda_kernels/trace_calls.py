@@ -134,9 +134,14 @@ def split_step(tr: Trace, s: int, cache: torch.Tensor) -> list:
 
 def assemble(calls: list, outs: list, tokens: int) -> torch.Tensor:
     """The step's o [tokens, HV, V] from each call's o [1, T, HV, V], placed by token_index
-    (tokens no call produced stay NaN)."""
+    (tokens no call produced stay NaN), in the widest of the calls' dtypes: two backends of one
+    pairing may return o in different dtypes (a bf16 prefill kernel beside an fp32 decode kernel),
+    and widening loses nothing of either."""
     first = outs[0]
-    o = torch.full((tokens,) + tuple(first.shape[2:]), float("nan"), dtype=first.dtype, device=first.device)
+    dtype = first.dtype
+    for out in outs[1:]:
+        dtype = torch.promote_types(dtype, out.dtype)
+    o = torch.full((tokens,) + tuple(first.shape[2:]), float("nan"), dtype=dtype, device=first.device)
     for c, out in zip(calls, outs):
-        o[c.token_index.to(o.device)] = out[0]
+        o[c.token_index.to(o.device)] = out[0].to(dtype)
     return o

@@ -33,3 +33,19 @@ def test_split_covers_every_token_once_and_keeps_the_step_arguments():
         o = assemble(calls, [c.v.to(torch.float64) for c in calls], T)
         assert torch.equal(o, a["v"][0].to(torch.float64))
     assert {"prefill", "decode"} <= seen_groups
+
+
+def test_assemble_widens_to_the_calls_widest_dtype():
+    """A bf16 prefill kernel beside an fp32 decode kernel (a pairing seen on the H200): the step's o
+    keeps both exactly; before, the index put raised on the dtype mismatch."""
+    tr = generate(3, "mixed")
+    cache = tr.cache.allocate()
+    for s in range(tr.steps):
+        calls = split_step(tr, s, cache)
+        if len(calls) > 1:
+            break
+    outs = [c.v.to(torch.bfloat16 if i == 0 else torch.float32) for i, c in enumerate(calls)]
+    o = assemble(calls, outs, int(sum(c.tokens for c in calls)))
+    assert o.dtype == torch.float32
+    for c, out in zip(calls, outs):
+        assert torch.equal(o[c.token_index], out[0].float())
