@@ -172,6 +172,7 @@ sys.exit(0 if all(ok) and got is not None and torch.equal(got["o"], value["o"]) 
 """
 
 
+@pytest.mark.slow
 def test_concurrent_writers_leave_complete_entries(disk):
     n = 8                                      # processes writing the same key and their own at once
     env = dict(os.environ, PYTHONPATH=str(cache._ROOT), OMP_NUM_THREADS="1")

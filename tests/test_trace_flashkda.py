@@ -81,6 +81,9 @@ if __name__ == "__main__":
     sys.exit(0)
 
 import pytest  # noqa: E402
+
+# real kernels through Triton's interpreter (a module fixture of 17-34 s): with the other slow tests
+pytestmark = [*globals().get("pytestmark", []), pytest.mark.slow]
 import torch  # noqa: E402
 
 if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
