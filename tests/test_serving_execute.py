@@ -202,3 +202,17 @@ def test_padding_row_over_a_written_slot_is_named():
     assert res.first_failure.step == 2 and res.first_failure.kind == "state"
     assert res.diagnosis == ("padding row written: decode serving-pad-slot0:exact-decode padding row 6 (pad slot -1) "
                              "wrote its state to slot 0, over request 0's (step 2)")
+
+
+def test_a_padding_row_that_reads_and_writes_the_null_block_is_seen(tmp_path, capsys):
+    """fla's decode kernel (and the fla-recurrent recipe that models it) writes a padding row's
+    state into its pad slot.  With the whole cache NaN, a NaN read and a NaN written left the NULL
+    block's bits equal and the cell passed on the CPU (the H200 showed the write); the NULL block
+    and the guard rows now start from a finite pattern, so the write is seen and named."""
+    from verification.cli import main
+    rc = main(["run", "--suite", "serving", "--backend", "emulator", "--route", "flashkda",
+               "--decode-route", "fla-recurrent", "--case", "serving/pad-null0", "--out", str(tmp_path / "r"),
+               "--no-report"])
+    out = capsys.readouterr().out
+    assert rc == 1, out
+    assert "pad slot (NULL block) slot 0 changed" in out and "padding row" in out, out

@@ -111,13 +111,31 @@ class StepRun:
     calls: list                 # [CallInfo]
 
 
+def fresh_cache(spec, device="cpu") -> torch.Tensor:
+    """A trace's flat cache buffer before its first step: every slot NaN, so a read of a slot
+    nothing wrote shows in o; the guard rows, the padding between slots and, under the NULL-block
+    convention, slot 0 a fixed finite pattern in [-1, 1), so that a padding row which reads its pad
+    slot and writes a state back changes bits there (NaN read, NaN written would leave them equal:
+    fla's unguarded decode kernel did exactly that on the CPU and went unseen)."""
+    buf = spec.allocate(float("nan"), device=device)
+    gen = torch.Generator().manual_seed(0)
+    pattern = (torch.rand(buf.numel(), generator=gen) * 2 - 1).to(buf.dtype).to(buf.device)
+    keep = spec.outside_slots(device=buf.device)
+    if spec.pad == "null0":
+        view = torch.zeros(buf.numel(), dtype=torch.bool, device=buf.device)
+        spec.view(view)[0] = True
+        keep = keep | view
+    buf[keep] = pattern[keep]
+    return buf
+
+
 class TraceRun:
-    """A pairing's run of a trace over its own cache buffer (allocated NaN: a read of a slot
-    nothing wrote shows).  ``step(s)`` runs step s; steps must be taken in order."""
+    """A pairing's run of a trace over its own cache buffer (``fresh_cache``).  ``step(s)`` runs
+    step s; steps must be taken in order."""
 
     def __init__(self, tr: Trace, pairing: Pairing, device="cpu", record_writers: bool = True):
         self.trace, self.pairing = tr, pairing
-        self.cache = tr.cache.allocate(float("nan"), device=device)
+        self.cache = fresh_cache(tr.cache, device=device)
         self.record_writers = record_writers
 
     def step(self, s: int) -> StepRun:
