@@ -96,8 +96,7 @@ def run(args) -> int:
     from verification.cases import FUZZ_N, FUZZ_SEED
     from verification.errors import Interrupted, UsageError, writable_dir
     from verification.devices import check_device
-    from verification.policy import exit_code, headline, nothing_verified_reason
-    from verification.runner import cell_key, check_resume, clip_words, load, plan, run_matrix
+    from verification.runner import cell_key, check_resume, load, plan, run_matrix
 
     started = time.perf_counter()
     from verification.serving.command import SUITE, check_serving_args, run_serving
@@ -160,6 +159,18 @@ def run(args) -> int:
     except KeyboardInterrupt:              # before the cells began: nothing to report
         raise Interrupted(f"interrupted; finished cells are in {args.out}/results.jsonl "
                           f"(continue with --resume)") from None
+    return finish(args, summary, started)
+
+
+def finish(args, summary, started: float, reason_chars: int = 240, breakdown_line: bool = True) -> int:
+    """The end of a ``run`` (the matrix or the serving suite): the headline, the failing cells with
+    their repro lines, the report and the time breakdown, then Interrupted (exit 130) for a run
+    Ctrl-C stopped, else the exit code of verification.policy, with the nothing-verified line."""
+    import time
+
+    from verification.errors import Interrupted
+    from verification.policy import exit_code, headline, nothing_verified_reason
+    from verification.runner import clip_words
     print(f"{summary.ran} cells run, {summary.resumed} already done")
     print(headline(summary.records, summary.not_run or 0))
     if summary.stopped_early:
@@ -167,7 +178,7 @@ def run(args) -> int:
     shown = 10
     for r in summary.failed[:shown]:
         print(f"  {r['status'].upper():<10} {r['backend']} {r['route']} {r['case']}: "
-              f"{clip_words(r.get('reason', ''), 240)}")
+              f"{clip_words(r.get('reason', ''), reason_chars)}")
         print(f"             repro: {r.get('repro', '').replace('--out DIR', f'--out {args.out}/repro')}")
     if len(summary.failed) > shown:
         print(f"  ... and {len(summary.failed) - shown} more failing cells (see the report)")
@@ -181,7 +192,8 @@ def run(args) -> int:
         bd = paths["timing"]
         print(f"report: {paths['md']} {paths['html']}")
     save_breakdown(args.out, bd)
-    print("time breakdown (this invocation): " + "\n".join(timing.format_lines(bd)))
+    if breakdown_line:
+        print("time breakdown (this invocation): " + "\n".join(timing.format_lines(bd)))
     if summary.not_run is not None:
         raise Interrupted(f"interrupted: {summary.not_run} of {summary.selected} selected "
                           f"cells not run; finished cells are in {args.out}/results.jsonl"

@@ -94,13 +94,12 @@ def run_serving(args) -> int:
     """The serving suite's ``run`` (module docstring)."""
     from pathlib import Path
 
-    from verification import provenance, timing
+    from verification import provenance
     from verification.devices import check_device
-    from verification.errors import Interrupted, UsageError, writable_dir
-    from verification.policy import exit_code, headline, nothing_verified_reason
+    from verification.errors import UsageError, writable_dir
     from verification.record import RESULTS_FILE, append_record, read_records, repair_partial_line
     from verification.record import encode as jsonable
-    from verification.runner import Progress, RunSummary, check_resume, clip_words, _note_interrupted
+    from verification.runner import Progress, RunSummary, check_resume, _note_interrupted
     from verification.serving.cells import TraceCache, cell_names, run_serving_cell
     from verification.record import cell_key
     from verification.selection import split_list
@@ -158,34 +157,5 @@ def run_serving(args) -> int:
     except KeyboardInterrupt:
         summary.not_run = len(cells) - len({r["key"] for r in read_records(results)} & wanted)
         _note_interrupted(out, len(cells), summary.not_run)
-    print(f"{summary.ran} cells run, {summary.resumed} already done")
-    print(headline(summary.records, summary.not_run or 0))
-    if summary.stopped_early:
-        print(f"stopped after --max-cells {args.max_cells}; continue with --resume")
-    for r in summary.failed[:10]:
-        print(f"  {r['status'].upper():<10} {r['backend']} {r['route']} {r['case']}: {clip_words(r.get('reason', ''), 400)}")
-        print(f"             repro: {r.get('repro', '').replace('--out DIR', f'--out {args.out}/repro')}")
-    if len(summary.failed) > 10:
-        print(f"  ... and {len(summary.failed) - 10} more failing cells (see the report)")
-    sums = timing.record_sums(summary.fresh)
-    if args.no_report:
-        bd = timing.breakdown(sums, wall_s=time.perf_counter() - started)
-    else:
-        from verification.report import write_report
-        paths = write_report(args.out, timing={"started": started, "sums": sums})
-        bd = paths["timing"]
-        print(f"report: {paths['md']} {paths['html']}")
-    from verification.commands.run import save_breakdown
-    save_breakdown(args.out, bd)
-    if summary.not_run is not None:
-        raise Interrupted(f"interrupted: {summary.not_run} of {summary.selected} selected cells not run; finished "
-                          f"cells are in {args.out}/results.jsonl" + ("" if args.no_report else
-                                                                        f", report {args.out}/report.md")
-                          + " (continue with --resume)")
-    statuses = [r.get("status") for r in summary.records]
-    code = exit_code(statuses, allow_nothing_verified=args.allow_nothing_verified)
-    why = nothing_verified_reason(summary.records)
-    if why is not None and exit_code(statuses, allow_nothing_verified=True) == 0:
-        print(f"kda-verify run: nothing verified ({why}); exit 0 (--allow-nothing-verified)" if code == 0
-              else f"kda-verify run: nothing verified: {why}", file=sys.stderr)
-    return code
+    from verification.commands.run import finish
+    return finish(args, summary, started, reason_chars=400, breakdown_line=False)
