@@ -20,7 +20,6 @@ writes slot 0 under the NULL-block convention, and under pad -1 the slot one str
 """
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -119,12 +118,8 @@ pytest.importorskip("fla", reason="fla-core is not installed")
 
 @pytest.fixture(scope="module")
 def result():
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, __file__], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"child failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
+    from trace_check import child_result
+    return child_result(__file__, ROOT, timeout=600)
 
 
 def test_trace_routes_name_their_groups_and_recipes(result):

@@ -15,7 +15,6 @@ and 86 tokens from zero, then 16, 33 and 27 continuing from the cache) 4.2e-3 (o
 """
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -93,12 +92,8 @@ if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
 
 @pytest.fixture(scope="module")
 def result():
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, __file__], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=900)
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"child failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
+    from trace_check import child_result
+    return child_result(__file__, ROOT, timeout=900)
 
 
 def _backend(result, name):

@@ -82,3 +82,19 @@ def run_trace(trace, runners: dict, device: str = "cpu", seed: int = 0) -> dict:
                 g.update(state=e_s, state_step=s)
         unexpected += [(s, r) for r in changed_regions(trace.cache, before.cpu(), cache.cpu(), st.written)]
     return {"o": worst_o, "state": worst_s, "unexpected": unexpected, "calls": counts, "by_group": by_group}
+
+
+def child_result(script: str, root, timeout: int) -> dict:
+    """Run ``script`` (a test module whose __main__ prints one ``RESULT <json>`` line) in a child
+    Python with ``root`` on PYTHONPATH, and return that JSON: the interpreter tests measure real
+    kernels in a process of their own."""
+    import json
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, script], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"child failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
