@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -49,6 +50,17 @@ class AnchorError(ValueError):
 
 ANCHOR_RE = re.compile(r"#.*?\bmutant-anchor:\s*([A-Za-z0-9_.-]+)")
 
+
+
+_PARSE_LOCK = threading.Lock()
+
+
+def _parse(source: str, mode: str = "exec") -> ast.AST:
+    """ast.parse, one thread at a time: ``mutate --jobs N`` prepares mutants in N threads, and
+    CPython 3.11's parser is not safe to run in two at once (a CI run raised "SystemError: AST
+    constructor recursion depth mismatch" from two concurrent parses)."""
+    with _PARSE_LOCK:
+        return ast.parse(source, mode=mode)
 
 def kernel_dir() -> Path:
     """kda_kernels/triton/ of the installed (shipped) package, found without importing it."""
@@ -92,7 +104,7 @@ def _statement(mutant: Mutant, anchor: str, file: str, text: str, line: int):
     """The statement the marker on ``line`` names: the one starting on that line (the outermost),
     or, for a marker on a comment line of its own, the statement on the next line of code."""
     lines = text.splitlines()
-    tree = ast.parse(text)
+    tree = _parse(text)
     stmts = list(_statements(tree.body))
     target = line
     if lines[line - 1].lstrip().startswith("#"):
@@ -107,7 +119,7 @@ def _statement(mutant: Mutant, anchor: str, file: str, text: str, line: int):
 
 def _expr(mutant: Mutant, src: str) -> ast.expr:
     try:
-        return ast.parse(src.strip(), mode="eval").body
+        return _parse(src.strip(), mode="eval").body
     except SyntaxError as e:
         raise AnchorError(f"mutant {mutant.name}: edit: expected an expression, got {src!r} ({e.msg})") from None
 
@@ -166,7 +178,7 @@ def patched_sources(mutant: Mutant, src_dir: Optional[Path] = None) -> dict:
     changed = {f: t for f, t in texts.items() if t != original[f]}
     for f, t in changed.items():
         try:
-            ast.parse(t)
+            _parse(t)
         except SyntaxError as e:
             raise AnchorError(f"mutant {mutant.name}: patched kda_kernels/triton/{f} does not parse: {e.msg} "
                               f"(line {e.lineno})") from None
