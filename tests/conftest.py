@@ -17,7 +17,7 @@ def one_thread():
 @pytest.fixture(autouse=True)
 def _no_disk_cache(monkeypatch):
     """The suite's tests count truths and baselines computed: kda-verify's disk cache
-    (verification/cache.py) stays off in them and the processes they start (tests/test_cache.py
+    (verification/running/cache.py) stays off in them and the processes they start (tests/test_cache.py
     turns it on, in a directory of its own).  A matrix cell of `pytest -m verify` is no function
     and keeps the session's setting."""
     monkeypatch.setenv("KDA_VERIFY_CACHE", "off")

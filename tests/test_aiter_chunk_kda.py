@@ -15,7 +15,7 @@ import torch
 
 from kda_kernels.aiter import AiterBackend
 from kda_kernels.base import Route
-from verification.cases import build_problem
+from verification.running.cases import build_problem
 
 
 class _Kernel:

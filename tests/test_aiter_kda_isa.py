@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from verification import aiter_isa, aiter_kda_isa
+from verification.investigating import aiter_isa, aiter_kda_isa
 
 ROOT = Path(__file__).resolve().parents[1]
 TREE = Path(os.environ.get("KDA_AITER_UPSTREAM") or ROOT / ".vendor" / "aiter-upstream")
@@ -148,7 +148,7 @@ def test_variants_come_from_the_host_wrappers_config_selection():
     buckets of each arch."""
     got = _child("""
 import json
-from verification.aiter_kda_isa import kda_variants
+from verification.investigating.aiter_kda_isa import kda_variants
 out = {}
 for arch in ("gfx1250", "gfx950"):
     vs, refused = kda_variants(arch)
@@ -186,8 +186,8 @@ def test_gfx1250_prepare_and_walk_compile_with_wmma_and_register_figures():
     spills and the compile seconds."""
     rows = _child("""
 import json
-from verification.aiter_kda_isa import kda_variants
-from verification.aiter_isa import compile_bounded
+from verification.investigating.aiter_kda_isa import kda_variants
+from verification.investigating.aiter_isa import compile_bounded
 vs, _ = kda_variants("gfx1250", families=("chunk_kda",))
 prep = next(v for v in vs if v.jit.__name__ == "chunk_kda_prepare_kernel")
 walk = next(v for v in vs if v.jit.__name__ == "chunk_kda_walk_kernel" and v.signature[1]["BV"] == 64
@@ -210,8 +210,8 @@ def test_a_kernel_that_does_not_compile_is_a_row_with_its_reason():
     for a paged spec-decode call: a row with the compiler's reason, not a traceback."""
     row = _child("""
 import json
-from verification.aiter_kda_isa import kda_variants
-from verification.aiter_isa import compile_bounded
+from verification.investigating.aiter_kda_isa import kda_variants
+from verification.investigating.aiter_isa import compile_bounded
 vs, _ = kda_variants("gfx950", families=("kda_decode",))
 spec = next(v for v in vs if v.signature[1]["IS_SPEC_DECODING"])
 print(json.dumps(compile_bounded(spec, "gfx950", 600).as_dict()))

@@ -29,7 +29,7 @@ import torch
 from kda_kernels import aiter as aiter_mod
 from kda_kernels.aiter import AiterBackend
 from kda_kernels.base import Route
-from verification.cases import build_problem
+from verification.running.cases import build_problem
 
 NEWEST = Path(__file__).resolve().parents[1] / ".vendor" / "aiter-newest"
 FLASH_KDA = "aiter.ops.triton._triton_kernels.chunk_delta_attn.flash_kda"
@@ -237,7 +237,7 @@ def test_newest_paged_equals_the_dense_v_first_call_bit_for_bit(newest):
 def test_newest_per_pass_debugger_within_thresholds(newest, monkeypatch):
     """The per-pass entry points launch the newest layout's kernels (their paged parameters at
     their defaults): K1, A, B, C each within the debugger's row thresholds."""
-    from verification.debug import debug_passes, format_reports
+    from verification.investigating.debug import debug_passes, format_reports
     monkeypatch.setattr(newest, "_num_cus", lambda device_index=0: 256)
     b = AiterBackend(module=newest)
     p = build_problem(dict(lens=[40, 70], H=1, lb=-0.3, state="kv"), 3)
@@ -357,7 +357,7 @@ def test_isa_records_the_launchers_constexprs_and_compiles_for_gfx950():
         pytest.skip(f"no assembled aiter tree in {NEWEST} (build it with tools/assemble_aiter.py; never committed)")
     code = """
 import json
-from verification import aiter_isa as ai
+from verification.investigating import aiter_isa as ai
 vs, broken = ai.aiter_variants(ai.load_aiter())
 scan = [v for v in vs if v.jit.__name__ == "_flash_kda_seg_scan_kernel"][0]
 r = ai.compile_aiter_variant(scan, "gfx950")

@@ -10,7 +10,7 @@ there is no device), for the import only.  The interpreter gets the project's fi
 included, so later test modules see the machine as it is.  Like every interpreter test, this
 module skips on a GPU machine (Triton's interpreter would break compiled kernels there).
 
-Thresholds are the debugger's row thresholds (verification.debug.THRESHOLDS).
+Thresholds are the debugger's row thresholds (verification.investigating.debug.THRESHOLDS).
 """
 import os
 import sys
@@ -33,7 +33,7 @@ if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
 from kda_kernels.aiter import AiterBackend  # noqa: E402
 from kda_kernels.base import Route  # noqa: E402
 from kda_ref import Problem  # noqa: E402
-from verification.debug import debug_passes, format_reports  # noqa: E402
+from verification.investigating.debug import debug_passes, format_reports  # noqa: E402
 
 warnings.filterwarnings("ignore", category=RuntimeWarning)  # inf in the masked upper triangle
 
@@ -212,7 +212,7 @@ def test_unsegmented_pass_c_starts_from_a_v_first_state(flash_kda):
     reports = debug_passes(b, p, route("triton:unseg"), ["C"])
     assert reports[0].ok, format_reports(reports)
     wrong = p.replace(initial_state=p.initial_state.transpose(-1, -2).contiguous())
-    from verification.debug import compare_tensor, oracle_intermediates
+    from verification.investigating.debug import compare_tensor, oracle_intermediates
     ref = oracle_intermediates(p, 32, None)
     got = b.run_pass(wrong, route("triton:unseg"), "C", {k: ref["tensors"][k] for k in
                      ("ws_kd", "ws_qd", "ws_kr", "ws_gt", "ws_inv", "ws_mqk")})

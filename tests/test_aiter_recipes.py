@@ -12,8 +12,8 @@ from kda_kernels.emulator import (BF16, CHUNK_KDA_GLUON_RECIPES, FP32, RECIPES, 
                                   aiter_token_inputs, chunk_kda_gluon_recipe, emulate, exact_recipe,
                                   walk_group_bounds)
 from kda_ref.truth import truth
-from verification.cases import _case, get_case, get_suite
-from verification.metrics import compare
+from verification.running.cases import _case, get_case, get_suite
+from verification.judging.metrics import compare
 
 AITER = ("aiter-gfx1250", "aiter-gfx950")
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from kda_kernels.base import Route
-from verification.cases import build_problem
+from verification.running.cases import build_problem
 
 ROOT = Path(__file__).resolve().parents[1]
 UPSTREAM = Path(os.environ.get("KDA_AITER_UPSTREAM") or ROOT / ".vendor" / "aiter-upstream")
@@ -54,8 +54,8 @@ def up():
 def _judge(b, p, name):
     """(Outputs, Verdict) of route ``name`` on ``p``, as the verify matrix judges a cell."""
     from kda_ref.truth import truth
-    from verification.tolerances import load_tolerances
-    from verification.verdict import baseline_metrics, judge
+    from verification.judging.tolerances import load_tolerances
+    from verification.judging.verdict import baseline_metrics, judge
     route = {r.name: r for r in b.routes()}[name]
     assert b.accepts(p, route) == (True, ""), b.accepts(p, route)
     tr = truth(p)

@@ -7,7 +7,7 @@ import kda_verify
 from kda_kernels.base import Outputs
 from kda_kernels.emulator import emulate
 from kda_ref.truth import truth
-from verification.cases import build_problem
+from verification.running.cases import build_problem
 
 pytest_plugins = ["pytester"]
 
@@ -156,7 +156,7 @@ def test_bad_arguments_raise_one_line_naming_the_argument(kv, call, error, messa
 def test_the_kda_close_fixture_in_a_test_file(pytester):
     pytester.makepyfile(test_kernel="""
         from kda_kernels.emulator import emulate
-        from verification.cases import build_problem
+        from verification.running.cases import build_problem
 
         P = build_problem({"lens": [40, 64], "H": 2, "K": 16, "V": 16, "state": "kv"}, seed=1)
 

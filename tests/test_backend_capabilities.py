@@ -71,7 +71,7 @@ def test_shrink_recorder_keeps_the_capabilities():
     look members up statically (Python >= 3.12): every member is found by inspect.getattr_static."""
     import inspect
     from kda_kernels.base import CAPABILITIES
-    from verification.shrink import recording
+    from verification.investigating.shrink import recording
 
     for name in sorted(BUILTIN_BACKENDS):
         b = load_backend(name)

@@ -8,10 +8,10 @@ import torch
 
 from kda_kernels.base import BUILTIN_BACKENDS
 from kda_ref import ProblemError, validate
-from verification.cases import SUITES
+from verification.running.cases import SUITES
 from verification.cli import main
-from verification.problem_file import save_problem
-from verification.selfcheck import RECIPES, build
+from verification.reporting.problem_file import save_problem
+from verification.investigating.selfcheck import RECIPES, build
 
 BY_NAME = {r.name: r for r in RECIPES}
 
@@ -240,7 +240,7 @@ def test_run_bad_flags_one_line(tmp_path, capsys, extra, message):
 
 
 def test_run_tolerance_file_with_an_unknown_field(tmp_path, capsys):
-    from verification.tolerances import DEFAULT_PATH
+    from verification.judging.tolerances import DEFAULT_PATH
     text = open(DEFAULT_PATH).read()
     assert "\n    reason: " in text
     bad = tmp_path / "t.yaml"
@@ -292,7 +292,7 @@ def test_pytest_options_fail_one_item_naming_the_option(pytester, tmp_path, extr
     res = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-q", "-rf", "-m", "verify",
                                        *[x for kv in opts.items() for x in kv])
     out = "\n".join(res.outlines)
-    assert res.ret == 2, out          # bad input (verification.policy), as the matching run flag exits
+    assert res.ret == 2, out          # bad input (verification.judging.policy), as the matching run flag exits
     assert "verify[options]" in out and f"kda-verify options: {message}" in out, out
     assert "Traceback" not in out and "INTERNALERROR" not in out, out
 
@@ -328,7 +328,7 @@ def test_an_empty_problem_is_valid_and_says_it_is_empty(make, shape):
 
 @pytest.mark.parametrize("make", [_empty_varlen, _empty_batch], ids=["T0", "B0"])
 def test_check_on_an_empty_problem_exits_2_with_one_line(tmp_path, capsys, make):
-    from verification.problem_file import save_outputs
+    from verification.reporting.problem_file import save_outputs
     p = make()
     pin, pout = str(tmp_path / "p.safetensors"), str(tmp_path / "o.safetensors")
     save_problem(pin, p)

@@ -6,7 +6,7 @@ from interpreted_triton import interpreted_kernels
 
 interpreted_kernels()
 
-from verification import bench  # noqa: E402
+from verification.investigating import bench  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

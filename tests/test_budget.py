@@ -7,7 +7,7 @@ import torch
 import kda_ref.chunked as ch
 from kda_ref import budget
 from kda_ref.chunked import block_bytes_per_tile_head, streamed
-from verification.selfcheck import RECIPES, build
+from verification.investigating.selfcheck import RECIPES, build
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
 

@@ -1,4 +1,4 @@
-"""The disk cache of truths and baselines (verification/cache.py): hits are bit for bit what a
+"""The disk cache of truths and baselines (verification/running/cache.py): hits are bit for bit what a
 fresh computation gives, every change of problem or code misses, concurrent writers leave complete
 entries, the size bound holds and the off switch is off."""
 import os
@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from verification import cache
-from verification.baselines import BaselineCache
-from verification.cases import get_case
-from verification.runner import TruthCache
+from verification.running import cache
+from verification.judging.baselines import BaselineCache
+from verification.running.cases import get_case
+from verification.running.runner import TruthCache
 
 CASE = "smoke/dense-T64-lb-5"
 PAGED = "smoke/paged-lb-5"
@@ -135,7 +135,7 @@ def test_a_change_of_emulator_code_misses_the_baseline_only(tmp_path, monkeypatc
         f.write("\n# edited\n")
     assert cache.truth_key(p, case) == truth0
     assert cache.baseline_key(p, "flashkda", case) != base0
-    with open(root / "verification" / "metrics.py", "a") as f:
+    with open(root / "verification" / "judging" / "metrics.py", "a") as f:
         f.write("\n# edited\n")
     monkeypatch.setattr(cache, "_VERSIONS", {})
     assert cache.baseline_key(p, "flashkda", case) != base0
@@ -162,7 +162,7 @@ def _module_closure(name):
 
 WRITER = """
 import sys, torch
-from verification import cache
+from verification.running import cache
 i = int(sys.argv[1])
 value = {"o": torch.full((64, 1024), 3.0, dtype=torch.float64), "who": "same"}
 ok = [cache.store("truth", "ab" * 32, value) for _ in range(5)]
@@ -228,7 +228,7 @@ def test_run_records_loaded_truths_and_no_cache_turns_it_off(disk, tmp_path, mon
     import json
 
     from verification.cli import main
-    from verification.record import read_records
+    from verification.judging.record import read_records
     args = ["run", "--backend", "emulator", "--route", "flashkda", "--suite", "smoke", "--case", CASE,
             "--device", "cpu", "--no-report"]
     assert main(args + ["--out", str(tmp_path / "a")]) == 0
@@ -245,7 +245,7 @@ def test_run_records_loaded_truths_and_no_cache_turns_it_off(disk, tmp_path, mon
 
 
 def test_the_breakdown_counts_loads_apart():
-    from verification import timing
+    from verification.running import timing
     sums = timing.cell_sums([{"oracle_s": 0.0, "oracle_cached": True, "cache_s": 0.25, "truths_loaded": 1,
                               "baselines_loaded": 2}, {"oracle_s": 1.0, "oracle_cached": False, "cache_s": 0.5}])
     bd = timing.breakdown(sums, wall_s=3.0)
@@ -256,8 +256,8 @@ def test_the_breakdown_counts_loads_apart():
 
 WAITER = """
 import sys, time
-from verification.cases import get_case
-from verification.runner import TruthCache
+from verification.running.cases import get_case
+from verification.running.runner import TruthCache
 tc = TruthCache()
 case = get_case(sys.argv[1])
 print("ready", flush=True)

@@ -6,7 +6,7 @@ import pytest
 
 from verification.cli import main
 from verification.commands.calibrate import ceil2
-from verification.tolerances import parse_tolerances
+from verification.judging.tolerances import parse_tolerances
 from kda_kernels.emulator import EmulatorBackend
 
 TOL = """\

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from verification.cases import DEFAULT_SHAPES, SUITES, Case, get_case, get_suite
+from verification.running.cases import DEFAULT_SHAPES, SUITES, Case, get_case, get_suite
 from verification.cli import UsageError
 
 
@@ -117,7 +117,7 @@ def test_case_is_the_documented_dataclass():
 
 
 def test_moving_a_problem_keeps_strided_views_strided():
-    from verification.cases import _to_device_keep_views
+    from verification.running.cases import _to_device_keep_views
     p = get_case("stress/fused-projection-bands-lb-1").build()
     m = _to_device_keep_views(p, "cpu")
     for name in ("q", "k", "v", "g"):

@@ -7,9 +7,9 @@ import torch
 from kda_kernels.controls import NEGATIVE_CONTROLS, run_in_recipe
 from kda_kernels.emulator import RECIPES
 from kda_ref.truth import truth
-from verification.cases import get_case
+from verification.running.cases import get_case
 from verification.cli import main
-from verification.problem_file import save_outputs, save_problem
+from verification.reporting.problem_file import save_outputs, save_problem
 
 CATCHING_CASE = {   # from tests/test_negative_controls.py: a stress case on which each control fails
     "carry_scaled": "stress/weak-gate-lb-1", "wrong_L_sign": "stress/weak-gate-lb-1",
@@ -85,7 +85,7 @@ def test_bad_input_is_one_line_and_exit_two(files, capsys, tmp_path):
 def test_export_then_oracle_then_check_from_the_command_line(tmp_path):
     """The cross-machine workflow: export a case, compute its truth, judge outputs made elsewhere."""
     from verification.cli import main
-    from verification.problem_file import load_outputs, save_outputs
+    from verification.reporting.problem_file import load_outputs, save_outputs
     p, t, o = tmp_path / "p.safetensors", tmp_path / "t.safetensors", tmp_path / "o.safetensors"
     assert main(["export", "--case", "smoke/varlen-tail33-lb-5", "--out", str(p)]) == 0
     assert main(["oracle", "--inputs", str(p), "--out", str(t)]) == 0
@@ -103,8 +103,8 @@ def test_check_judges_a_route_under_the_flags_run_gives_it(monkeypatch, tmp_path
     from kda_kernels.emulator import emulate
     from kda_kernels.moonshot import MoonshotBackend, state_dtype
     from kda_kernels.base import Outputs
-    from verification.runner import BaselineCache, TruthCache, load, run_cell
-    from verification.tolerances import load_tolerances
+    from verification.running.runner import BaselineCache, TruthCache, load, run_cell
+    from verification.judging.tolerances import load_tolerances
 
     def run(self, p, route):           # what flash_kda computes: the moonshot recipe, states in the route's dtype
         out = emulate(p, "moonshot")

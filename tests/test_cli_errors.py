@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from verification import errors, policy
+from verification import errors
+from verification.judging import policy
 from verification.cli import UsageError, main
 from kda_test_backends import write_tolerances
 
@@ -109,7 +110,7 @@ def test_debug_of_a_backend_without_passes_is_one_line(capsys):
 
 
 def test_ctrl_c_during_run_prints_interrupted_once(tmp_path, monkeypatch, capsys):
-    import verification.runner as runner
+    import verification.running.runner as runner
 
     def interrupted(*a, **kw):
         raise KeyboardInterrupt

@@ -70,7 +70,7 @@ def test_json_means_json_on_stdout(name):
 def test_run_help_names_every_backend_and_suite():
     """run --help's lists are the backends and suites that exist (it had left out emulator-bad and long)."""
     from kda_kernels.base import BUILTIN_BACKENDS
-    from verification.cases import SUITES
+    from verification.running.cases import SUITES
     text = " ".join(SUB.choices["run"].format_help().split())
     for name in list(BUILTIN_BACKENDS) + list(SUITES):
         assert f" {name}," in text or f" {name})" in text or f"({name}," in text, name

@@ -17,10 +17,10 @@ import torch
 from kda_kernels import cudnn as cd
 from kda_kernels.emulator import REFERENCE_RECIPES, emulate
 from kda_ref.problem import Problem
-from verification.cases import get_case
+from verification.running.cases import get_case
 from verification.cli import main
-from verification.runner import BaselineCache, TruthCache, run_cell
-from verification.tolerances import load_tolerances
+from verification.running.runner import BaselineCache, TruthCache, run_cell
+from verification.judging.tolerances import load_tolerances
 
 BF = torch.bfloat16
 
@@ -194,11 +194,11 @@ INVARIANCE_SHAPES = {      # tests/test_invariance_gpu.py's, without the paged o
 @gpu
 @pytest.mark.parametrize("route", ["hopper_cuda", "hopper_cuda:batch_invariant"])
 def test_gpu_invariances(route):
-    """The invariances of verification/invariance.py, chunk size 16.  The kernel cuts each sequence into
+    """The invariances of verification/investigating/invariance.py, chunk size 16.  The kernel cuts each sequence into
     P = 264 // (N H) pieces (hopper/cuda_host.py), so a slice run alone is cut elsewhere: varlen and batch
     slices are not expected bitwise on hopper_cuda; batch_invariant=True promises them."""
-    from verification import invariance as inv
-    from verification.cases import build_problem
+    from verification.investigating import invariance as inv
+    from verification.running.cases import build_problem
     b, r = cd.CudnnBackend(), _route(route)
     pr = {n: build_problem(params, seed, device="cuda") for seed, (n, params) in enumerate(INVARIANCE_SHAPES.items())}
     results = [inv.determinism(b, r, pr["one"], repeats=3),

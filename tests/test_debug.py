@@ -5,7 +5,7 @@ import torch
 
 from kda_kernels.base import Route
 from kda_ref.problem import Problem
-from verification.debug import debug_passes, format_reports, oracle_intermediates
+from verification.investigating.debug import debug_passes, format_reports, oracle_intermediates
 
 
 def _problem(K=16, V=16, H=2):
@@ -69,7 +69,7 @@ def test_planted_error_is_localised(plant, where):
 
 def test_values_below_fp32_range_are_no_error():
     """A decay of 2^-254 stored as fp32 is 0: that must not be named as an error."""
-    from verification.debug import compare_tensor
+    from verification.investigating.debug import compare_tensor
     ref = torch.full((4, 128), 2.0 ** -254, dtype=torch.float64)
     ctx = {"grid": None, "plan": None, "HV": 1}
     rep = compare_tensor("final_state_like", torch.zeros(4, 128), ref, ctx, thresholds={"final_state_like": 1e-4})
@@ -79,7 +79,7 @@ def test_values_below_fp32_range_are_no_error():
 def test_a_failed_verdict_rule_flags_its_pass_and_is_printed():
     """A tensor whose rows are all within their threshold but which fails the verdict's rule
     (inverse_rule, for K1's ws_inv) makes its pass the one where the error enters."""
-    from verification.debug import PassReport, TensorReport, reports_to_json
+    from verification.investigating.debug import PassReport, TensorReport, reports_to_json
     t = TensorReport(name="ws_inv", rel_l2=1.4e-3, max_row_err=4e-3, threshold=3e-2, rows=64, rows_over=0,
                      first_over=None, rule_failed="ws_inv: rel_l2 0.0014 > 0.0012 = 2*0.0006+1e-06 (tolerance x)")
     ok = TensorReport(name="ws_kd", rel_l2=1e-3, max_row_err=2e-3, threshold=1e-2, rows=64, rows_over=0, first_over=None)

@@ -10,8 +10,8 @@ from kda_kernels.controls import BATCH_CONTROLS, NEGATIVE_CONTROLS, negative_con
 from kda_kernels.emulator import DEFAULT_HOOKS, RECIPES, EmulatorBackend, emulate, exact_recipe, round_tf32
 from kda_ref.truth import truth
 from kda_ref.workspace import workspace
-from verification.cases import build_problem, get_case
-from verification.metrics import compare, rel_l2
+from verification.running.cases import build_problem, get_case
+from verification.judging.metrics import compare, rel_l2
 
 EXACT_CASES = ["smoke/varlen-tail33-lb-5", "smoke/paged-lb-5", "smoke/weak-gate-lb-0.1-vk",
                "stress/empty-seq-middle", "stress/saturated-gate-lb-5.5", "stress/correlated-keys-rho1-lb-0.01"]
@@ -210,7 +210,7 @@ def test_a_pack_is_each_sequence_emulated_alone(recipe, monkeypatch):
     bit, what each gives alone; and the chunk steps after the short ones end run on one sequence."""
     from kda_kernels import emulator
     from kda_kernels.controls import sequence_problem
-    from verification.cases import _case
+    from verification.running.cases import _case
     p = _case("t", "pack", lens=[3, 700, 64, 1, 0, 65, 129], H=2, lb=-0.05, state="kv").build()
     widths = []
     real_carry = emulator._carry

@@ -9,10 +9,10 @@ from kda_kernels.base import Route
 from kda_kernels.controls import run_in_recipe
 from kda_kernels.emulator import RECIPES, emulate
 from kda_ref.truth import truth
-from verification.cases import get_case, get_suite
-from verification.metrics import compare
-from verification.tolerances import load_tolerances
-from verification.verdict import baseline_metrics, judge
+from verification.running.cases import get_case, get_suite
+from verification.judging.metrics import compare
+from verification.judging.tolerances import load_tolerances
+from verification.judging.verdict import baseline_metrics, judge
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from verification import environment
+from verification.running import environment
 from verification.cli import main
-from verification.environment import OVERRIDE, TRITON_RANGE, check_triton, range_text, triton_problem
+from verification.running.environment import OVERRIDE, TRITON_RANGE, check_triton, range_text, triton_problem
 from verification.errors import UsageError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,7 +65,7 @@ def test_check_raises_usage_error(monkeypatch):
 def test_pytest_verify_with_triton_outside_the_range_exits_2(tmp_path):
     # a plugin that fakes the installed version, loaded before kda-verify's own configure runs
     (tmp_path / "fake_triton_version.py").write_text(
-        "from verification import environment\nenvironment.installed_triton = lambda: '3.10.0'\n")
+        "from verification.running import environment\nenvironment.installed_triton = lambda: '3.10.0'\n")
     env = {k: v for k, v in __import__("os").environ.items() if k != OVERRIDE}
     env["PYTHONPATH"] = f"{tmp_path}:{ROOT / 'tests'}:{env.get('PYTHONPATH', '')}"
     r = subprocess.run([sys.executable, "-m", "pytest", "-p", "fake_triton_version", "tests/test_verify_matrix.py",

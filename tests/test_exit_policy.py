@@ -1,4 +1,4 @@
-"""The exit-code policy (verification/policy.py) as the commands and ``pytest -m verify`` apply it:
+"""The exit-code policy (verification/judging/policy.py) as the commands and ``pytest -m verify`` apply it:
 a kernel that raises is a kernel failure everywhere; Ctrl-C (a real SIGINT) exits 130 with a
 report that says INTERRUPTED and how many selected cells did not run; a refused command creates
 nothing, and a resume of another selection is refused."""
@@ -45,7 +45,7 @@ def _one_line(capsys, rc, want_rc, *needles):
 
 # ---------------------------------------------------------------------------- the one policy
 def test_the_readme_exit_code_table_is_the_policy():
-    from verification import policy
+    from verification.judging import policy
     text = (ROOT / "README.md").read_text()
     table = text.split("| exit code | meaning", 1)[1].split("\n\n", 1)[0]
     codes = [int(m) for m in re.findall(r"^\| (\d+) \|", table, flags=re.M)]
@@ -73,7 +73,7 @@ def test_the_readme_exit_code_table_is_the_policy():
     (None, {"failed": True}, 1),
 ])
 def test_exit_code_from_what_happened(statuses, kw, want):
-    from verification.policy import exit_code
+    from verification.judging.policy import exit_code
     assert exit_code(statuses, **kw) == want
 
 
@@ -81,7 +81,7 @@ def test_exit_code_of_an_exception():
     from kda_kernels.base import BackendError
     from kda_ref.problem import ProblemError
     from verification.errors import Interrupted, KernelFailure, UsageError
-    from verification.policy import exit_code
+    from verification.judging.policy import exit_code
     assert [exit_code(error=e) for e in (UsageError("x"), ProblemError("x"), BackendError("x"))] == [2, 2, 2]
     assert exit_code(error=KeyboardInterrupt()) == exit_code(error=Interrupted("x")) == 130
     assert exit_code(error=KernelFailure("x")) == 1

@@ -5,8 +5,8 @@ import json
 import pytest
 
 from verification.cli import main
-from verification.findings import BEGIN, DOC, END, HEADER, doc_table, markdown, replace_table, rows
-from verification.tolerances import ToleranceError, load_tolerances, parse_tolerances
+from verification.reporting.findings import BEGIN, DOC, END, HEADER, doc_table, markdown, replace_table, rows
+from verification.judging.tolerances import ToleranceError, load_tolerances, parse_tolerances
 
 ENTRY = """schema: 1
 entries: []
@@ -22,7 +22,7 @@ known_failures:
 def test_the_doc_is_the_register_of_the_shipped_tolerances():
     table = doc_table(DOC.read_text(encoding="utf-8"))
     assert table is not None, f"docs/findings.md lacks the markers {BEGIN!r} / {END!r}"
-    assert table == markdown(rows()), "docs/findings.md's findings register differs: python -m verification.findings --write"
+    assert table == markdown(rows()), "docs/findings.md's findings register differs: python -m verification.reporting.findings --write"
 
 
 def test_every_shipped_finding_says_where_it_was_seen_and_how_to_shrink_it():

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from verification.cli import main
-from verification.policy import headline, nothing_verified_reason
-from verification.runner import SELF_JUDGED, note_self_judged
+from verification.judging.policy import headline, nothing_verified_reason
+from verification.running.runner import SELF_JUDGED, note_self_judged
 from kda_test_backends import write_tolerances
 
 pytest_plugins = ["pytester"]

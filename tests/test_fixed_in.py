@@ -4,9 +4,9 @@ import importlib.util
 import json
 from pathlib import Path
 
-from verification.cases import get_case
-from verification.record import Record
-from verification.tolerances import load_tolerances, parse_tolerances
+from verification.running.cases import get_case
+from verification.judging.record import Record
+from verification.judging.tolerances import load_tolerances, parse_tolerances
 
 ROOT = Path(__file__).resolve().parent.parent
 spec = importlib.util.spec_from_file_location("fixed_in", ROOT / "tools" / "fixed_in.py")

@@ -14,7 +14,7 @@ Tolerances (bf16 unit roundoff u = 2^-8): o and the final state within 2u relati
 of the oracle, as for our own Triton kernels (tests/test_triton_flashkda.py); measured here
 3.8e-3 (o) and 3.3e-3 (state) for the chunk routes, 4.1e-3 / 3.1e-3 for the same routes compiled
 on an H200.  The per-pass run (run_pass) is judged by the debugger's row
-thresholds (verification.debug.THRESHOLDS).
+thresholds (verification.investigating.debug.THRESHOLDS).
 """
 import json
 import os
@@ -41,7 +41,7 @@ def _child() -> dict:
     from kda_kernels.base import Route
     from kda_kernels.fla import FlaBackend
     from kda_ref import Problem, truth
-    from verification.debug import debug_passes, format_reports
+    from verification.investigating.debug import debug_passes, format_reports
 
     gen = torch.Generator().manual_seed(1)
     r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731

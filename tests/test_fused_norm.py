@@ -14,9 +14,9 @@ from kda_kernels.emulator import RECIPES, EmulatorBackend, emulate, exact_recipe
 from kda_ref.norm import gated_rmsnorm
 from kda_ref.problem import ProblemError, validate
 from kda_ref.truth import truth
-from verification.cases import build_problem, get_case, get_suite
+from verification.running.cases import build_problem, get_case, get_suite
 from verification.cli import main
-from verification.metrics import compare
+from verification.judging.metrics import compare
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
 
@@ -54,7 +54,7 @@ def test_a_norm_nan_is_refused(small):
 
 
 def test_the_norm_round_trips_through_a_problem_file(small, tmp_path):
-    from verification.problem_file import load_problem, save_problem
+    from verification.reporting.problem_file import load_problem, save_problem
     p = small.replace(norm_eps=3e-6)
     save_problem(str(tmp_path / "p.safetensors"), p)
     q = validate(load_problem(str(tmp_path / "p.safetensors")))
@@ -135,7 +135,7 @@ def test_the_norm_suite_is_its_own():
 def test_a_norm_failure_shrinks_with_its_gate_and_its_bundle_reproduces(tmp_path):
     """shrink slices out_gate with the tokens and heads it keeps; the bundle's problem carries the
     norm (out_gate, norm_weight, norm_eps) and repro.py, in a fresh process, rebuilds it and reproduces."""
-    from verification.problem_file import load_problem
+    from verification.reporting.problem_file import load_problem
     out = tmp_path / "b"
     assert main(["shrink", "--backend", "kda_test_backends:norm_mutant", "--route", "no_gate", "--case",
                  "norm/varlen-tail33-kv-lb-0.1", "--out", str(out), "--max-runs", "3"]) == 0

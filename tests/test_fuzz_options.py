@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 
 from kda_test_backends import write_tolerances
-from verification.cases import _fuzz_draw, _fuzz_params, fuzz_suite, get_case, get_suite
+from verification.running.cases import _fuzz_draw, _fuzz_params, fuzz_suite, get_case, get_suite
 from verification.cli import UsageError, main
-from verification.runner import RESULTS_FILE, read_records
+from verification.running.runner import RESULTS_FILE, read_records
 
 pytest_plugins = ["pytester"]
 PINNED_FUZZ0_000 = {"lens": [27, 130], "H": 2, "lb": -0.01, "g_scale": 4.0, "g_shift": 12.0, "rho": 0.0,
@@ -33,7 +33,7 @@ def test_case_i_is_the_same_in_every_draw_and_pinned_by_value():
 def test_a_draw_of_2000_is_cheap_and_its_ids_are_unique(monkeypatch):
     """Cheap by what it does, not by seconds on a maybe loaded host: a draw draws parameters once
     per case and builds no problem (no tensor), and a later lookup in the same draw draws nothing."""
-    from verification import cases as cases_mod
+    from verification.running import cases as cases_mod
     drawn = []
     real = cases_mod._fuzz_params
     monkeypatch.setattr(cases_mod, "_fuzz_params", lambda seed, i: drawn.append(i) or real(seed, i))
@@ -91,7 +91,7 @@ def test_run_draws_n_cases_and_each_repro_line_reruns_its_cell_alone(tmp_path, c
 
 
 def test_export_and_debug_take_the_draw_of_a_fuzz_id(tmp_path, capsys):
-    from verification.problem_file import load_problem
+    from verification.reporting.problem_file import load_problem
     path = tmp_path / "p.safetensors"
     assert main(["export", "--case", "fuzz/fuzz0-025", "--fuzz-n", "30", "--out", str(path)]) == 0
     p = load_problem(str(path))

@@ -1,4 +1,4 @@
-"""Memory guards (verification/guards.py) against planted faults.
+"""Memory guards (verification/running/guards.py) against planted faults.
 
 The backends here compute the float64 oracle's outputs in torch (no kernel, no interpreter),
 write them into the caller-owned buffers, and then plant exactly one fault: one element past
@@ -11,8 +11,8 @@ import torch
 
 from kda_kernels.base import Outputs, Route
 from kda_ref import truth
-from verification.cases import build_problem
-from verification.guards import (GUARD_BYTES, GuardedBuffers, guarded_run, poison_, poison_mask)
+from verification.running.cases import build_problem
+from verification.running.guards import (GUARD_BYTES, GuardedBuffers, guarded_run, poison_, poison_mask)
 
 ROUTE = Route(name="oracle")
 
@@ -158,9 +158,9 @@ def test_backend_without_buffers_checks_the_cache_it_returns(paged):
 
 
 def test_run_cell_records_guards_and_fails_a_violation():
-    from verification.cases import Case
-    from verification.runner import BaselineCache, TruthCache, run_cell
-    from verification.tolerances import load_tolerances
+    from verification.running.cases import Case
+    from verification.running.runner import BaselineCache, TruthCache, run_cell
+    from verification.judging.tolerances import load_tolerances
 
     case = Case(name="paged-pad", suite="guards", seed=5,
                 params=dict(lens=[20, 47], H=1, state="paged", paged_new=[1], slot_pad=64, slots=5))

@@ -6,11 +6,11 @@ import importlib
 import pytest
 import torch
 
-from verification import runner
-from verification.cases import get_case
-from verification.policy import FAILING, JUDGED, RESOURCE_ERROR
-from verification.runner import BaselineCache, TruthCache, harness_call, is_out_of_memory, run_cell
-from verification.tolerances import load_tolerances
+from verification.running import runner
+from verification.running.cases import get_case
+from verification.judging.policy import FAILING, JUDGED, RESOURCE_ERROR
+from verification.running.runner import BaselineCache, TruthCache, harness_call, is_out_of_memory, run_cell
+from verification.judging.tolerances import load_tolerances
 
 truth_mod = importlib.import_module("kda_ref.truth")     # the module (kda_ref.truth is also the function)
 
@@ -65,13 +65,13 @@ def _cell(monkeypatch, fail_times: int, where: str):
     if where == "oracle":
         monkeypatch.setattr(truth_mod, "truth", planted(truth_mod.truth))
     elif where == "baseline":
-        import verification.baselines as baselines
+        import verification.judging.baselines as baselines
         monkeypatch.setattr(baselines, "baseline_metrics", planted(baselines.baseline_metrics))
     elif where == "judging":
-        import verification.verdict as verdict
+        import verification.judging.verdict as verdict
         monkeypatch.setattr(verdict, "judge", planted(verdict.judge))
     elif where == "build":
-        import verification.cases as cases
+        import verification.running.cases as cases
         monkeypatch.setattr(cases, "build_problem", planted(cases.build_problem))
     lb = runner.load("emulator")
     route = runner.resolve_routes(lb, ["flashkda"])[0]
@@ -105,7 +105,7 @@ def test_another_harness_exception_stays_an_error(monkeypatch):
 
 
 def test_a_run_with_a_resource_error_and_no_failure_exits_2():
-    from verification.runner import RunSummary
+    from verification.running.runner import RunSummary
     s = RunSummary(out_dir=None)
     s.records = [{"status": "pass"}, {"status": "resource-error"}]
     assert s.exit_code == 2

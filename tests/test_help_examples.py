@@ -70,7 +70,7 @@ def seed(tmp_path_factory):
     for what, line in SEED:
         r = _kda(line.split(), d)
         assert r.returncode in (0, 1), f"making {what}: kda-verify {line} exited {r.returncode}: {r.stderr[-1500:]}"
-    shutil.copy2(ROOT / "verification" / "tolerances.yaml", d / "my-tolerances.yaml")
+    shutil.copy2(ROOT / "verification" / "judging" / "tolerances.yaml", d / "my-tolerances.yaml")
     return d
 
 

@@ -1,4 +1,4 @@
-"""Invariances (verification/invariance.py) of our Triton FlashKDA in Triton's CPU interpreter,
+"""Invariances (verification/investigating/invariance.py) of our Triton FlashKDA in Triton's CPU interpreter,
 on `unseg:BW=32` and the segmented `seg:cps=1:BW=32`, small cases; the memory guards on the real
 kernels; and deliberately broken torch backends that each invariance must catch.
 
@@ -17,9 +17,9 @@ _kernels = interpreted_kernels()
 from kda_kernels.base import Outputs, Route  # noqa: E402
 from kda_kernels.triton.backend import TritonBackend  # noqa: E402
 from kda_ref import truth  # noqa: E402
-from verification import invariance as inv  # noqa: E402
-from verification.cases import build_problem  # noqa: E402
-from verification.guards import guarded_run  # noqa: E402
+from verification.investigating import invariance as inv  # noqa: E402
+from verification.running.cases import build_problem  # noqa: E402
+from verification.running.guards import guarded_run  # noqa: E402
 
 warnings.filterwarnings("ignore", category=RuntimeWarning)
 
@@ -144,7 +144,7 @@ def test_the_chunk_size_of_a_route_is_its_recipes():
     # the fixed FlashKDA build's recipe (moonshot-fwdsub) keeps moonshot's 16-token chunks: its
     # causality prefix and bitwise split points are multiples of 16, not of the unknown-recipe 64
     from kda_kernels.base import Route
-    from verification.invariance import CAUSAL_ALIGN, chunk_size_of
+    from verification.investigating.invariance import CAUSAL_ALIGN, chunk_size_of
     assert [chunk_size_of(Route("r", recipe=n)) for n in ("flashkda", "fla", "moonshot", "moonshot-fwdsub")] == \
         [32, 64, 16, 16]
     assert chunk_size_of(Route("r", recipe="fp32")) == chunk_size_of(Route("r", recipe="nope")) == CAUSAL_ALIGN

@@ -1,6 +1,6 @@
 """Invariances and memory guards of our Triton FlashKDA compiled on CUDA (marked gpu; run with
 ``python -m pytest -q -m gpu tests/test_invariance_gpu.py``): every pinned route of the backend,
-small and production-like shapes.  The kinds and bounds are verification/invariance.py's: bitwise
+small and production-like shapes.  The kinds and bounds are verification/investigating/invariance.py's: bitwise
 where the design guarantees it, rel_l2 <= 5e-3 where a chunk or segment boundary moves."""
 import pytest
 import torch
@@ -20,7 +20,7 @@ def _routes():
 
 
 def _build(params, seed):
-    from verification.cases import build_problem
+    from verification.running.cases import build_problem
     return build_problem(params, seed, device="cuda")
 
 
@@ -39,7 +39,7 @@ def problems():
 
 @pytest.mark.parametrize("route", _routes())
 def test_invariances_every_route(backend, problems, route):
-    from verification import invariance as inv
+    from verification.investigating import invariance as inv
     r = backend.route(route)
     results = [inv.determinism(backend, r, problems["one"], repeats=3),
                inv.varlen_slice(backend, r, problems["varlen"]),
@@ -60,7 +60,7 @@ def test_invariances_every_route(backend, problems, route):
 
 @pytest.mark.parametrize("route", _routes())
 def test_guards_every_route(backend, problems, route):
-    from verification.guards import guarded_run
+    from verification.running.guards import guarded_run
     r = backend.route(route)
     for name in ("paged", "varlen", "batch"):
         _, rep = guarded_run(backend, problems[name], r)
@@ -70,7 +70,7 @@ def test_guards_every_route(backend, problems, route):
 
 def test_guards_production_shape(backend):
     """A K3-prefill-like pack (H = 32, ~16k tokens, paged) under guards, default routes."""
-    from verification.guards import guarded_run
+    from verification.running.guards import guarded_run
     p = _build(dict(lens=[8192, 1, 4097, 3000, 1100], H=32, state="paged", paged_new=[2], slot_pad=128), 7)
     for route in ("seg", "unseg"):
         _, rep = guarded_run(backend, p, backend.route(route))
@@ -78,9 +78,9 @@ def test_guards_production_shape(backend):
 
 
 def test_run_cell_on_cuda_records_guards(backend):
-    from verification.cases import get_case
-    from verification.runner import BaselineCache, TruthCache, run_cell
-    from verification.tolerances import load_tolerances
+    from verification.running.cases import get_case
+    from verification.running.runner import BaselineCache, TruthCache, run_cell
+    from verification.judging.tolerances import load_tolerances
     case = get_case("smoke/paged-lb-5")
     rec = run_cell(backend, backend.route("seg:cps=1"), case, TruthCache(device="cuda"), BaselineCache(),
                    load_tolerances(), "cuda")          # guards default on for CUDA
@@ -89,15 +89,15 @@ def test_run_cell_on_cuda_records_guards(backend):
 
 
 def _planted(name, edits, what, tmp_path):
-    from verification.mutate import load_mutant_backend
-    from verification.mutants import Mutant
+    from verification.investigating.mutate import load_mutant_backend
+    from verification.investigating.mutants import Mutant
     return load_mutant_backend(Mutant(name=name, pass_name="C", edits=edits, what=what), tmp_path)
 
 
 def test_planted_out_of_bounds_write_in_the_compiled_kernel_is_caught(tmp_path):
     """Pass C's o store loses its row mask: the tail chunk of the last sequence (T = 40, so rows
     40..63) is written past o's end, into the guard band after it."""
-    from verification.guards import guarded_run
+    from verification.running.guards import guarded_run
     bad = _planted("planted_o_store_unmasked",
                    (("walk-store-o", "tl.store(o_ptr + b * sob + tok[:, None].to(tl.int64) * sot + h * soh"
                      " + cols[None, :] * sod, o.to(o_ptr.dtype.element_ty), mask=vmask)",
@@ -115,7 +115,7 @@ def test_planted_out_of_bounds_write_in_the_compiled_kernel_is_caught(tmp_path):
 def test_planted_read_of_a_slot_without_initial_state_is_caught(tmp_path):
     """The paged read ignores has_initial_state: the slot of a new sequence holds NaN under the
     guards, so reading it must show up (o or the state becomes NaN) and the guard names it."""
-    from verification.guards import guarded_run
+    from verification.running.guards import guarded_run
     bad = _planted("planted_has_initial_state_ignored",
                    (("mask=has & (off >= 0), other=0.0)", "mask=(off >= 0), other=0.0)"),),
                    "paged read ignores has_initial_state", tmp_path)

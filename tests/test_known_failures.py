@@ -2,9 +2,9 @@
 reason (and does not fail the run); an unlisted one still fails; the schema is enforced."""
 import pytest
 
-from verification.policy import FAILING
-from verification.runner import apply_known_failure
-from verification.tolerances import ToleranceError, load_tolerances, parse_tolerances
+from verification.judging.policy import FAILING
+from verification.running.runner import apply_known_failure
+from verification.judging.tolerances import ToleranceError, load_tolerances, parse_tolerances
 
 HEAD = """schema: 1
 entries:
@@ -14,7 +14,7 @@ entries:
 
 def _rec(status="fail", backend="emulator", route="moonshot", case="smoke/correlated-weak-lb-0.01"):
     """A record as the runner writes it: with the case's parameters (a fuzz id gets them from _fuzz_rec)."""
-    from verification.cases import get_case
+    from verification.running.cases import get_case
     params = {} if case.startswith("fuzz/") else dict(get_case(case).params)
     return {"backend": backend, "route": route, "case": case, "params": params, "status": status,
             "reason": "o: rel_l2 3.4 > 0.05"}
@@ -54,7 +54,7 @@ FUZZ_FAILURES_300 = {"fuzz0-022", "fuzz0-148", "fuzz0-180", "fuzz0-189", "fuzz0-
 
 
 def _fuzz_rec(i: int, status="fail", route="moonshot", **change):
-    from verification.cases import get_suite
+    from verification.running.cases import get_suite
     case = {c.name: c for c in get_suite("fuzz", n=300, seed=0)}[f"fuzz0-{i:03d}"]
     params = {**case.params, **change}
     return {**_rec(status=status, route=route, case=case.id), "params": params}
@@ -85,7 +85,7 @@ def test_fuzz_failures_outside_the_parameters_still_fail():
 
 
 def test_the_moonshot_entry_matches_the_failing_fuzz_cases_and_little_else():
-    from verification.cases import get_suite
+    from verification.running.cases import get_suite
     kf = _moonshot_entry()
     matched = {c.name for c in get_suite("fuzz", n=300, seed=0)
                if kf.matches("emulator", "moonshot", c.id, c.params)}
@@ -97,7 +97,7 @@ def test_the_moonshot_entry_still_matches_exactly_the_named_correlated_cases():
     """With params it covers the named cases its former case glob "*correlated*" covered, no other."""
     import fnmatch
 
-    from verification.cases import SUITES, get_suite
+    from verification.running.cases import SUITES, get_suite
     kf = _moonshot_entry()
     named = [c for s in SUITES if s != "fuzz" for c in get_suite(s)]
     by_params = {c.id for c in named if kf.matches("emulator", "moonshot", c.id, c.params)}
@@ -173,7 +173,7 @@ def test_run_reports_a_fuzz_case_in_the_region_as_known_fail(tmp_path, capsys):
 
 
 def test_every_numeric_parameter_a_suite_sets_can_be_conditioned_on():
-    from verification.cases import NUMERIC_PARAMS, SUITES, get_suite
+    from verification.running.cases import NUMERIC_PARAMS, SUITES, get_suite
     cases = [c for s in SUITES if s != "fuzz" for c in get_suite(s)] + get_suite("fuzz", n=300, seed=0)
     numeric = {k for c in cases for k, v in c.params.items()
                if isinstance(v, (int, float)) and not isinstance(v, bool)}

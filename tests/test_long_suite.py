@@ -2,7 +2,7 @@
 pack, and keys whose consecutive cosines are those of the key_cos range."""
 import torch
 
-from verification.cases import build_problem, get_case, get_suite
+from verification.running.cases import build_problem, get_case, get_suite
 
 
 def test_long_suite_shapes_gates_and_gating():

@@ -1,10 +1,10 @@
-"""Derived case parameters for known-failure conditions (verification.tolerances.match_params):
+"""Derived case parameters for known-failure conditions (verification.judging.tolerances.match_params):
 a fuzz case's empty sequences and initial states live in lists and strings (``lens``, ``state``,
 ``paged_new``) that no ``params`` condition can name, so the matcher sees numbers derived from them."""
 import pytest
 
-from verification.runner import apply_known_failure
-from verification.tolerances import DERIVED_PARAMS, ToleranceError, match_params, parse_tolerances
+from verification.running.runner import apply_known_failure
+from verification.judging.tolerances import DERIVED_PARAMS, ToleranceError, match_params, parse_tolerances
 
 HEAD = """schema: 1
 entries:
@@ -67,7 +67,7 @@ def test_unreadable_lengths_leave_the_derived_parameters_out():
 
 
 def test_every_fuzz_case_gets_the_derived_parameters():
-    from verification.cases import get_suite
+    from verification.running.cases import get_suite
     cases = get_suite("fuzz", n=300, seed=0)
     for c in cases:
         d = _derived(**c.params)
@@ -103,7 +103,7 @@ def test_derived_and_drawn_parameters_combine():
 
 
 def test_the_real_fuzz_case_is_matched_from_its_id_and_draw():
-    from verification.cases import get_case
+    from verification.running.cases import get_case
     case = get_case("fuzz/fuzz0-022", n=300)          # lens [0, 96]: aiter returns NaN on H200
     assert case.params["lens"][0] == 0
     rec = {**_rec(dict(case.params)), "case": case.id}

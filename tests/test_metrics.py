@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from verification.cases import build_problem
-from verification.metrics import ZERO_TRUST, compare, max_ulp, rel_l2, tensor_metrics
+from verification.running.cases import build_problem
+from verification.judging.metrics import ZERO_TRUST, compare, max_ulp, rel_l2, tensor_metrics
 
 F64 = torch.float64
 
@@ -107,8 +107,8 @@ def test_host_reads_do_not_grow_with_the_sequence():
     from torch.overrides import TorchFunctionMode
 
     from kda_ref.truth import truth
-    from verification.cases import build_problem
-    from verification.metrics import tensor_metrics
+    from verification.running.cases import build_problem
+    from verification.judging.metrics import tensor_metrics
 
     reads = {"n": 0}
 

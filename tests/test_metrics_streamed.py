@@ -10,12 +10,12 @@ from typing import Optional
 import pytest
 import torch
 
-from verification import metrics
-from verification.metrics import (F64, NEGLIGIBLE, START_ROWS, ZERO_TRUST, _INT_VIEW, _block_ids,  # noqa: F401
+from verification.judging import metrics
+from verification.judging.metrics import (F64, NEGLIGIBLE, START_ROWS, ZERO_TRUST, _INT_VIEW, _block_ids,  # noqa: F401
                                   _ordered_int, _packed_rows, _ratio, _row_groups, compare, dtype_name,
                                   sequence_blocks, tensor_metrics)
 from kda_ref import truth
-from verification.selfcheck import RECIPES, build
+from verification.investigating.selfcheck import RECIPES, build
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
 
@@ -266,7 +266,7 @@ def test_small_default_budget_walks_many_blocks_with_the_same_result(monkeypatch
     want = {k: _old_tensor_metrics(outs[k], t[k], dtype=outs[k].dtype, problem=p, tensor=k) for k in ("o", "final_state")}
     per_row = p.HV * p.V * metrics.METRIC_BYTES_PER_ELEMENT
     monkeypatch.setattr(budget, "block_budget", lambda dev, workers=None: 5 * per_row)
-    from verification.metrics import _rows_view, block_rows
+    from verification.judging.metrics import _rows_view, block_rows
     assert block_rows(_rows_view(outs["o"], "o")) == 5
     for k, w in want.items():
         _same(w, tensor_metrics(outs[k], t[k], dtype=outs[k].dtype, problem=p, tensor=k), k)

@@ -17,10 +17,10 @@ from kda_kernels import moonshot as moon
 from kda_kernels.base import Route, out_of_contract
 from kda_kernels.emulator import emulate
 from kda_ref.problem import Problem
-from verification.cases import get_case
+from verification.running.cases import get_case
 from verification.cli import main
-from verification.runner import BaselineCache, TruthCache, run_cell
-from verification.tolerances import load_tolerances
+from verification.running.runner import BaselineCache, TruthCache, run_cell
+from verification.judging.tolerances import load_tolerances
 
 BF = torch.bfloat16
 
@@ -287,12 +287,12 @@ INVARIANCE_SHAPES = {      # tests/test_invariance_gpu.py's, without the paged o
 @gpu
 @pytest.mark.parametrize("state", ["fp32", "bf16"])
 def test_gpu_invariances(state):
-    """The invariances that apply to flash_kda (verification/invariance.py), chunk size 16: a split
+    """The invariances that apply to flash_kda (verification/investigating/invariance.py), chunk size 16: a split
     only at a chunk boundary (a cut inside a chunk is another rounding path, and with a bf16 state
     between chunks the two paths differ by about the recipe's own error, so the 5e-3 bound of a
     moved segment boundary does not apply)."""
-    from verification import invariance as inv
-    from verification.cases import build_problem
+    from verification.investigating import invariance as inv
+    from verification.running.cases import build_problem
     b, r = moon.MoonshotBackend(), _route(state)
     assert inv.chunk_size_of(r) == 16
     pr = {n: build_problem(params, seed, device="cuda") for seed, (n, params) in enumerate(INVARIANCE_SHAPES.items())}
@@ -322,14 +322,14 @@ def test_gpu_flash_kda_is_deterministic_and_accepts_lb_outside_its_documented_ra
 
 # ---------------------------------------------------------------------------- bench, side by side
 def _result(backend, route, shape, t, host_bound=False, error=""):
-    from verification import bench
+    from verification.investigating import bench
     return bench.BenchResult(backend, route, *shape, time_us=t, p10_us=t, p90_us=t, reps=3, graph=False, bytes=1,
                              flops=1, bandwidth_gbs=1.0, tflops=1.0, floor_us=bench.floor_us(*shape),
                              host_bound=host_bound, error=error)
 
 
 def test_bench_side_by_side_table_has_every_backend_per_shape_with_its_floor(capsys):
-    from verification import bench
+    from verification.investigating import bench
     from verification.commands.bench import _print_side_by_side
     rs = [_result("triton", "seg", (1, 8192, 96), 2578.0), _result("moonshot", "cutlass:state=fp32", (1, 8192, 96), 1458.0),
           _result("fla-pinned", "chunk:safe_gate", (1, 8192, 96), 4000.0, host_bound=True),

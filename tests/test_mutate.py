@@ -1,4 +1,4 @@
-"""Mutation testing (verification/mutate.py): a mutant is applied to a copy, never to the
+"""Mutation testing (verification/investigating/mutate.py): a mutant is applied to a copy, never to the
 shipped kernels; a mutant whose anchor is gone fails loudly; a real slip is killed and the
 per-pass debugger names its pass; a survivor makes `kda-verify mutate` exit 1 unless the
 catalogue marks it equivalent.
@@ -13,8 +13,8 @@ import json
 import pytest
 
 from verification.cli import main as cli_main
-from verification.mutants import CATALOGUE, UNSEG, Mutant, by_name
-from verification.mutate import (ANCHOR_RE, AnchorError, anchor_sites, check_anchors, kernel_dir, materialize,
+from verification.investigating.mutants import CATALOGUE, UNSEG, Mutant, by_name
+from verification.investigating.mutate import (ANCHOR_RE, AnchorError, anchor_sites, check_anchors, kernel_dir, materialize,
                                  mutant_files, needs_attention, patched_source, patched_sources, run_in_child)
 
 def _digest(d):

@@ -5,7 +5,7 @@ import pytest
 
 from kda_ref import truth
 from kda_ref.naive import kda_one_head
-from verification.cases import get_case
+from verification.running.cases import get_case
 
 
 def _naive(p, h, zero_v=False):

@@ -9,9 +9,9 @@ from kda_kernels.base import Route
 from kda_kernels.controls import NEGATIVE_CONTROLS, negative_control, run_in_recipe
 from kda_kernels.emulator import EmulatorBackend, emulate
 from kda_ref.truth import truth
-from verification.cases import get_case
-from verification.tolerances import load_tolerances
-from verification.verdict import baseline_metrics, judge
+from verification.running.cases import get_case
+from verification.judging.tolerances import load_tolerances
+from verification.judging.verdict import baseline_metrics, judge
 
 SUBSET = ["stress/weak-gate-lb-1", "stress/tail17-lb-1", "stress/exact-keys-gate-off-beta4",
           "stress/correlated-keys-rho0.9-lb-0.01"]

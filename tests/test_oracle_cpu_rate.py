@@ -11,7 +11,7 @@ from kda_ref.preprocess import gate_activation, l2norm, prepare
 from kda_ref.problem import ProblemError, _finite, validate
 from kda_ref.workspace import BlockBuffers
 from verification.commands.oracle_bench import make_problem
-from verification.selfcheck import rel
+from verification.investigating.selfcheck import rel
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
 

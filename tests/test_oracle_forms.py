@@ -12,7 +12,7 @@ from kda_ref.recurrence import recurrence_prepared
 from kda_ref.segments import segment_plan, segmented
 from kda_ref.workspace import (EPS32, EPS64, exact_inverse, inverse_report, production_inverse, residual_ratio,
                                workspace_prepared)
-from verification.selfcheck import RECIPES, Recipe, build, rel
+from verification.investigating.selfcheck import RECIPES, Recipe, build, rel
 
 F64 = torch.float64
 BY_NAME = {r.name: r for r in RECIPES}

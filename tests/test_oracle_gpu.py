@@ -5,7 +5,7 @@ import torch
 from kda_ref import truth
 from kda_ref.preprocess import prepare
 from kda_ref.workspace import inverse_report, workspace_prepared
-from verification.selfcheck import RECIPES, build, rel
+from verification.investigating.selfcheck import RECIPES, build, rel
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")]
@@ -37,6 +37,6 @@ def test_cuda_inverse_ratios():
 
 
 def test_selfcheck_quick_on_cuda():
-    from verification.selfcheck import selfcheck_report
+    from verification.investigating.selfcheck import selfcheck_report
     rep = selfcheck_report(quick=True, device="cuda")
     assert rep["passed"], [r for r in rep["rows"] if not r["passed"]]

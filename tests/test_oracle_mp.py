@@ -4,7 +4,7 @@ import torch
 
 from kda_ref import truth
 from kda_ref.mp_ref import mp_recurrence
-from verification.selfcheck import mp_problems, rel
+from verification.investigating.selfcheck import mp_problems, rel
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
 

@@ -83,7 +83,7 @@ def test_plain_run_does_not_expand_the_matrix(matrix):
 
 def test_bad_option_is_one_failing_item_that_names_it(tol, matrix):
     rc, out = matrix("-m", "verify", "--kda-backend", "emulator", "--kda-suite", "nope", "--kda-tolerances", tol)
-    assert rc == 2, out          # bad input (verification.policy), as `kda-verify run --suite nope` exits
+    assert rc == 2, out          # bad input (verification.judging.policy), as `kda-verify run --suite nope` exits
     assert "--suite: expected one of smoke" in out
 
 

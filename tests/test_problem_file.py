@@ -7,9 +7,9 @@ from safetensors.torch import save_file
 
 from kda_ref import ProblemError, truth
 from verification.cli import UsageError, main
-from verification.problem_file import (load_outputs, load_outputs_metadata, load_problem, save_outputs,
+from verification.reporting.problem_file import (load_outputs, load_outputs_metadata, load_problem, save_outputs,
                                        save_problem)
-from verification.selfcheck import RECIPES, build
+from verification.investigating.selfcheck import RECIPES, build
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
 

@@ -1,5 +1,5 @@
 """A kernel is judged against what its recipe does in range, and out of that range against what
-the recipe does at the problem's own scale (verification/baselines.py, verification/verdict.py).
+the recipe does at the problem's own scale (verification/judging/baselines.py, verification/judging/verdict.py).
 
 The flashkda recipe stores u, INV and Mqk in fp16, whose normal range starts at 6.1e-5: with
 rms(v) ~ 1e-5 and below its error grows (1.6-1.8x at 1e-5, 11-14x at 1e-6, all zeros at 1e-8).
@@ -11,11 +11,11 @@ import torch
 from kda_kernels.base import Outputs
 from kda_kernels.emulator import RECIPES, emulate
 from kda_ref.truth import truth
-from verification.baselines import baseline_metrics
-from verification.cases import build_problem, get_case
+from verification.judging.baselines import baseline_metrics
+from verification.running.cases import build_problem, get_case
 from verification.cli import main
 from verification.planted import judge_plant
-from verification.problem_file import save_outputs, save_problem
+from verification.reporting.problem_file import save_outputs, save_problem
 
 LENS = {"lens": [1, 64, 200], "H": 2, "lb": -0.5}
 
@@ -43,7 +43,7 @@ def test_the_in_range_rounding_is_fp16s_inside_its_range_and_keeps_the_significa
 
 def test_in_range_the_in_range_recipe_is_the_recipe():
     from kda_kernels.emulator import in_range_recipe
-    from verification.baselines import off_range
+    from verification.judging.baselines import off_range
     p = get_case("smoke/varlen-tail33-lb-5").build()
     tr = truth(p)
     assert off_range(p) is None

@@ -1,12 +1,12 @@
-"""The record type and its codec (verification/record.py), and the one function that decides a
-cell's final status (verification.verdict.decide)."""
+"""The record type and its codec (verification/judging/record.py), and the one function that decides a
+cell's final status (verification.judging.verdict.decide)."""
 import json
 import math
 from types import SimpleNamespace
 
-from verification.record import (RECORD_VERSION, Record, append_record, decode_number, encode, load_records,
+from verification.judging.record import (RECORD_VERSION, Record, append_record, decode_number, encode, load_records,
                                   read_records)
-from verification.verdict import decide
+from verification.judging.verdict import decide
 
 
 def test_non_finite_numbers_travel_as_the_strings_the_results_files_hold():

@@ -14,11 +14,11 @@ from kda_kernels.controls import NEGATIVE_CONTROLS, run_in_recipe
 from kda_kernels.emulator import emulate
 from kda_kernels.references import RECIPE
 from kda_ref.truth import truth
-from verification import invariance as inv
-from verification.cases import build_problem, get_case
-from verification.metrics import compare
-from verification.tolerances import load_tolerances
-from verification.verdict import baseline_metrics, judge
+from verification.investigating import invariance as inv
+from verification.running.cases import build_problem, get_case
+from verification.judging.metrics import compare
+from verification.judging.tolerances import load_tolerances
+from verification.judging.verdict import baseline_metrics, judge
 
 NAMES = ("fla-naive", "transformers")
 DEVICES = ["cpu"] + ([pytest.param("cuda", marks=pytest.mark.gpu)] if torch.cuda.is_available() else [])

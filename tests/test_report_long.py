@@ -1,8 +1,8 @@
 """The report's long-context plot (plots/long_context.png) and its growth table."""
 import pytest
 
-from verification.report import long_context_figure, long_growth_rows, write_report
-from verification.runner import cell_key
+from verification.reporting.report import long_context_figure, long_growth_rows, write_report
+from verification.running.runner import cell_key
 
 LONG_T = (16384, 131072, 262144, 1048576)
 

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from verification.cases import get_suite
+from verification.running.cases import get_suite
 from verification.cli import main
-from verification.runner import read_records
+from verification.running.runner import read_records
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
 

@@ -9,7 +9,7 @@ from kda_ref.trace import DECODE, PAD, PREFILL, SPEC
 from verification.serving.cases import get_serving_suite, serving_suite
 from verification.serving.cells import tolerances_for
 from verification.serving.execute import Pairing, Side, run_pairing, trace_groups
-from verification.tolerances import load_tolerances
+from verification.judging.tolerances import load_tolerances
 
 CPU = get_serving_suite(long=False)
 DB = load_tolerances()

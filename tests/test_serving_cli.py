@@ -8,7 +8,7 @@ import json
 import pytest
 
 from verification.cli import main
-from verification.record import read_records
+from verification.judging.record import read_records
 
 EXACT = "serving_backends:exact"
 

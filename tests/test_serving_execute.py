@@ -10,7 +10,7 @@ from kda_ref.trace import DECODE, PAD, PREFILL, SPEC, CacheSpec
 from kda_ref.trace_gen import generate, trace_from_rows
 from verification.serving.execute import Pairing, Side, run_pairing
 from verification.serving.cells import tolerances_for
-from verification.tolerances import load_tolerances
+from verification.judging.tolerances import load_tolerances
 
 DB = load_tolerances()
 EXACT = sb.ServingBackend("exact")

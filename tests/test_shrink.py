@@ -14,13 +14,13 @@ import torch
 from kda_kernels import moonshot as moon
 from kda_ref.problem import validate
 from kda_ref.truth import truth
-from verification.bundle import checks_from_record, repro_source, write_bundle
-from verification.cases import build_problem, get_case
+from verification.reporting.bundle import checks_from_record, repro_source, write_bundle
+from verification.running.cases import build_problem, get_case
 from verification.cli import main
-from verification.runner import as_loaded, load, resolve_routes
-from verification.shrink import (CUT, Shrinker, Signature, chunk_states, head_errors, signature, size,
+from verification.running.runner import as_loaded, load, resolve_routes
+from verification.investigating.shrink import (CUT, Shrinker, Signature, chunk_states, head_errors, signature, size,
                                  subproblem)
-from verification.tolerances import load_tolerances
+from verification.judging.tolerances import load_tolerances
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
 
@@ -252,7 +252,7 @@ def test_bad_input_is_one_line_and_exit_2(argv, fragment, tmp_path, capsys):
 
 def test_from_results_finds_the_cell_and_an_unknown_key_names_one(tmp_path, capsys):
     from verification.commands.shrink import _from_results
-    from verification.runner import append_record
+    from verification.running.runner import append_record
     d = tmp_path / "run"
     d.mkdir()
     append_record(d / "results.jsonl", {"key": "emulator-bad|carry_scaled|fuzz/fuzz0-3", "backend": "emulator-bad",
@@ -474,7 +474,7 @@ def test_max_runs_stops_the_shrink(tmp_path):
 
 
 def test_the_report_states_the_judges_verdict_of_a_known_failure():
-    from verification.bundle import verdict_of
+    from verification.reporting.bundle import verdict_of
     rec = {"status": "known-fail", "known_failure": {"status": "fail", "reason": "chunks (after) an empty sequence"},
            "reason": "known failure (tolerances.yaml line 9: chunks (after) an empty sequence): o: rel_l2 76.7 > 0.004"}
     assert verdict_of(rec) == ("fail", "o: rel_l2 76.7 > 0.004")

@@ -2,7 +2,7 @@
 
 A pooled error hides a bug that ruins one short sequence, one head or one cache slot of a
 batch; the verdict judges every (sequence, head), every (sequence, 16-token block) of o and
-every written slot against the same slice of the baseline (verification/verdict.py)."""
+every written slot against the same slice of the baseline (verification/judging/verdict.py)."""
 import json
 from pathlib import Path
 
@@ -12,12 +12,12 @@ import torch
 from kda_kernels.base import Outputs
 from kda_kernels.controls import BATCH_CONTROLS, negative_control
 from kda_ref.truth import truth
-from verification.cases import build_problem, get_case
+from verification.running.cases import build_problem, get_case
 from verification.cli import main
 from verification.planted import PLANTS, judge_plant, plant, pooled_margin
-from verification.problem_file import save_outputs, save_problem
-from verification.runner import BaselineCache, TruthCache, run_cell
-from verification.tolerances import load_tolerances
+from verification.reporting.problem_file import save_outputs, save_problem
+from verification.running.runner import BaselineCache, TruthCache, run_cell
+from verification.judging.tolerances import load_tolerances
 
 pytest_plugins = ["pytester"]
 ROOT = Path(__file__).resolve().parents[1]
@@ -177,7 +177,7 @@ def test_check_run_and_pytest_give_the_same_verdict_on_the_same_outputs(tmp_path
     case = get_case(cid)
     p = case.build()
     spec = "kda_test_backends:leak"
-    from verification.runner import load
+    from verification.running.runner import load
     lb = load(spec)
     route = lb.backend.routes()[0]
     leak = lb.backend.run(p, route)
@@ -213,7 +213,7 @@ def test_a_route_whose_error_matches_a_cheaper_recipe_is_flagged(small):
 
 
 def test_a_short_last_block_joins_the_block_before_it():
-    from verification.metrics import sequence_blocks
+    from verification.judging.metrics import sequence_blocks
     assert sequence_blocks([33, 64, 5, 0, 16]) == [(0, 0, 16), (0, 16, 33), (1, 0, 16), (1, 16, 32), (1, 32, 48),
                                                    (1, 48, 64), (2, 0, 5), (4, 0, 16)]
 
@@ -223,7 +223,7 @@ def test_a_few_token_slice_gets_the_allowance_of_its_token_count():
     by rounding alone), at 3.5x it fails; so does one head of a 2-token sequence (o's seq_head
     slice carries its tokens); a (sequence, head) slice of a state at 2.5x fails."""
     from types import SimpleNamespace
-    from verification.verdict import judge_slices, slice_allowance
+    from verification.judging.verdict import judge_slices, slice_allowance
     assert slice_allowance("seq_start", [0, 0, 3]) == 1.5
     assert slice_allowance("seq_block", [1, 16, 31]) == 1.25
     assert slice_allowance("seq_head", [0, 1]) == 1.0

@@ -9,8 +9,8 @@ from kda_ref import truth
 from kda_ref.chunked import block_bytes_per_tile_head, block_plan, streamed
 from kda_ref.preprocess import prepare
 from kda_ref.recurrence import recurrence_prepared
-from verification.cases import get_suite
-from verification.selfcheck import RECIPES, build, rel
+from verification.running.cases import get_suite
+from verification.investigating.selfcheck import RECIPES, build, rel
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
 
@@ -149,7 +149,7 @@ def test_streamed_casts_inputs_block_by_block(monkeypatch):
 
 def test_oracle_command_streams_the_chunked_form(tmp_path):
     from verification.cli import main
-    from verification.problem_file import load_outputs, load_outputs_metadata, save_problem
+    from verification.reporting.problem_file import load_outputs, load_outputs_metadata, save_problem
     p = build(BY_NAME["varlen-partial-empty"], 3)
     pin, pout = str(tmp_path / "p.safetensors"), str(tmp_path / "t.safetensors")
     save_problem(pin, p)

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from verification.cli import UsageError
-from verification.tolerances import DEFAULT_PATH, ToleranceError, load_tolerances, parse_tolerances
+from verification.judging.tolerances import DEFAULT_PATH, ToleranceError, load_tolerances, parse_tolerances
 
 GOOD = """schema: 1
 entries:
@@ -87,8 +87,8 @@ FIGURES = [
 @pytest.fixture(scope="module")
 def measured():
     from kda_ref.truth import truth
-    from verification.cases import get_case
-    from verification.verdict import baseline_metrics
+    from verification.running.cases import get_case
+    from verification.judging.verdict import baseline_metrics
     out = {}
     for cid in BASIS:
         p = get_case(cid).build()

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from verification import bench
+from verification.investigating import bench
 from verification.cli import main
 
 

@@ -217,7 +217,7 @@ def test_each_pass_on_oracle_inputs():
 
 
 def test_per_pass_debugger_finds_no_divergence():
-    from verification.debug import debug_passes
+    from verification.investigating.debug import debug_passes
     p = make(lens=[40, 70], H=1, lb=-0.3, state="kv", seed=14)
     for route, passes in (("seg:cps=1", ["K1", "A", "B", "C"]), ("unseg", ["K1", "C"])):
         r = BACKEND.route(route)

@@ -23,7 +23,7 @@ def backend():
 
 
 def _default_cases():
-    from verification.cases import get_suite
+    from verification.running.cases import get_suite
     return get_suite("default")
 
 
@@ -45,7 +45,7 @@ def test_default_shapes_against_the_oracle(case, backend):
                                      "smoke/correlated-weak-lb-0.01", "smoke/varlen-tail33-lb-5"])
 def test_smoke_cases_every_route(case_id, backend):
     from kda_ref import truth
-    from verification.cases import get_case
+    from verification.running.cases import get_case
     p = get_case(case_id).build(device="cuda")
     tr = truth(p)
     bound = 4 * U_BF16 if "correlated" in case_id else 2 * U_BF16

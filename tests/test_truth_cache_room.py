@@ -1,7 +1,7 @@
 """TruthCache never computes a new truth while `keep` old ones are held, and the out-of-memory
 retry of the oracle drops the other cases' cached problems and truths first."""
-import verification.runner as runner
-from verification.cases import get_suite
+import verification.running.runner as runner
+from verification.running.cases import get_suite
 
 
 def test_room_is_made_before_a_new_truth_is_computed(monkeypatch):

@@ -8,9 +8,9 @@ import torch
 from kda_kernels.base import Outputs, Route
 from kda_kernels.emulator import emulate
 from kda_ref.truth import truth
-from verification.cases import get_case
-from verification.tolerances import load_tolerances, parse_tolerances
-from verification.verdict import baseline_metrics, judge
+from verification.running.cases import get_case
+from verification.judging.tolerances import load_tolerances, parse_tolerances
+from verification.judging.verdict import baseline_metrics, judge
 
 ROUTE = Route(name="flashkda", recipe="flashkda")
 
@@ -132,7 +132,7 @@ def _recipes(p, tr):
 
 
 def test_a_cap_no_recipe_can_meet_is_lifted_to_the_best_recipe():
-    from verification.cases import build_problem
+    from verification.running.cases import build_problem
     p = build_problem(ONE_TOKEN, 1447717590)
     tr = truth(p)
     base, db, recipes = baseline_metrics(p, "flashkda", tr), load_tolerances(), _recipes(p, tr)
@@ -168,7 +168,7 @@ def test_a_recipe_alone_over_the_cap_keeps_the_cap():
 
 def test_the_final_state_dtype_rule_fp32_or_the_given_one_unless_the_route_declares_one():
     # what fp32-state kernels return: a bf16 initial state in, an fp32 final state out
-    from verification.cases import build_problem
+    from verification.running.cases import build_problem
     p = build_problem({"lens": [1, 17, 40], "H": 1, "lb": -0.5, "state": "kv"}, seed=2)
     p = p.replace(initial_state=p.initial_state.bfloat16())
     tr = truth(p)

@@ -1,4 +1,4 @@
-"""The compile warm-up of xdist workers (verification/warmup.py), with a fake compiler: every
+"""The compile warm-up of xdist workers (verification/running/warmup.py), with a fake compiler: every
 variant is compiled once over the workers instead of once per worker, and nothing waits forever."""
 import threading
 import time
@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from verification import warmup
-from verification.cases import get_suite
+from verification.running import warmup
+from verification.running.cases import get_suite
 
 
 def _lb(name, available=True):
@@ -133,7 +133,7 @@ def test_opt_in_only_and_never_for_one_worker(monkeypatch):
 
 
 def test_the_breakdown_counts_the_warm_up_in_compile():
-    from verification import timing
+    from verification.running import timing
     sums = timing.add_warmup(timing.cell_sums([{"compile_s": 1.0, "compiles": 2}]),
                              {"variants": 9, "mine": 3, "s": 4.0, "wait_s": 1.5, "compiles": 3, "compile_s": 3.5})
     bd = timing.breakdown(timing.merge_sums([sums]), wall_s=10.0)

@@ -1,5 +1,5 @@
 """The installed package, not the checkout: a wheel built from the sources holds
-verification/tolerances.yaml, and installed with --no-deps into a directory of its own (no
+verification/judging/tolerances.yaml, and installed with --no-deps into a directory of its own (no
 editable link, no repository next to it) ``load_tolerances()`` finds it there, and the public API
 ``kda_verify.assert_kda_close`` imports from it.  The wheel is built
 from a copy of the sources (pyproject.toml, README.md, the four packages), so the build leaves
@@ -38,7 +38,7 @@ def wheel(tmp_path_factory):
 
 def test_the_wheel_holds_the_tolerances(wheel):
     names = zipfile.ZipFile(wheel).namelist()
-    assert "verification/tolerances.yaml" in names, sorted(n for n in names if not n.endswith(".py"))
+    assert "verification/judging/tolerances.yaml" in names, sorted(n for n in names if not n.endswith(".py"))
     assert not any(n == "tolerances.yaml" for n in names)
 
 
@@ -53,7 +53,7 @@ def test_installed_from_the_wheel_the_default_tolerances_load(wheel, tmp_path):
     r = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--target", str(target),
                         str(wheel)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    code = ("import verification, verification.tolerances as t; db = t.load_tolerances(); "
+    code = ("import verification, verification.judging.tolerances as t; db = t.load_tolerances(); "
             "import kda_verify; assert callable(kda_verify.assert_kda_close); "
             "print(kda_verify.__file__); print(t.DEFAULT_PATH); print(len(db))")
     env = {k: v for k, v in os.environ.items() if k != "KDA_TOLERANCES"}
@@ -65,5 +65,5 @@ def test_installed_from_the_wheel_the_default_tolerances_load(wheel, tmp_path):
     module, path, entries = r.stdout.split()
     assert Path(module).is_relative_to(target), f"imported {module}, not the wheel's copy under {target}"
     assert Path(module) == target / "kda_verify" / "__init__.py"
-    assert Path(path) == target / "verification" / "tolerances.yaml"
+    assert Path(path) == target / "verification" / "judging" / "tolerances.yaml"
     assert int(entries) >= 5

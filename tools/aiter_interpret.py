@@ -176,10 +176,10 @@ def _run(a, mods) -> int:
     from kda_kernels.base import Route
     from kda_kernels.emulator import RECIPES
     from kda_ref.truth import truth
-    from verification.cases import get_case
-    from verification.runner import apply_known_failure
-    from verification.tolerances import load_tolerances
-    from verification.verdict import baseline_metrics, judge
+    from verification.running.cases import get_case
+    from verification.running.runner import apply_known_failure
+    from verification.judging.tolerances import load_tolerances
+    from verification.judging.verdict import baseline_metrics, judge
     warnings.filterwarnings("ignore", category=RuntimeWarning)
 
     routes = [r.strip() for r in a.routes.split(",") if r.strip()]

@@ -41,8 +41,8 @@ def measure(T: int, lb: float, state: str, emit=lambda row: None) -> dict:
     a long T leaves what it has measured so far (the row's ``done`` lists the recipes in it)."""
     from kda_kernels.emulator import aiter_gfx950_groups, emulate
     from kda_ref.truth import truth
-    from verification.cases import _case
-    from verification.metrics import compare
+    from verification.running.cases import _case
+    from verification.judging.metrics import compare
     t0 = time.time()
     p = _case("long", f"T{T}-H1-lb{lb:g}", B=1, T=T, H=1, lb=lb, state=state).build()
     row = {"T": T, "lb": lb, "state": state, "build_s": round(time.time() - t0, 1),

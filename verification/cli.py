@@ -5,7 +5,7 @@ Each command module defines ``NAME``, ``HELP``, ``add_arguments(parser)`` and
 tests/test_help_examples.py.  A line may end in a note after ``  # `` (``example_parts``):
 ``needs: cuda, fla`` (a CUDA device, then Python modules; the test skips it elsewhere, saying
 why) and/or ``exits 1: why`` (an exit code other than 0 that the example ends with), joined by "; ".
-Exit codes (verification/policy.py, which decides them): 0 verified, 1 a kernel failure, 2 bad
+Exit codes (verification/judging/policy.py, which decides them): 0 verified, 1 a kernel failure, 2 bad
 input, a bad environment or nothing verified (one line, no traceback), 3 an internal error (one
 line naming the file that holds the traceback), 130 interrupted.
 """
@@ -18,9 +18,9 @@ import sys
 
 from kda_ref.problem import ProblemError  # noqa: F401 - re-exported (old imports)
 
-from .environment import check_triton
+from verification.running.environment import check_triton
 from .errors import Interrupted, KernelFailure, UsageError, bad_input_errors, save_traceback  # noqa: F401
-from .policy import EXIT_CODES_HELP, EXIT_USAGE, exit_code
+from verification.judging.policy import EXIT_CODES_HELP, EXIT_USAGE, exit_code
 
 
 def example_parts(line: str) -> tuple[str, tuple, int]:

@@ -1,12 +1,12 @@
 """Errors shared by the library and the `kda-verify` CLI (the exit code each one gives:
-verification/policy.py).
+verification/judging/policy.py).
 
 ``UsageError`` is the bad-input error of the harness, ``ToleranceError`` (a tolerances.yaml that
 breaks the schema) one kind of it; kda_ref.problem.ProblemError and kda_kernels.base.BackendError
 are the others (``bad_input_errors()``).  ``KernelFailure`` is a kernel that raised while a
 command ran it outside a cell (debug, capture); ``Interrupted`` is Ctrl-C with what was kept.  ``writable_dir`` and ``writable_file`` check an output
 path before any work is done, so an unwritable ``--out`` is a one-line error and not a traceback
-after the run.  verification/devices.py holds the one check of ``--device``.
+after the run.  verification/running/devices.py holds the one check of ``--device``.
 """
 from __future__ import annotations
 

@@ -105,7 +105,7 @@ def python_api(call: Callable[[], object]) -> str:
 # ----------------------------------------------------------------------------- problems and files
 def base(name: str = "varlen-partial-empty"):
     """A selfcheck problem: varlen-partial-empty is B=1 T=119 H=2 HV=2 K=16 V=16, 7 sequences."""
-    from verification.selfcheck import RECIPES, build
+    from verification.investigating.selfcheck import RECIPES, build
     return build({r.name: r for r in RECIPES}[name], 0)
 
 
@@ -125,7 +125,7 @@ def write_problem(problem, path: str = "P.safetensors", meta: Optional[dict] = N
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from verification.problem_file import save_problem
+    from verification.reporting.problem_file import save_problem
     save_problem(path, problem)
     if meta is None and not drop and not add:
         return path
@@ -163,7 +163,7 @@ def _oracle_outputs(problem, chunk: int = 32) -> None:
 
 
 def _changed_outputs(change: Callable) -> None:
-    from verification.problem_file import load_outputs, save_outputs
+    from verification.reporting.problem_file import load_outputs, save_outputs
     save_outputs("O.safetensors", change(load_outputs("O.safetensors")), {})
 
 
@@ -180,7 +180,7 @@ def check_outputs_of(change: Callable) -> Callable[[], str]:
 def _load_outputs_of(change: Callable) -> Callable[[], str]:
     """A row through ``load_outputs(path, problem)`` on the oracle's outputs changed by ``change``."""
     def produce() -> str:
-        from verification.problem_file import load_outputs
+        from verification.reporting.problem_file import load_outputs
         p = base()
         _oracle_outputs(p)
         _changed_outputs(change)
@@ -194,7 +194,7 @@ def _empty_T(p):
 
 
 def _empty_check() -> str:
-    from verification.problem_file import save_outputs
+    from verification.reporting.problem_file import save_outputs
     p = _empty_T(base())
     write_problem(p)
     save_outputs("O.safetensors", {"o": torch.zeros(p.v.shape)}, {})
@@ -283,12 +283,12 @@ def _out_under_a_file(argv: list[str], problem: bool = False) -> Callable[[], st
 
 
 def _invariance_varlen():
-    from verification.invariance import varlen_slice
+    from verification.investigating.invariance import varlen_slice
     return python_api(lambda: varlen_slice(None, None, base("dense")))
 
 
 def _invariance_split():
-    from verification.invariance import split_carry
+    from verification.investigating.invariance import split_carry
     return python_api(lambda: split_carry(None, None, base("dense"), 80, chunk_size=64))
 
 
@@ -349,7 +349,7 @@ def rows() -> list[Row]:
         Row("softplus gate without A_log", P, oracle_of(lambda p: p.replace(gate="softplus", A_log=None))),
         Row("gate=pregated with g > 0 (a decay > 1)", P,
             oracle_of(lambda p: p.replace(gate="pregated", g=_set(-p.g.abs(), (0, 9, 1, 4), 0.25)))),
-        # ----- problem files (verification.problem_file)
+        # ----- problem files (verification.reporting.problem_file)
         Row("a file without its metadata block", P, _file_row(meta={})),
         Row("lower_bound key missing (gate=lower_bound)", P, _file_row(meta={"lower_bound": None})),
         Row("lower_bound none for gate=lower_bound", P, _file_row(meta={"lower_bound": "none"})),
@@ -448,7 +448,7 @@ def rows() -> list[Row]:
 def _report_merge(argv: list[str]) -> Callable[[], str]:
     """``cli(argv)`` with runs/a, runs/b and runs/c results directories of one cell each."""
     def produce():
-        from verification.record import RESULTS_FILE, append_record
+        from verification.judging.record import RESULTS_FILE, append_record
         for d in ("runs/a", "runs/b", "runs/c"):
             os.makedirs(d, exist_ok=True)
             append_record(Path(d) / RESULTS_FILE, {"key": "emulator|flashkda|smoke/dense-T64-lb-5", "status": "pass"})

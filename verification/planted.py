@@ -77,8 +77,8 @@ def plant(problem, name: str) -> Optional[Outputs]:
 def judge_plant(problem, outputs: Outputs, tr=None, baselines: Optional[dict] = None):
     """The verdict of planted ``outputs`` as ``check --recipe flashkda`` gives it."""
     from kda_kernels.emulator import RECIPES
-    from verification.tolerances import load_tolerances
-    from verification.verdict import baseline_metrics, judge
+    from verification.judging.tolerances import load_tolerances
+    from verification.judging.verdict import baseline_metrics, judge
     tr = tr if tr is not None else truth(problem)
     baselines = {} if baselines is None else baselines
 
@@ -100,7 +100,7 @@ def pooled_margin(verdict) -> float:
 
 def rows(case_ids=CASES, device: str = "cpu"):
     """The table's rows, one at a time (header first)."""
-    from verification.cases import get_case
+    from verification.running.cases import get_case
     yield "| case | plant | caught | pooled margin | slice margin | the slice the verdict names |"
     yield "|---|---|---|---|---|---|"
     for cid in case_ids:

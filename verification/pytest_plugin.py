@@ -28,7 +28,7 @@ Options:
 The terminal summary's headline says how many cells were judged (``VERIFIED n of N cells:
 ...``); a session whose matrix judged no cell at all (``NOTHING VERIFIED: N cells skipped
 (reason)``) exits 2 with one line saying why, unless --kda-allow-skips.  The session's exit
-status is verification.policy.exit_code of the matrix's cells (and of the other tests: one
+status is verification.judging.policy.exit_code of the matrix's cells (and of the other tests: one
 failing is 1): a cell that failed, was mistrusted or raised 1; the harness out of memory on a
 cell with no kernel failure 2; a bad --kda-* option 2 (its ``verify[options]`` item says
 why); Ctrl-C 130, with the headline and the report saying ``INTERRUPTED: k of n selected
@@ -39,7 +39,7 @@ interpreter (TRITON_INTERPRET=1) before the kernels are built, as ``kda-verify r
 A cell that cannot run here (backend unavailable, case not applicable) is skipped with the
 reason; so is a cell out of the kernel's contract (a documented range it does not check: the
 reason says what the kernel did there, never a pass or a failure).  The terminal summary ends with the time breakdown of the cells that ran
-(verification/timing.py; under xdist summed over the workers, which send theirs through
+(verification/running/timing.py; under xdist summed over the workers, which send theirs through
 xdist's workeroutput), and the report carries it too.  Each test records its metrics with
 ``user_properties`` (what ``record_property`` writes), so ``--junitxml`` carries them.  Under pytest-xdist each worker writes
 DIR/results-gwN.jsonl; the controller merges them into the report at the end.  Every cell
@@ -113,7 +113,7 @@ def pytest_addoption(parser):
                 help="torch device (default: cuda:N for xdist worker gwN; cuda; cpu without CUDA)")
     g.addoption("--kda-tolerances", default=None, metavar="YAML", help="tolerances file")
     g.addoption("--kda-no-cache", action="store_true", default=False,
-                help="no disk cache of truths and baselines (verification/cache.py; KDA_VERIFY_CACHE=off)")
+                help="no disk cache of truths and baselines (verification/running/cache.py; KDA_VERIFY_CACHE=off)")
     g.addoption("--kda-allow-skips", action="store_true", default=False,
                 help="exit 0 even when every cell of the matrix was skipped (without it: exit 2, nothing verified)")
 
@@ -151,7 +151,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "verify: the on-device verification matrix (backend x route x case)")
     config.pluginmanager.register(_CellTally(config), f"kda-verify-cells-{id(config)}")
     if config.getoption("--kda-no-cache", default=False):
-        from verification.cache import turn_off
+        from verification.running.cache import turn_off
         turn_off()
     out = config.getoption("--kda-report", default=None)
     if out and _worker_id(config) is None:
@@ -164,14 +164,14 @@ def pytest_configure(config):
         for f in [d / "results.jsonl", *d.glob("results-*.jsonl")]:
             f.unlink(missing_ok=True)
     if _selects_verify(config):
-        from verification.environment import check_triton
+        from verification.running.environment import check_triton
         from verification.errors import UsageError
         try:
             check_triton()
         except UsageError as e:             # a Triton outside the supported range: one line, exit 2
             pytest.exit(f"kda-verify: error: {e}", returncode=2)
         # --kda-backend triton on a machine without CUDA: Triton's interpreter, as kda-verify run sets it up
-        from verification.selection import setup_interpreter
+        from verification.running.selection import setup_interpreter
         note = setup_interpreter(_split(config.getoption("--kda-backend")), config.getoption("--kda-device") or "cpu")
         if note:
             import sys
@@ -202,8 +202,8 @@ class _State:
     """What every cell of one process shares: backends, truth and baseline caches, tolerances."""
 
     def __init__(self, config):
-        from verification.baselines import BaselineCache
-        from verification.runner import TruthCache, use_device
+        from verification.judging.baselines import BaselineCache
+        from verification.running.runner import TruthCache, use_device
         self.config = config
         self.device = pick_device(config)
         use_device(self.device)
@@ -211,12 +211,12 @@ class _State:
         self.baseline_cache = BaselineCache()
         self._db = None
         self.timings: list[dict] = []       # the timings of every cell this process ran
-        self.warmup = None                  # verification.warmup.warm_up's figures (xdist workers)
+        self.warmup = None                  # verification.running.warmup.warm_up's figures (xdist workers)
 
     @property
     def db(self):
         if self._db is None:
-            from verification.tolerances import load_tolerances
+            from verification.judging.tolerances import load_tolerances
             self._db = load_tolerances(self.config.getoption("--kda-tolerances"))
         return self._db
 
@@ -231,7 +231,7 @@ def _state(config) -> _State:
 
 def _backends(config) -> list:
     from kda_kernels.base import BUILTIN_BACKENDS
-    from verification.runner import load, module_exists
+    from verification.running.runner import load, module_exists
     specs = _split(config.getoption("--kda-backend"))
     if specs:
         return [load(s) for s in specs]
@@ -257,9 +257,9 @@ def cell_id(backend: str, route: str, case_id: str) -> str:
 def _cells(config) -> list:
     from types import SimpleNamespace
 
-    from verification.selection import fuzz_args, select_cases
-    from verification.devices import check_device
-    from verification.runner import plan
+    from verification.running.selection import fuzz_args, select_cases
+    from verification.running.devices import check_device
+    from verification.running.runner import plan
     check_device(config.getoption("--kda-device"))     # a bad device or tolerance file: the options item says so
     _state(config).db
     suites = _split(config.getoption("--kda-suite")) or ["smoke"]
@@ -319,7 +319,7 @@ class VerifyConfigError(pytest.Item):
         self.add_marker(MARKER)
 
     def runtest(self):
-        from verification.policy import exit_code
+        from verification.judging.policy import exit_code
         self.user_properties.append((OPTIONS_PROPERTY, exit_code(error=self.error)))   # 2 for bad input
         raise self.error
 
@@ -331,7 +331,7 @@ class VerifyConfigError(pytest.Item):
 
 
 def _properties(rec: dict) -> list[tuple[str, str]]:
-    from verification.record import decode_number as as_float
+    from verification.judging.record import decode_number as as_float
     props = [("status", rec.get("status")), ("reason", rec.get("reason") or ""),
              ("backend", rec.get("backend")), ("route", rec.get("route")), ("case", rec.get("case")),
              ("seed", rec.get("seed")), ("device", rec.get("device")), ("margin", rec.get("margin"))]
@@ -363,8 +363,8 @@ class VerifyItem(pytest.Item):
         self.record = None
 
     def runtest(self):
-        from verification.record import append_record
-        from verification.runner import note_self_judged, run_cell
+        from verification.judging.record import append_record
+        from verification.running.runner import note_self_judged, run_cell
         lb, route, case = self.cell
         st = _state(self.config)
         if not lb.available:
@@ -411,7 +411,7 @@ def _own_timing(config) -> dict | None:
     """{"wall_s", "sums"} of the cells this process ran (None if it ran none)."""
     import time
 
-    from verification import timing
+    from verification.running import timing
     st = getattr(config, _STATE_KEY, None)
     if st is None or not (st.timings or st.warmup):
         return None
@@ -422,11 +422,11 @@ def _own_timing(config) -> dict | None:
 @pytest.hookimpl(trylast=True)
 def pytest_collection_finish(session):
     """xdist worker: before its first cell, its share of the session's Triton variants compiled
-    into the shared cache, then the others awaited (verification/warmup.py)."""
+    into the shared cache, then the others awaited (verification/running/warmup.py)."""
     wi = getattr(session.config, "workerinput", None)
     if not wi:
         return
-    from verification import warmup
+    from verification.running import warmup
     cells = [i.cell for i in session.items if isinstance(i, VerifyItem)]
     workers = int(wi.get("workercount") or 1)
     if cells and warmup.enabled(workers):
@@ -448,7 +448,7 @@ def pytest_testnodedown(node, error):
 
 def _timing_input(config) -> dict | None:
     """What write_report / timing.breakdown need: this process's cells, or the xdist workers'."""
-    from verification import timing
+    from verification.running import timing
     workers = getattr(config, _WORKERS_KEY, None)
     if workers:
         return {"started": getattr(config, _T0_KEY), "sums": timing.merge_sums(w["sums"] for w in workers),
@@ -499,12 +499,12 @@ class _CellTally:
 
 
 def _exit_status(session) -> None:
-    """The session's exit status from verification.policy.exit_code (the controller decides; xdist
+    """The session's exit status from verification.judging.policy.exit_code (the controller decides; xdist
     workers report to it): Ctrl-C 130 (and how many selected cells did not run); a bad option
     its item's code; else the matrix's cells, with the other tests' failures, 0, 1 or 2 (a matrix
     whose cells were all skipped verified nothing: 2 with one line in the summary, unless
     --kda-allow-skips).  pytest's own usage, internal and no-tests codes are kept."""
-    from verification.policy import FAILING, RESOURCE_ERROR, exit_code, nothing_verified_reason
+    from verification.judging.policy import FAILING, RESOURCE_ERROR, exit_code, nothing_verified_reason
     config = session.config
     if _worker_id(config) is not None:
         return
@@ -541,8 +541,8 @@ def pytest_sessionfinish(session, exitstatus):
     out = config.getoption("--kda-report", default=None)
     if not out or _worker_id(config) is not None:
         return
-    from verification import provenance
-    from verification.report import load_results, write_report
+    from verification.reporting import provenance
+    from verification.reporting.report import load_results, write_report
     import json
     d = Path(out)
     if not load_results(d):
@@ -566,12 +566,12 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """The time breakdown of the matrix (the report's, when one was written)."""
     import time
 
-    from verification import timing
+    from verification.running import timing
     if _worker_id(config) is not None:
         return
     cells = getattr(config, _CELLS_KEY, None)
     if cells:
-        from verification.policy import headline
+        from verification.judging.policy import headline
         terminalreporter.write_sep("-", "kda-verify")
         terminalreporter.write_line(headline(cells, getattr(config, _NOT_RUN_KEY, None) or 0))
         why = getattr(config, _NOTHING_KEY, None)

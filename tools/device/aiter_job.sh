@@ -61,7 +61,7 @@ step probe 60 env PYTHONPATH="$NEW_PP" $PY -c '
 import torch, traceback
 from kda_kernels.aiter import AiterBackend
 from kda_kernels.base import Route
-from verification.cases import get_case
+from verification.running.cases import get_case
 b = AiterBackend()
 print("version:", b.version(), "| available:", b.available())
 p = get_case("smoke/paged-lb-5").build("cuda")

@@ -52,7 +52,7 @@ step backends 40 $PY -m verification.cli backends
 step probe 90 $PY -c '
 import torch, traceback
 from kda_kernels.aiter import AiterBackend
-from verification.cases import get_case
+from verification.running.cases import get_case
 b = AiterBackend()
 print("version:", b.version(), "| available:", b.available())
 by = {r.name: r for r in b.routes()}

@@ -24,8 +24,8 @@ import torch
 from kda_kernels.emulator import emulate
 from kda_kernels.moonshot import MoonshotBackend
 from kda_ref.truth import truth
-from verification.cases import build_problem, get_case
-from verification.metrics import compare
+from verification.running.cases import build_problem, get_case
+from verification.judging.metrics import compare
 
 
 def rel(x, r):

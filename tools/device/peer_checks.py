@@ -8,7 +8,7 @@ recipe with one slip, ``run_in_recipe``) judged as the route on a case the route
 kernel on the same case: a control is *caught* when its verdict fails; the row also holds the kernel's own
 status there (the control shows something only where the kernel passes) and whether the slip changes
 anything in that recipe (inv_bf16 changes nothing in a recipe that already stores its inverse bf16).
-invariances: verification/invariance.py's checks on the shapes of tests/test_invariance_gpu.py (paged
+invariances: verification/investigating/invariance.py's checks on the shapes of tests/test_invariance_gpu.py (paged
 left out where the route refuses it), each with its kind (bitwise or tolerance), ok, diff and why.
 
 One line per result: {"backend", "route", "what", "name", ...}; a check that raises is a line with
@@ -50,9 +50,9 @@ def controls(b, route, device):
     from kda_kernels.controls import NEGATIVE_CONTROLS, run_in_recipe
     from kda_kernels.emulator import emulate
     from kda_ref.truth import truth
-    from verification.cases import get_case
-    from verification.tolerances import load_tolerances
-    from verification.verdict import baseline_metrics, judge
+    from verification.running.cases import get_case
+    from verification.judging.tolerances import load_tolerances
+    from verification.judging.verdict import baseline_metrics, judge
     db = load_tolerances()
     for name in NEGATIVE_CONTROLS:
         row = {"what": "control", "name": name}
@@ -87,8 +87,8 @@ def controls(b, route, device):
 
 
 def invariances(b, route, device):
-    from verification import invariance as inv
-    from verification.cases import build_problem
+    from verification.investigating import invariance as inv
+    from verification.running.cases import build_problem
     pr = {n: build_problem(params, seed, device=device) for seed, (n, params) in enumerate(SHAPES.items())}
     C = inv.chunk_size_of(route)
     plan = [("determinism", lambda: inv.determinism(b, route, pr["one"], repeats=3), "one"),

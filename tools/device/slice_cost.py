@@ -13,9 +13,9 @@ import time
 
 import torch
 
-import verification.metrics as metrics
+import verification.judging.metrics as metrics
 from kda_ref.truth import truth
-from verification.cases import build_problem
+from verification.running.cases import build_problem
 
 
 def _sync(device):

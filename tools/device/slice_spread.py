@@ -26,7 +26,7 @@ ROUTES = {"triton": ["seg", "unseg:BW=32"], "fla": ["chunk:safe_gate"],
 def packs(draws: int, H: int = 12, n_short: int = 192, long: int = 4096):
     """Varlen packs: ``n_short`` sequences of 1-256 tokens (log-uniform) around one of ``long``,
     at lb -5 without a state and at the weak lb -0.05 with one; ``draws`` seeds each."""
-    from verification.cases import _case
+    from verification.running.cases import _case
     for d in range(draws):
         gen = torch.Generator().manual_seed(1000 + d)
         short = [max(1, int(2 ** (8 * float(torch.rand(1, generator=gen))))) for _ in range(n_short)]
@@ -45,10 +45,10 @@ def main(argv=None) -> int:
     ap.add_argument("--backends", default=",".join(ROUTES))
     a = ap.parse_args(argv)
     from kda_ref.truth import truth
-    from verification.baselines import _tensors, baseline_metrics
-    from verification.metrics import compare
-    from verification.runner import load, resolve_routes
-    from verification.verdict import slice_errors
+    from verification.judging.baselines import _tensors, baseline_metrics
+    from verification.judging.metrics import compare
+    from verification.running.runner import load, resolve_routes
+    from verification.judging.verdict import slice_errors
     loaded = {}
     for name in a.backends.split(","):
         routes = ROUTES[name]

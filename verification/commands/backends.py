@@ -8,7 +8,7 @@ an adapter that exists but whose library or device is missing reports its own re
 from __future__ import annotations
 
 import json
-from verification.policy import exit_code
+from verification.judging.policy import exit_code
 
 NAME = "backends"
 HELP = "list the built-in backends: available here or not (and why), version, routes"
@@ -23,7 +23,7 @@ kda-verify backends --backend mypkg.kernels:make_backend   # needs: mypkg
 def describe(name: str, spec: str | None = None) -> dict:
     """{"name", "available", "reason", "version", "routes"} of one backend; never raises."""
     from kda_kernels.base import BUILTIN_BACKENDS, BackendError, load_backend
-    from verification.runner import module_exists
+    from verification.running.runner import module_exists
 
     target = spec or BUILTIN_BACKENDS.get(name, name)
     mod_name = target.partition(":")[0]

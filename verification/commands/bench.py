@@ -1,11 +1,11 @@
-"""`kda-verify bench`: time routes side by side on a CUDA device (see verification/bench.py for
+"""`kda-verify bench`: time routes side by side on a CUDA device (see verification/investigating/bench.py for
 the method: device events, median of many repetitions, L2 flushed, inputs rotated, optional
 CUDA-graph replay)."""
 from __future__ import annotations
 
 import json
 import sys
-from verification.policy import exit_code
+from verification.judging.policy import exit_code
 
 NAME = "bench"
 HELP = "time KDA forward routes side by side (CUDA events, median, L2 flushed between repetitions)"
@@ -38,7 +38,7 @@ def add_arguments(p):
 
 
 def _shapes(args):
-    from verification.bench import shapes_of_suite
+    from verification.investigating.bench import shapes_of_suite
     from verification.errors import UsageError
     if args.shapes:
         out = []
@@ -69,7 +69,7 @@ def _vs_floor(t: float, floor: float, width: int) -> str:
 def _print_side_by_side(results) -> None:
     """One row per shape: its bandwidth floor, then every timed (backend, route) of this run as
     'us (x floor)', host-bound cells marked 'hb', and the fastest."""
-    from verification import bench
+    from verification.investigating import bench
     cols, rows = bench.side_by_side(results)
     names = [f"{b} {r}" for b, r in cols]
     w = max(16, *(len(n) for n in names))
@@ -93,7 +93,7 @@ def run(args) -> int:
     import torch
 
     from kda_kernels.triton.routes import RouteError, parse_route
-    from verification import bench
+    from verification.investigating import bench
     from verification.errors import UsageError
 
     backends = [b.strip() for b in args.backend.split(",") if b.strip()]
@@ -116,7 +116,7 @@ def run(args) -> int:
     if not torch.cuda.is_available():
         raise UsageError("--device: bench needs a CUDA device (device-event timing); none is visible here")
     from kda_kernels.base import load_backend
-    from verification.devices import check_device
+    from verification.running.devices import check_device
     device = torch.device(check_device(args.device or "cuda"))
     cells = [("triton", r) for r in routes] if "triton" in backends else []
     checks = {"fla": bench.fla_available, "fla-pinned": bench.fla_available, "moonshot": bench.moonshot_available,

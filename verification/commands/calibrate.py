@@ -1,6 +1,6 @@
 """`kda-verify calibrate`: measure a backend's routes on a suite and propose tolerance entries.
 
-The rule and the proposal are verification/calibrate.py's (its docstring); this module parses
+The rule and the proposal are verification/investigating/calibrate.py's (its docstring); this module parses
 the arguments, prints the table and the diff, and writes --out.
 """
 from __future__ import annotations
@@ -8,11 +8,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from verification.calibrate import (ENTRY_ORDER, NEW_FLOOR, Group, ceil2, collect_groups,  # noqa: F401
+from verification.investigating.calibrate import (ENTRY_ORDER, NEW_FLOOR, Group, ceil2, collect_groups,  # noqa: F401
                                     device_description, earlier_provenance, earlier_records, entry_yaml,
                                     is_long, measure, measured_where, proposal_diff, proposal_yaml,
                                     propose, proposed_file)
-from verification.policy import exit_code
+from verification.judging.policy import exit_code
 
 NAME = "calibrate"
 HELP = "measure a backend's routes on a suite and propose tolerances (a diff; the file is never rewritten)"
@@ -36,22 +36,22 @@ def add_arguments(p):
     p.add_argument("--long", choices=("auto", "yes", "no"), default="auto", help="include long cases (auto: on CUDA)")
     p.add_argument("--headroom", type=float, default=2.0, metavar="FACTOR",
                    help="m = FACTOR times the worst observed ratio kernel/baseline, rounded up (default 2)")
-    p.add_argument("--tolerances", metavar="PATH", help="the file to diff against (default: verification/tolerances.yaml)")
+    p.add_argument("--tolerances", metavar="PATH", help="the file to diff against (default: verification/judging/tolerances.yaml)")
     p.add_argument("--out", metavar="PATH", help="also write the proposed entries as a YAML file")
 
 
 def run(args) -> int:
-    from verification import provenance
-    from verification.selection import fuzz_args, select_cases, split_list
-    from verification.devices import check_device
+    from verification.reporting import provenance
+    from verification.running.selection import fuzz_args, select_cases, split_list
+    from verification.running.devices import check_device
     from verification.errors import UsageError
-    from verification.tolerances import DEFAULT_PATH, load_tolerances, parse_tolerances
+    from verification.judging.tolerances import DEFAULT_PATH, load_tolerances, parse_tolerances
 
     if not (args.headroom >= 1.0):
         raise UsageError(f"--headroom: expected a number >= 1, got {args.headroom}")
     device = check_device(args.device)
     if not args.from_results:                    # the triton backend on a machine without CUDA: the interpreter
-        from verification.selection import setup_interpreter
+        from verification.running.selection import setup_interpreter
         note = setup_interpreter([args.backend], device)
         if note:
             print(f"kda-verify calibrate: {note}", file=sys.stderr)

@@ -49,9 +49,9 @@ def backend_route_device(args):
     """(backend, route, device) of a capture: --backend loaded and available, --route among its
     routes (default its first), --device or cuda if available, else cpu; one line otherwise."""
     from kda_kernels.base import BackendError, LooksUpRoutes, load_backend
-    from verification.devices import check_device
+    from verification.running.devices import check_device
     from verification.errors import UsageError
-    from verification.selection import setup_interpreter
+    from verification.running.selection import setup_interpreter
     device = check_device(args.device)
     note = setup_interpreter([args.backend], device)   # the triton backend without CUDA: the interpreter
     if note:
@@ -85,8 +85,8 @@ def run(args) -> int:
     from kda_kernels.base import BackendError, ReturnsTaps
     from kda_ref.problem import validate
     from verification.errors import KernelFailure, UsageError
-    from verification.policy import exit_code
-    from verification.problem_file import load_problem, save_outputs
+    from verification.judging.policy import exit_code
+    from verification.reporting.problem_file import load_problem, save_outputs
 
     from verification.errors import writable_file
 
@@ -145,9 +145,9 @@ def run_dir(args) -> int:
     from kda_ref.problem import ProblemError, validate
     from verification.errors import UsageError
     from verification.errors import writable_dir
-    from verification.problem_file import load_outputs, load_problem, save_outputs
+    from verification.reporting.problem_file import load_outputs, load_problem, save_outputs
 
-    from verification.policy import exit_code
+    from verification.judging.policy import exit_code
 
     files = problem_files(args.inputs)
     backend, route, device = backend_route_device(args)

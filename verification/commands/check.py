@@ -2,7 +2,7 @@
 
     kda-verify check --inputs P --outputs O --recipe R [--backend-name NAME] [--route NAME] [--json]
 
-P is a problem file and O an output file (verification/problem_file.py).  The float64 truth of
+P is a problem file and O an output file (verification/reporting/problem_file.py).  The float64 truth of
 P is computed here, the emulator recipe R gives the baseline, and the tolerances.yaml entry of
 (NAME, route, input dtype, tensor) gives m, floor and cap.  A route of a backend kda-verify loads
 is that backend's Route, its flags included, as run resolves it (``check_route``).  A ``ws_inv`` tensor in O (the
@@ -10,7 +10,7 @@ stored inverse, production layout) is judged too.  Prints a per-tensor table (or
 as JSON); exit 0 pass, 1 fail or mistrusted, 2 bad input, an empty problem, not applicable
 (no production recipe gives a sound baseline on this input) or out of contract (outside the
 recipe's range, the numbers in the reason: nothing verified).  The verdict is
-``verification.verdict.judge`` with the same arguments as ``run`` gives it (cap lift included).
+``verification.judging.verdict.judge`` with the same arguments as ``run`` gives it (cap lift included).
 
     kda-verify check --inputs DIR --outputs OUT [--recipe R] [--out RESULTS] [--resume]
 
@@ -24,7 +24,7 @@ that cannot be read, or a problem with no outputs and no capture marker (bad inp
 form), is that case's ``bad-input`` cell naming the file, and the rest are judged.
 ``--resume`` keeps the cells already in results.jsonl.
 Exit 0 when every judged cell passed (or is a known failure), 1 when one failed, else 2 when a
-file was bad input or none was judged (verification.policy.exit_code).
+file was bad input or none was judged (verification.judging.policy.exit_code).
 """
 from __future__ import annotations
 
@@ -88,9 +88,9 @@ def run(args) -> int:
     from kda_kernels.emulator import RECIPES
     from kda_ref.problem import validate
     from verification.errors import UsageError
-    from verification.devices import check_device
-    from verification.problem_file import load_outputs, load_problem
-    from verification.tolerances import load_tolerances
+    from verification.running.devices import check_device
+    from verification.reporting.problem_file import load_outputs, load_problem
+    from verification.judging.tolerances import load_tolerances
     args.device = check_device(args.device)
     if Path(args.inputs).is_dir():
         return run_dir(args)
@@ -118,7 +118,7 @@ def run(args) -> int:
         print(table(verdict))
         print(f"{verdict.status.upper()}: {verdict.reason}")
     sys.stdout.flush()
-    from verification.policy import exit_code
+    from verification.judging.policy import exit_code
     return exit_code([verdict.status])
 
 
@@ -134,7 +134,7 @@ def _case_of(problem, stem: str):
     cid = str(meta.get("case") or stem.replace("__", "/", 1))
     params, seed = {}, meta.get("seed")
     try:
-        from verification.cases import get_case
+        from verification.running.cases import get_case
         c = get_case(cid)
         params, seed = dict(c.params), c.seed
     except Exception:  # noqa: BLE001 - a problem that is no built-in case has no parameters
@@ -146,14 +146,14 @@ def check_route(backend_name: str, route_name, recipe: str):
     """(backend name, Route) that check judges under, taken where run takes them: when
     ``backend_name`` is a backend kda-verify loads (a built-in name or package.module:factory) and
     a route is named, the backend's own Route object with its flags (moonshot's
-    ``cutlass:state=bf16`` declares state_dtype bf16), found by verification.runner.resolve_routes
+    ``cutlass:state=bf16`` declares state_dtype bf16), found by verification.running.runner.resolve_routes
     as run finds --route (a name the backend lacks is a UsageError naming --route and the
     choices), claiming ``recipe``; any other backend name (the default ``external``), or no
     route named, gives a plain Route of that name (default: the recipe's) claiming ``recipe``."""
     import dataclasses
 
     from kda_kernels.base import BackendError, Route
-    from verification.runner import load, resolve_routes
+    from verification.running.runner import load, resolve_routes
     if not route_name:
         return backend_name, Route(name=recipe, recipe=recipe)
     try:
@@ -166,14 +166,14 @@ def check_route(backend_name: str, route_name, recipe: str):
 def judge_files(problem, outs: dict, recipe: str, backend_name: str, route_name, db, device: str):
     """The verdict of outputs ``outs`` on ``problem`` (validated, on ``device``), exactly as the
     file form above judges one pair: truth, the recipe's baseline (taps when ws_inv is there),
-    every recipe's baseline on request, verification.verdict.judge under the route ``check_route``
+    every recipe's baseline on request, verification.judging.verdict.judge under the route ``check_route``
     gives for ``route_name`` (--route or the outputs file's; None: none named).  Returns
     (verdict, baseline)."""
     from kda_kernels.emulator import RECIPES
     from kda_ref.truth import truth
     from verification.errors import UsageError
-    from verification.baselines import baseline_metrics
-    from verification.verdict import judge
+    from verification.judging.baselines import baseline_metrics
+    from verification.judging.verdict import judge
 
     backend_name, route = check_route(backend_name, route_name, recipe)
     if "ws_inv" in outs and int(outs["ws_inv"].shape[-1]) != RECIPES[recipe].chunk:
@@ -209,14 +209,14 @@ def run_dir(args) -> int:
     from verification.errors import UsageError
     from verification.commands.capture import problem_files
     from verification.errors import writable_dir
-    from verification.problem_file import load_outputs, load_outputs_metadata, load_problem
-    from verification.policy import BAD_INPUT, DEFAULT_RECIPE, exit_code, headline
-    from verification.record import RESULTS_FILE, Record, append_record, cell_key, read_records
-    from verification.record import encode as jsonable
-    from verification.report import write_report
-    from verification.runner import scalar_metrics, worst_margin
-    from verification.verdict import decide, known_failure_entry
-    from verification.tolerances import load_tolerances
+    from verification.reporting.problem_file import load_outputs, load_outputs_metadata, load_problem
+    from verification.judging.policy import BAD_INPUT, DEFAULT_RECIPE, exit_code, headline
+    from verification.judging.record import RESULTS_FILE, Record, append_record, cell_key, read_records
+    from verification.judging.record import encode as jsonable
+    from verification.reporting.report import write_report
+    from verification.running.runner import scalar_metrics, worst_margin
+    from verification.judging.verdict import decide, known_failure_entry
+    from verification.judging.tolerances import load_tolerances
 
     if args.recipe is not None and args.recipe not in RECIPES:
         raise UsageError(f"--recipe: expected one of {', '.join(RECIPES)}, got {args.recipe!r}")
@@ -280,7 +280,7 @@ def run_dir(args) -> int:
                   f"--route {route_name}",
             time_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             extra={"files": {"inputs": str(f), "outputs": str(target)}}).to_dict()
-        from verification.metrics import dtype_name
+        from verification.judging.metrics import dtype_name
         rec["dtype"] = None if problem is None else dtype_name(problem.v.dtype)
         skipped, crashed, error = (outputs / f"{stem}.{x}" for x in ("skipped", "crashed", "error"))
         outs = None

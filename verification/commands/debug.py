@@ -38,8 +38,8 @@ def add_arguments(p):
 def run(args) -> int:
     from kda_kernels.base import LooksUpRoutes, ReturnsTaps, RunsPasses, load_backend
     from verification.errors import UsageError
-    from verification.policy import exit_code
-    from verification.debug import THRESHOLDS, debug_passes, format_reports, reports_to_json
+    from verification.judging.policy import exit_code
+    from verification.investigating.debug import THRESHOLDS, debug_passes, format_reports, reports_to_json
 
     thresholds = {}
     for item in args.threshold:
@@ -50,9 +50,9 @@ def run(args) -> int:
             thresholds[name] = float(val)
         except ValueError:
             raise UsageError(f"--threshold: expected a number after {name}=, got {val!r}") from None
-    from verification.devices import check_device
+    from verification.running.devices import check_device
     device = check_device(args.device)
-    from verification.selection import setup_interpreter
+    from verification.running.selection import setup_interpreter
     note = setup_interpreter([args.backend], device)   # the triton backend without CUDA: the interpreter
     if note:
         print(f"kda-verify debug: {note}", file=sys.stderr)
@@ -74,10 +74,10 @@ def run(args) -> int:
     if route is None:
         raise UsageError(f"--route: expected one of {', '.join(routes)}, got {args.route!r}")
     if args.case:
-        from verification.cases import get_case
+        from verification.running.cases import get_case
         problem, label = get_case(args.case, n=args.fuzz_n, seed=args.fuzz_seed).build(device=device), args.case
     else:
-        from verification.problem_file import load_problem
+        from verification.reporting.problem_file import load_problem
         problem, label = load_problem(args.inputs).to(device), args.inputs
     from kda_kernels.base import applicable
     ok, why = applicable(backend, problem, route)

@@ -3,7 +3,7 @@ machine (a gfx950 or gfx1250 box, say) and judge its outputs here with `kda-veri
 ``--suite S[,S]`` writes every case of the suites (``--skip-long`` leaves out the long ones)
 into the directory --out, one file per case: SUITE__NAME.safetensors."""
 from __future__ import annotations
-from verification.policy import exit_code
+from verification.judging.policy import exit_code
 
 NAME = "export"
 HELP = "write the inputs of a case (e.g. stress/weak-gate-lb-0.01) as a problem file (.safetensors)"
@@ -29,9 +29,9 @@ def add_arguments(p):
 def run(args) -> int:
     from pathlib import Path
 
-    from verification.cases import get_case
+    from verification.running.cases import get_case
     from verification.errors import writable_dir, writable_file
-    from verification.problem_file import save_problem
+    from verification.reporting.problem_file import save_problem
 
     from verification.errors import UsageError
     if not args.case and not args.suite:
@@ -39,8 +39,8 @@ def run(args) -> int:
     # an unknown id is a one-line error naming --case (a fuzz id past the draw's n names --fuzz-n)
     cases = [get_case(cid, n=args.fuzz_n, seed=args.fuzz_seed) for cid in (args.case or [])]
     if args.suite:
-        from verification.cases import get_suite
-        from verification.selection import fuzz_args, split_list
+        from verification.running.cases import get_suite
+        from verification.running.selection import fuzz_args, split_list
         suites = split_list([args.suite])
         n, seed = fuzz_args(args, suites + (["fuzz"] if any(c.suite == "fuzz" for c in cases) else []))
         for s in suites:

@@ -2,7 +2,7 @@
 
 Each row: backend / route, case glob and parameter conditions, the library version or commit
 it was seen on, why it fails, the evidence, and the `kda-verify shrink` command that
-reproduces it (verification/findings.py).  For a terminal by default: lines of at most 100
+reproduces it (verification/reporting/findings.py).  For a terminal by default: lines of at most 100
 characters (a reason or evidence cut to 200 characters, with a pointer to its tolerances.yaml
 line), each reproduce command whole on a line of its own; the whole register as the markdown
 table of docs/findings.md with --markdown, as JSON with --json.
@@ -27,8 +27,8 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    from verification.findings import as_json, markdown, rows, terminal
-    from verification.tolerances import load_tolerances
+    from verification.reporting.findings import as_json, markdown, rows, terminal
+    from verification.judging.tolerances import load_tolerances
 
     items = rows(load_tolerances(args.tolerances))
     print(as_json(items) if args.json else markdown(items) if args.markdown else terminal(items))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
-from verification.policy import exit_code
+from verification.judging.policy import exit_code
 
 NAME = "isa"
 HELP = "cross-compile the Triton FlashKDA kernels (sm90, gfx950, gfx1250, ...) and report their ISA"
@@ -87,7 +87,7 @@ def run(args) -> int:
 
 
 def _run_aiter(args) -> int:
-    from verification.aiter_isa import AiterIsaError, aiter_isa_report, table_header, table_row
+    from verification.investigating.aiter_isa import AiterIsaError, aiter_isa_report, table_header, table_row
     from verification.errors import UsageError
     archs = _split(args.arch if args.arch != "gfx950,gfx1250,sm90" else "gfx950,gfx1250", "--arch")
     started = []

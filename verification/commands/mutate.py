@@ -1,11 +1,11 @@
-"""kda-verify mutate: run the mutants of our Triton FlashKDA (verification/mutants.py) through
+"""kda-verify mutate: run the mutants of our Triton FlashKDA (verification/investigating/mutants.py) through
 the harness and report, per mutant, killed or survived, by which metric and case, and whether
 the per-pass debugger names the patched pass."""
 from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from verification.policy import exit_code
+from verification.judging.policy import exit_code
 
 NAME = "mutate"
 HELP = "mutation testing: run each mutant of our Triton FlashKDA through the harness (killed? localized?)"
@@ -42,10 +42,10 @@ def _names(values) -> list:
 
 
 def run(args) -> int:
-    from verification.cases import SUITES
+    from verification.running.cases import SUITES
     from verification.errors import UsageError
-    from verification.mutants import CATALOGUE, by_name
-    from verification.mutate import AnchorError, check_anchors, format_table, needs_attention, run_in_child
+    from verification.investigating.mutants import CATALOGUE, by_name
+    from verification.investigating.mutate import AnchorError, check_anchors, format_table, needs_attention, run_in_child
 
     if args.list:
         for m in CATALOGUE:
@@ -63,7 +63,7 @@ def run(args) -> int:
     if args.json_out:
         from verification.errors import writable_file
         writable_file(args.json_out, "--json-out")
-    from verification.devices import check_device
+    from verification.running.devices import check_device
     args.device = check_device(args.device)
     if args.timeout <= 0:
         raise UsageError(f"--timeout: expected a positive number of seconds, got {args.timeout}")
@@ -89,7 +89,7 @@ def run(args) -> int:
                   f"localized: {rec.get('localized')}) {rec.get('seconds', 0):.1f} s", flush=True)
     print(format_table(records))
     if args.json_out:
-        from verification.record import encode as jsonable
+        from verification.judging.record import encode as jsonable
         with open(args.json_out, "w") as f:
             json.dump(jsonable(dict(suites=suites, device=args.device, long=args.long == "yes",
                                     taps=args.taps == "yes", records=records)), f, indent=1, allow_nan=False)

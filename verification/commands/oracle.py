@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import time
 
-from verification.devices import check_device  # noqa: F401 - the old import path (verification/devices.py)
-from verification.policy import exit_code
+from verification.running.devices import check_device  # noqa: F401 - the old import path (verification/running/devices.py)
+from verification.judging.policy import exit_code
 
 NAME = "oracle"
 HELP = "compute the float64 truth (o, final state or state cache; optionally ws_* and segments) of a problem file"
@@ -35,7 +35,7 @@ def run(args) -> int:
 
     from kda_ref.truth import truth
     from verification.errors import UsageError
-    from verification.problem_file import load_problem, save_outputs
+    from verification.reporting.problem_file import load_problem, save_outputs
 
     from verification.errors import writable_file
     dev = torch.device(check_device(args.device))

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import time
-from verification.policy import exit_code
+from verification.judging.policy import exit_code
 
 NAME = "oracle-bench"
 HELP = "time the float64 oracle (recurrence and workspace + segments + chunked) on a device"
@@ -268,7 +268,7 @@ def bench_shape(B, T, H, args, dev) -> dict:
 def run(args) -> int:
     import torch
 
-    from verification.devices import check_device
+    from verification.running.devices import check_device
     from verification.errors import UsageError
     if args.chunk_size not in (16, 32, 64):
         raise UsageError(f"--chunk-size: expected 16, 32 or 64, got {args.chunk_size}")

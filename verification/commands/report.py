@@ -8,7 +8,7 @@ of the merge in OUT."""
 from __future__ import annotations
 
 from pathlib import Path
-from verification.policy import exit_code
+from verification.judging.policy import exit_code
 
 NAME = "report"
 HELP = "write report.md, report.html, report.json and plots from a results directory"
@@ -27,8 +27,8 @@ def add_arguments(p):
 
 def run(args) -> int:
     from verification.errors import UsageError, writable_dir
-    from verification.record import RESULTS_FILE, record_line
-    from verification.report import load_results, merge_provenance, results_files, write_report
+    from verification.judging.record import RESULTS_FILE, record_line
+    from verification.reporting.report import load_results, merge_provenance, results_files, write_report
 
     for shown in args.dirs:
         d = Path(shown)

@@ -8,7 +8,7 @@ headline ``INTERRUPTED: k of n selected cells not run; ...`` and one line says s
 option is checked (backends loaded, routes resolved, the resume's selection compared) before
 --out is created: a refused run creates nothing.
 
-Exit status (verification.policy.exit_code): 0 when at least one cell was judged and every judged
+Exit status (verification.judging.policy.exit_code): 0 when at least one cell was judged and every judged
 cell passed (or is a listed known failure); 1 when any failed, was mistrusted, crashed or
 errored; 2 on bad input or a bad environment, when the harness ran out of memory on a cell,
 and when nothing was verified (every cell skipped: backend unavailable, case not applicable)
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import sys
 
-from verification.selection import fuzz_args, select_cases, setup_interpreter, split_list  # noqa: F401 - also
+from verification.running.selection import fuzz_args, select_cases, setup_interpreter, split_list  # noqa: F401 - also
 # imported from here by the commands that take the same options
 
 NAME = "run"
@@ -40,7 +40,7 @@ kda-verify run --backend emulator --suite smoke --out runs/r1 --resume --isolate
 
 def add_arguments(p):
     from kda_kernels.base import BUILTIN_BACKENDS
-    from verification.cases import SUITES
+    from verification.running.cases import SUITES
     p.add_argument("--backend", action="append", required=True, metavar="BACKEND",
                    help=f"built-in name ({', '.join(BUILTIN_BACKENDS)}) or package.module:factory; "
                         "repeatable or comma-separated")
@@ -70,7 +70,7 @@ def add_arguments(p):
     p.add_argument("--device", metavar="DEVICE", help="torch device for problems, oracle and kernels "
                                                   "(default: cuda if available, else cpu)")
     p.add_argument("--max-cells", type=int, metavar="N", help="stop after running N cells (resume later)")
-    p.add_argument("--tolerances", metavar="PATH", help="tolerances file (default: verification/tolerances.yaml)")
+    p.add_argument("--tolerances", metavar="PATH", help="tolerances file (default: verification/judging/tolerances.yaml)")
     p.add_argument("--no-report", action="store_true", help="do not write the report at the end")
     p.add_argument("--allow-nothing-verified", action="store_true",
                    help="exit 0 when every cell was skipped (a CI job that expects an unavailable backend); "
@@ -79,7 +79,7 @@ def add_arguments(p):
                    help="memory guards around every buffer of each cell (auto: on for CUDA devices)")
     p.add_argument("--no-cache", action="store_true",
                    help="compute every truth and baseline, neither reading nor writing kda-verify's disk cache "
-                        "(verification/cache.py; the same as KDA_VERIFY_CACHE=off)")
+                        "(verification/running/cache.py; the same as KDA_VERIFY_CACHE=off)")
 
 
 def add_fuzz_arguments(p):
@@ -92,11 +92,11 @@ def add_fuzz_arguments(p):
 def run(args) -> int:
     import time
 
-    from verification import provenance
-    from verification.cases import FUZZ_N, FUZZ_SEED
+    from verification.reporting import provenance
+    from verification.running.cases import FUZZ_N, FUZZ_SEED
     from verification.errors import Interrupted, UsageError, writable_dir
-    from verification.devices import check_device
-    from verification.runner import cell_key, check_resume, load, plan, run_matrix
+    from verification.running.devices import check_device
+    from verification.running.runner import cell_key, check_resume, load, plan, run_matrix
 
     started = time.perf_counter()
     from verification.serving.command import SUITE, check_serving_args, run_serving
@@ -114,7 +114,7 @@ def run(args) -> int:
     device = check_device(args.device)
     backends = split_list(args.backend)
     if getattr(args, "no_cache", False):
-        from verification.cache import turn_off
+        from verification.running.cache import turn_off
         turn_off()
     note = setup_interpreter(backends, device)
     if note:
@@ -134,7 +134,7 @@ def run(args) -> int:
                   f"(--long yes runs them here)", file=sys.stderr)
     db = None
     if args.tolerances:
-        from verification.tolerances import load_tolerances
+        from verification.judging.tolerances import load_tolerances
         db = load_tolerances(args.tolerances)
     # every option checked before --out is made: a bad backend, route or resume creates nothing
     routes = split_list(args.route) or None
@@ -165,12 +165,12 @@ def run(args) -> int:
 def finish(args, summary, started: float, reason_chars: int = 240, breakdown_line: bool = True) -> int:
     """The end of a ``run`` (the matrix or the serving suite): the headline, the failing cells with
     their repro lines, the report and the time breakdown, then Interrupted (exit 130) for a run
-    Ctrl-C stopped, else the exit code of verification.policy, with the nothing-verified line."""
+    Ctrl-C stopped, else the exit code of verification.judging.policy, with the nothing-verified line."""
     import time
 
     from verification.errors import Interrupted
-    from verification.policy import exit_code, headline, nothing_verified_reason
-    from verification.runner import clip_words
+    from verification.judging.policy import exit_code, headline, nothing_verified_reason
+    from verification.running.runner import clip_words
     print(f"{summary.ran} cells run, {summary.resumed} already done")
     print(headline(summary.records, summary.not_run or 0))
     if summary.stopped_early:
@@ -182,12 +182,12 @@ def finish(args, summary, started: float, reason_chars: int = 240, breakdown_lin
         print(f"             repro: {r.get('repro', '').replace('--out DIR', f'--out {args.out}/repro')}")
     if len(summary.failed) > shown:
         print(f"  ... and {len(summary.failed) - shown} more failing cells (see the report)")
-    from verification import timing
+    from verification.running import timing
     sums = timing.record_sums(summary.fresh)
     if args.no_report:
         bd = timing.breakdown(sums, wall_s=time.perf_counter() - started)
     else:
-        from verification.report import write_report
+        from verification.reporting.report import write_report
         paths = write_report(args.out, timing={"started": started, "sums": sums})
         bd = paths["timing"]
         print(f"report: {paths['md']} {paths['html']}")
@@ -213,8 +213,8 @@ def save_breakdown(out_dir, bd: dict) -> None:
     import json
     from pathlib import Path
 
-    from verification.record import RUN_FILE
-    from verification.record import encode as jsonable
+    from verification.judging.record import RUN_FILE
+    from verification.judging.record import encode as jsonable
     p = Path(out_dir) / RUN_FILE
     try:
         data = json.loads(p.read_text())

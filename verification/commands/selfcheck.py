@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import sys
-from verification.policy import exit_code
+from verification.judging.policy import exit_code
 
 NAME = "selfcheck"
 HELP = "verify the float64 oracle: its forms against each other, NumPy, mpmath, and its inverses' residuals"
@@ -21,8 +21,8 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
-    from verification.devices import check_device
-    from verification.selfcheck import format_table, selfcheck_report
+    from verification.running.devices import check_device
+    from verification.investigating.selfcheck import format_table, selfcheck_report
 
     args.device = check_device(args.device)
     rep = selfcheck_report(quick=args.quick, device=args.device)

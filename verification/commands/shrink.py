@@ -4,7 +4,7 @@
     kda-verify shrink --from-results RUNDIR --cell KEY --out DIR
 
 The cell is run and judged as ``kda-verify run`` judges it; while it fails, the problem is
-reduced (verification/shrink.py) and DIR receives the bundle (verification/bundle.py):
+reduced (verification/investigating/shrink.py) and DIR receives the bundle (verification/reporting/bundle.py):
 problem / truth / outputs safetensors, repro.py, REPORT.md, shrink.json; repro.py is run once
 in a fresh process from another directory and the outcome printed (and stated in REPORT.md).
 Exit 0 with a shrunk failing problem written, 1 when the cell passes (nothing to shrink), 2 on bad input
@@ -48,7 +48,7 @@ def _from_results(args):
     from pathlib import Path
 
     from verification.errors import UsageError
-    from verification.record import RESULTS_FILE, read_records
+    from verification.judging.record import RESULTS_FILE, read_records
     if not args.cell:
         raise UsageError("--cell: expected a cell key backend|route|case with --from-results, got none")
     path = Path(args.from_results) / RESULTS_FILE
@@ -97,26 +97,26 @@ def run(args) -> int:
             raise UsageError(f"--timeout: expected a number of seconds > 0, got {args.timeout!r}")
         if not args.isolate:
             raise UsageError("--timeout: expected together with --isolate, got it alone")
-    from verification.cases import get_case
+    from verification.running.cases import get_case
     case = get_case(case_id, n=fuzz_n, seed=fuzz_seed)
-    from verification.selection import setup_interpreter
-    from verification.devices import check_device
-    from verification.runner import load, resolve_routes, use_device
+    from verification.running.selection import setup_interpreter
+    from verification.running.devices import check_device
+    from verification.running.runner import load, resolve_routes, use_device
     device = check_device(args.device)
     out = writable_dir(args.out, "--out")
     note = setup_interpreter([spec], device)
     if note:
         print(note, file=sys.stderr)
     from kda_kernels.base import BackendError
-    from verification.tolerances import load_tolerances
+    from verification.judging.tolerances import load_tolerances
     db = load_tolerances(args.tolerances)
     lb = load(spec)
     if not lb.available:
         raise BackendError(f"--backend: {lb.name} cannot run here: {lb.reason}")
     route = resolve_routes(lb, [route_name])[0]
     use_device(device)
-    from verification.bundle import write_bundle
-    from verification.shrink import Shrinker, shape_text, size
+    from verification.reporting.bundle import write_bundle
+    from verification.investigating.shrink import Shrinker, shape_text, size
 
     print(f"shrink {lb.name}/{route.name} on {case.id} ({device}), at most {max_runs} runs")
     sh = Shrinker(lb, route, db, device=device, log=print, isolate=args.isolate, timeout_s=timeout,

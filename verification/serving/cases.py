@@ -131,7 +131,7 @@ def _atom_1750(seed):
 
 
 def serving_suite() -> list:
-    from verification.cases import stable_seed
+    from verification.running.cases import stable_seed
     C = []
 
     def add(name, make, **kw):

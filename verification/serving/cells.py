@@ -13,9 +13,9 @@ reason, never a pass.  The baseline's per-step errors are kept for the case and 
 cell with the same recipes (O(steps) numbers, not outputs).  ``BASELINE_ENV`` names another
 backend to take the emulator's place (the harness's own tests use a test-local exact backend).
 
-The record (``run_serving_cell``) is a verification.record.Record in dict form, like every other
+The record (``run_serving_cell``) is a verification.judging.record.Record in dict form, like every other
 cell's: backend (``A``, or ``A+B`` for two backends), route (``prefill-route+decode-route``),
-recipe, case, suite "serving", status (decided by verification.verdict.decide: a not-applicable
+recipe, case, suite "serving", status (decided by verification.judging.verdict.decide: a not-applicable
 pairing is "skipped", a raising call "error", the known-failure register applies), reason, the
 worst o and state items in ``tensors`` (err, threshold, margin, metric rel_l2, baseline_err,
 where), the worst margin, a repro line, and ``serving``: the pairing, the first failure, the
@@ -158,10 +158,10 @@ def run_serving_cell(prefill_lb, decode_lb, rp, rd, case, db, cache: TraceCache,
                      baseline_spec: Optional[str] = None, progress=None) -> dict:
     """One cell's record (module docstring); never raises for a kernel's sake.  ``progress``: a
     stream that a long trace (LONG_STEPS steps or more) writes a line to every LONG_STEPS steps."""
-    from verification.metrics import dtype_name
-    from verification.record import Record, cell_key, encode
-    from verification.runner import _errored, _Said
-    from verification.verdict import decide, known_failure_entry
+    from verification.judging.metrics import dtype_name
+    from verification.judging.record import Record, cell_key, encode
+    from verification.running.runner import _errored, _Said
+    from verification.judging.verdict import decide, known_failure_entry
     backend, route, recipe = cell_names(prefill_lb, decode_lb, rp, rd)
     rec = Record(key=cell_key(backend, route, case.id), backend=backend,
                  backend_spec=prefill_lb.spec if prefill_lb.spec == decode_lb.spec
@@ -224,7 +224,7 @@ def run_serving_cell(prefill_lb, decode_lb, rp, rd, case, db, cache: TraceCache,
     rec["serving"] = encode(srv)
     status = {"not-applicable": "not-applicable"}.get(res.status, res.status)
     kf = known_failure_entry(db, rec["backend"], rec["route"], rec["case"], rec.get("params"))
-    from verification.runner import note_self_judged
+    from verification.running.runner import note_self_judged
     return note_self_judged(decide(_Said(status, res.reason), known_failure=kf).apply_to(rec))
 
 
@@ -243,6 +243,6 @@ def _step_note(stream, rec: dict, steps: int):
 
 
 def worst_margin_of(rec: dict) -> float:
-    from verification.record import decode_number
+    from verification.judging.record import decode_number
     m = decode_number(rec.get("margin"))
     return m if not math.isnan(m) else -1.0

@@ -1,7 +1,7 @@
 """``kda-verify run --suite serving``: every (serving case, prefill route, decode route) cell,
 recorded as it goes, then the report (the run command's behaviour, verification/commands/run.py:
 results.jsonl appended and fsynced per cell, --resume, the report, the exit policy of
-verification/policy.py, Ctrl-C exits 130 with the report headed INTERRUPTED).
+verification/judging/policy.py, Ctrl-C exits 130 with the report headed INTERRUPTED).
 
     --backend A            the prefill side (and the decode side unless --decode-backend)
     --route R              prefill routes (default: every trace route of A running prefill calls)
@@ -23,7 +23,7 @@ SUITE = "serving"
 def check_serving_args(args, suites: list) -> None:
     """The refusals of the module docstring that need no backend loaded."""
     from verification.errors import UsageError
-    from verification.selection import split_list
+    from verification.running.selection import split_list
     if SUITE not in suites:
         for opt, val in (("--decode-backend", getattr(args, "decode_backend", None)),
                          ("--decode-route", getattr(args, "decode_route", None))):
@@ -67,8 +67,8 @@ def select_serving_cases(patterns: list, long: bool) -> list:
 
 def plan_cells(args, device: str):
     """(prefill LoadedBackend, decode LoadedBackend, [(rp, rd)], cases, selection)."""
-    from verification.runner import load
-    from verification.selection import split_list
+    from verification.running.runner import load
+    from verification.running.selection import split_list
     from verification.serving.cells import pairings
     spec_a = split_list(args.backend)[0]
     spec_b = (split_list(getattr(args, "decode_backend", None)) or [spec_a])[0]
@@ -94,15 +94,15 @@ def run_serving(args) -> int:
     """The serving suite's ``run`` (module docstring)."""
     from pathlib import Path
 
-    from verification import provenance
-    from verification.devices import check_device
+    from verification.reporting import provenance
+    from verification.running.devices import check_device
     from verification.errors import UsageError, writable_dir
-    from verification.record import RESULTS_FILE, append_record, read_records, repair_partial_line
-    from verification.record import encode as jsonable
-    from verification.runner import Progress, RunSummary, check_resume, _note_interrupted
+    from verification.judging.record import RESULTS_FILE, append_record, read_records, repair_partial_line
+    from verification.judging.record import encode as jsonable
+    from verification.running.runner import Progress, RunSummary, check_resume, _note_interrupted
     from verification.serving.cells import TraceCache, cell_names, run_serving_cell
-    from verification.record import cell_key
-    from verification.selection import split_list
+    from verification.judging.record import cell_key
+    from verification.running.selection import split_list
     import json
 
     started = time.perf_counter()
@@ -112,10 +112,10 @@ def run_serving(args) -> int:
     device = check_device(args.device)
     la, lb, pairs, cases, selection = plan_cells(args, device)
     if args.tolerances:
-        from verification.tolerances import load_tolerances
+        from verification.judging.tolerances import load_tolerances
         db = load_tolerances(args.tolerances)
     else:
-        from verification.tolerances import load_tolerances
+        from verification.judging.tolerances import load_tolerances
         db = load_tolerances(None)
     cells = [(rp, rd, c) for c in cases for rp, rd in pairs]
     keys = [cell_key(*cell_names(la, lb, rp, rd)[:2], c.id) for rp, rd, c in cells]
@@ -136,7 +136,7 @@ def run_serving(args) -> int:
     prov["backends"] = {x.name: {"spec": x.spec, "version": x.version, "available": x.available, "reason": x.reason}
                         for x in {id(la): la, id(lb): lb}.values()}
     prov["cases"] = {c.id: {"suite": c.suite, "seed": c.seed} for c in cases}
-    from verification.record import read_runs, RUN_FILE
+    from verification.judging.record import read_runs, RUN_FILE
     runs = read_runs(out) if args.resume else []
     runs.append(jsonable(prov))
     (out / RUN_FILE).write_text(json.dumps({"runs": runs}, indent=1, allow_nan=False))

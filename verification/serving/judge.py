@@ -8,7 +8,7 @@ step, the tolerance entries of the routes that ran each group, and what the call
 changed).  It judges:
 
 - o per (request, step): the request's live tokens in the step.  With d = o - o_ref over those
-  tokens, the slice error is verification.verdict.slice_errors' (its squared error over its
+  tokens, the slice error is verification.judging.verdict.slice_errors' (its squared error over its
   squared reference, the reference floored at NEGLIGIBLE_SLICE of the step's rms: a near-zero
   row is measured on the step's scale).  Threshold
 
@@ -41,7 +41,7 @@ from typing import Optional
 
 import torch
 
-from verification.verdict import NEGLIGIBLE_SLICE, SLICE_FLOOR_SHARE, slice_allowance, slice_errors  # noqa: F401
+from verification.judging.verdict import NEGLIGIBLE_SLICE, SLICE_FLOOR_SHARE, slice_allowance, slice_errors  # noqa: F401
 
 F64 = torch.float64
 _INT = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,

@@ -1,4 +1,4 @@
-"""The serving cells in the report (verification/report.py hands them here).
+"""The serving cells in the report (verification/reporting/report.py hands them here).
 
 ``serving_sections(records)``: the section "Serving traces": each serving cell's pairing, its
 worst (request, step) or slot against its threshold, the first failure and its diagnosis; and the
@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 from typing import Optional
 
-from verification.record import decode_number as num
+from verification.judging.record import decode_number as num
 
 
 def serving_records(records: list) -> list:

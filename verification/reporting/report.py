@@ -21,7 +21,7 @@ DIR/run.json (provenance).  Output:
                                under it in the report, each line's error at its smallest and
                                largest T and their ratio (growth)
 
-The headline is verification.policy.headline: ``VERIFIED n of N cells: ...`` when n cells were
+The headline is verification.judging.policy.headline: ``VERIFIED n of N cells: ...`` when n cells were
 judged (pass, known-fail, fail, mistrusted), ``NOTHING VERIFIED: ...`` when none was, and
 ``INTERRUPTED: <k> of <n> selected cells not run; ...`` first when the latest invocation that
 wrote the directory was stopped by Ctrl-C (its run.json entry's ``interrupted``).  A
@@ -38,11 +38,11 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from .policy import FAILING, JUDGED, STATUSES, UNJUDGED
-from .policy import headline as policy_headline
-from .record import RESULTS_FILE, RUN_FILE, read_records, read_runs
-from .record import decode_number as as_float
-from .record import encode as jsonable
+from verification.judging.policy import FAILING, JUDGED, STATUSES, UNJUDGED
+from verification.judging.policy import headline as policy_headline
+from verification.judging.record import RESULTS_FILE, RUN_FILE, read_records, read_runs
+from verification.judging.record import decode_number as as_float
+from verification.judging.record import encode as jsonable
 
 PLOTS = ("error_vs_T", "worst_chunks", "margin_heatmap", "long_context", "serving_drift")
 STATUS_COLOURS = {"pass": "#2e7d32", "fail": "#c62828", "mistrusted": "#ef6c00", "crashed": "#6a1b9a",
@@ -877,7 +877,7 @@ def _tail(r: dict, n: int) -> tuple[str, str]:
 
 def headline(records: list[dict], not_run: int = 0) -> str:
     """The report's headline, the same line ``kda-verify run`` and ``pytest -m verify`` print
-    (verification.policy.headline): ``VERIFIED n of N cells: ...`` when n cells were judged (pass,
+    (verification.judging.policy.headline): ``VERIFIED n of N cells: ...`` when n cells were judged (pass,
     known-fail, fail, mistrusted), else ``NOTHING VERIFIED: ...``, after ``INTERRUPTED: ...`` when
     ``not_run`` selected cells were not run; never ALL PASS over skips."""
     return policy_headline(records, not_run)
@@ -940,7 +940,7 @@ def sections(summary: dict, records: list[dict], prov: dict, plots: dict, out_di
         out.append(("Repro", [("text", "One command per cell (the same --out may be reused with --resume):"),
                               ("code", "\n".join(repro))]))
     if breakdown:
-        from .timing import PARTS, part_note
+        from verification.running.timing import PARTS, part_note
         busy = breakdown["busy_s"] if breakdown["busy_s"] > 0 else 1.0
         out.append(("Where the time went", [
             ("text", f"Wall {breakdown['wall_s']:.1f} s for {breakdown['cells']} cells"
@@ -1072,7 +1072,7 @@ def render_html(summary: dict, records: list[dict], prov: dict, plots: dict, out
 def write_report(out_dir, records: Optional[list[dict]] = None, provenance: Optional[dict] = None,
                  timing: Optional[dict] = None) -> dict:
     """Write report.md, report.html, report.json and plots/ into out_dir; return their paths and
-    ``timing``, the run's time breakdown (verification/timing.py), or None.
+    ``timing``, the run's time breakdown (verification/running/timing.py), or None.
 
     timing: {"started": time.perf_counter() at the run's start, "sums": timing.cell_sums(...) of
     the cells this run executed, optionally "workers": [{"wall_s", "sums"}] (pytest-xdist)}; the
@@ -1087,7 +1087,7 @@ def write_report(out_dir, records: Optional[list[dict]] = None, provenance: Opti
     plots = make_plots(records, out / "plots")
     bd = prov.get("time_breakdown") if isinstance(prov, dict) else None
     if timing is not None:
-        from . import timing as timing_mod
+        from verification.running import timing as timing_mod
         now = time.perf_counter()
         bd = timing_mod.breakdown(timing["sums"], wall_s=now - timing["started"], report_s=now - t_report,
                                   workers=timing.get("workers"))

@@ -1,4 +1,4 @@
-"""Tolerances as data: ``verification/tolerances.yaml``, in the package so every install has it
+"""Tolerances as data: ``verification/judging/tolerances.yaml``, in the package so every install has it
 (docs/tolerances.md).
 
 Schema (version 1)::
@@ -30,9 +30,9 @@ Schema (version 1)::
 A cell matches an entry when its backend, route and case id match the globs and, where the entry
 has ``params``, every condition holds on the case's parameters (``Case.params``: the named
 cases' recipes, and for a fuzz case ``fuzz/fuzz{S}-{i}`` the parameters its draw recorded,
-verification.cases._fuzz_params), so a fuzz case with the parameters of a known failure is
+verification.running.cases._fuzz_params), so a fuzz case with the parameters of a known failure is
 matched although its id says nothing.  ``params`` maps a numeric case parameter (NUMERIC_PARAMS
-of verification.cases) to a condition: a number (equal to it), a comparison ``"<op><number>"``
+of verification.running.cases) to a condition: a number (equal to it), a comparison ``"<op><number>"``
 with op one of >=, >, <=, <, ==, or a list of these (all must hold: a range).  A parameter the
 case does not set never satisfies a condition (no defaults are filled in), nor does a value
 that is not a number.  Conditions may also name a derived parameter (DERIVED_PARAMS), computed
@@ -54,7 +54,7 @@ failure happens, not a promise that every case in it fails, so the entry is stal
 case of it fails).  Only a failure the
 project can explain belongs here: it is a record, not a way to go green.
 
-Rule (verification.verdict): err <= m * baseline_err + floor and err <= cap.  An unknown key
+Rule (verification.judging.verdict): err <= m * baseline_err + floor and err <= cap.  An unknown key
 or field, a missing field, a wrong type, or two entries with the same key is an error that
 names the file, the line and the field.  ``lookup`` takes the most specific matching entry:
 a literal backend beats a glob, then a literal route, then the count of literal dtype/tensor
@@ -117,7 +117,7 @@ def match_params(params: Optional[Mapping]) -> Optional[Mapping]:
     """The parameters a known failure's conditions see: the case's own (``Case.params``, a
     record's ``params``) plus the derived ones of DERIVED_PARAMS (module docstring), which
     replace any value of the same name.  Not a mapping: returned as is.  Sequence lengths come
-    from ``lens``, else B sequences of T tokens (defaults 1 and 64, as verification.cases builds
+    from ``lens``, else B sequences of T tokens (defaults 1 and 64, as verification.running.cases builds
     the problem); lengths that are not integers >= 0 leave the derived parameters out."""
     if not isinstance(params, Mapping):
         return params
@@ -340,7 +340,7 @@ def parse_tolerances(text: str, path: str = "<string>") -> ToleranceDB:
 def _param_conditions(value, line: int, entry: str, path: str) -> tuple:
     """The ParamConditions of a known failure's ``params`` field (module docstring), or a
     ToleranceError naming the file and line, the entry, the field, what was expected and what came."""
-    from verification.cases import NUMERIC_PARAMS
+    from verification.running.cases import NUMERIC_PARAMS
 
     form = f"a number or a comparison '<op><number>' with op one of {', '.join(PARAM_OPS)}"
     if not isinstance(value, dict) or not value:

@@ -79,7 +79,7 @@ def kda_modules_present() -> bool:
 def _as_arch(arch: str):
     """aiter's KDA host modules freshly imported as on an ``arch`` machine (they pick their Gluon
     kernels by the arch at import)."""
-    from verification.aiter_isa import cpu_import, set_stub_arch
+    from verification.investigating.aiter_isa import cpu_import, set_stub_arch
     set_stub_arch(arch)
     for name in (CHUNK_KDA, KDA):
         sys.modules.pop(name, None)
@@ -164,7 +164,7 @@ def packed_decode_call():
 def record_kda_launches(arch: str, families=FAMILIES, num_cus: int = 256) -> list:
     """(kernel, args, kwargs, plan) of every launch aiter's KDA host wrappers make on ``arch``; a
     call the host wrapper itself refuses is a (None, (reason,), {}, plan) entry."""
-    from verification.aiter_isa import _patched, _Recorder
+    from verification.investigating.aiter_isa import _patched, _Recorder
     log: list = []
     with _as_arch(arch) as (ck, kda):
         def run(fn, plan, kw, pairs):
@@ -229,7 +229,7 @@ def kda_variants(arch: str, families=FAMILIES, num_cus: int = 256) -> tuple[list
     """(unique AiterVariants with their signature, (reason, plan) of refused calls) for ``arch``;
     each variant's label names its kernel, the constexprs that differ between that kernel's
     variants (plus BV / NUM_WARPS), and its launch options."""
-    from verification.aiter_isa import AiterVariant
+    from verification.investigating.aiter_isa import AiterVariant
     opt_names = _launch_option_names()
     found, refused = {}, []
     for kernel, args, kwargs, plan in record_kda_launches(arch, families, num_cus):

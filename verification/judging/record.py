@@ -1,8 +1,8 @@
-"""The record of one cell and its one JSON codec (what its statuses mean: verification/policy.py).
+"""The record of one cell and its one JSON codec (what its statuses mean: verification/judging/policy.py).
 
 A cell (one route of one backend on one case) leaves one ``Record``: who ran (backend, route,
 recipe), on what (case, suite, seed, params, shape, dtype, device), the verdict (status, reason,
-per-tensor ``tensors`` of verification.verdict, the worst ``margin``), the full metrics, the
+per-tensor ``tensors`` of verification.judging.verdict, the worst ``margin``), the full metrics, the
 baseline's scalar metrics, timings and a repro command.  Fields that only some cells have
 (guards, info, traceback, known_failure, contract_verdict, ...) travel in ``extra``.
 
@@ -108,13 +108,13 @@ class Record:
     seed: Optional[int] = None
     params: dict = field(default_factory=dict)
     device: str = ""
-    status: Optional[str] = None        # one of verification.policy.STATUSES; None while running
+    status: Optional[str] = None        # one of verification.judging.policy.STATUSES; None while running
     reason: str = ""
     shape: Optional[dict] = None
     shape_key: Optional[list] = None
     dtype: Optional[str] = None
     tensors: dict = field(default_factory=dict)     # name -> {err, threshold, margin, metric, baseline_err, ...}
-    metrics: dict = field(default_factory=dict)     # name -> metrics of verification.metrics
+    metrics: dict = field(default_factory=dict)     # name -> metrics of verification.judging.metrics
     baseline: dict = field(default_factory=dict)    # name -> the baseline's scalar metrics
     margin: object = None                           # the worst margin (a number, "NaN" / "Infinity"), None if unjudged
     timings: dict = field(default_factory=dict)

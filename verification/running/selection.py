@@ -21,7 +21,7 @@ def split_list(values) -> list[str]:
 def fuzz_args(args, suites: list[str], names=("--fuzz-n", "--fuzz-seed")) -> tuple:
     """(n, seed) of the fuzz draw from --fuzz-n / --fuzz-seed (None: not given), checked: an
     integer >= 1 (>= 0 for the seed), and only together with the fuzz suite."""
-    from verification.cases import fuzz_options
+    from verification.running.cases import fuzz_options
     from verification.errors import UsageError
     n, seed = getattr(args, "fuzz_n", None), getattr(args, "fuzz_seed", None)
     checked = fuzz_options(n, seed, names=names)
@@ -37,7 +37,7 @@ def select_cases(suites: list[str], patterns: list[str] | None, long: bool = Tru
     """The cases of the suites, in suite order, filtered by --case patterns (each must match).
     long=False drops the suites' long cases unless a pattern names them; fuzz_n / fuzz_seed
     size and seed the fuzz suite's draw (None: 20 cases, seed 0)."""
-    from verification.cases import get_suite
+    from verification.running.cases import get_suite
     from verification.errors import UsageError
 
     cases, seen = [], set()

@@ -4,8 +4,8 @@ Parts (seconds):
     build      cases built by this run: their inputs drawn (a cell whose problem came from the cache adds 0)
     oracle     float64 truths computed by this run (a cell whose truth came from the cache adds 0)
     baseline   emulated-recipe baselines computed by this run (cached ones add 0)
-    cache      the disk cache of truths and baselines (verification/cache.py): keys, loads, stores
-    compile    Triton compilation inside the kernel calls (verification/compile_time.py)
+    cache      the disk cache of truths and baselines (verification/running/cache.py): keys, loads, stores
+    compile    Triton compilation inside the kernel calls (verification/running/compile_time.py)
     kernel     the kernel calls, compile excluded
     guards     the memory guards' allocations and checks
     metrics    metrics and verdicts
@@ -74,7 +74,7 @@ def cell_sums(timings: Iterable[dict]) -> dict:
 
 
 def add_warmup(sums: dict, warm: Optional[dict]) -> dict:
-    """Add a worker's compile warm-up (verification.warmup.warm_up's dict) to its sums: its compile
+    """Add a worker's compile warm-up (verification.running.warmup.warm_up's dict) to its sums: its compile
     seconds and compiles to compile's, its calls and its wait counted apart (they are in other)."""
     if warm:
         sums["compile_s"] += float(warm.get("compile_s", 0.0))
@@ -87,8 +87,8 @@ def add_warmup(sums: dict, warm: Optional[dict]) -> dict:
 
 
 def record_sums(records: Iterable) -> dict:
-    """``cell_sums`` of records (verification.record.Record or their dict form)."""
-    from verification.record import as_record
+    """``cell_sums`` of records (verification.judging.record.Record or their dict form)."""
+    from verification.judging.record import as_record
     return cell_sums(as_record(r).timings for r in records)
 
 

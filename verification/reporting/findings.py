@@ -4,8 +4,8 @@
 ``fixed-in`` / ``still-fails-in``: the versions where that repro was run and passed / failed).
 
     kda-verify findings [--markdown | --json]        # the register for a terminal, as a table (md) or JSON
-    python -m verification.findings --write          # replace docs/findings.md's findings table
-    python -m verification.findings --check          # exit 1 when docs/findings.md's table differs
+    python -m verification.reporting.findings --write          # replace docs/findings.md's findings table
+    python -m verification.reporting.findings --check          # exit 1 when docs/findings.md's table differs
 
 docs/findings.md's register is this module's table between BEGIN and END, never a hand-kept
 copy (tests/test_findings.py holds it to the table).
@@ -18,9 +18,9 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-BEGIN = "<!-- findings register: made by `python -m verification.findings --write` from tolerances.yaml; do not edit by hand -->"
+BEGIN = "<!-- findings register: made by `python -m verification.reporting.findings --write` from tolerances.yaml; do not edit by hand -->"
 END = "<!-- end of the findings register -->"
-DOC = Path(__file__).resolve().parent.parent / "docs" / "findings.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "findings.md"
 COLUMNS = ("backend", "route", "case", "params", "seen_on", "reason", "evidence", "shrink", "fixed_in",
            "still_fails_in", "line")
 HEADER = ("| # | backend / route | case (parameters) | seen on | why it fails | evidence | reproduce "
@@ -30,7 +30,7 @@ HEADER = ("| # | backend / route | case (parameters) | seen on | why it fails | 
 
 def rows(db=None) -> list[dict]:
     """One dict per known failure of ``db`` (default: the shipped tolerances.yaml), in file order."""
-    from verification.tolerances import load_tolerances
+    from verification.judging.tolerances import load_tolerances
     db = load_tolerances() if db is None else db
     return [{"backend": kf.backend, "route": kf.route, "case": kf.case, "params": kf.describe_params(),
              "seen_on": kf.seen_on, "reason": kf.reason, "evidence": kf.evidence, "shrink": kf.shrink,
@@ -67,7 +67,7 @@ def terminal(items: list[dict], width: int = WIDTH, shown: int = SHOWN) -> str:
     (its tolerances.yaml line; --markdown prints the whole table, as docs/findings.md holds it)."""
     import textwrap
 
-    from verification.runner import clip_words
+    from verification.running.runner import clip_words
     out = []
     for i, r in enumerate(items, 1):
         case = r["case"] + (f" ({r['params']})" if r["params"] else "")
@@ -97,7 +97,7 @@ def replace_table(text: str, table: str) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m verification.findings", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m verification.reporting.findings", description=__doc__.splitlines()[0])
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--write", action="store_true", help="replace the table in docs/findings.md")
     g.add_argument("--check", action="store_true", help="exit 1 when docs/findings.md's table differs")
@@ -113,7 +113,7 @@ def main(argv=None) -> int:
     if args.check:
         same = doc_table(text) == table
         print("docs/findings.md's findings register is current" if same else
-              "docs/findings.md's findings register differs: python -m verification.findings --write", file=sys.stderr)
+              "docs/findings.md's findings register differs: python -m verification.reporting.findings --write", file=sys.stderr)
         return 0 if same else 1
     DOC.write_text(replace_table(text, table), encoding="utf-8")
     print(f"wrote {len(table.splitlines()) - 2} findings into {DOC}")

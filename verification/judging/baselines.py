@@ -8,7 +8,7 @@ recipe with its fp16 storage given fp32's exponent range (``in_range_recipe``), 
 errs where fp16 neither flushes nor overflows; the verdict holds a kernel to that first and says
 when only the recipe's error at the problem's own scale covers it (out of the recipe's range).
 ``BaselineCache`` computes each (case, recipe) once per run; ``recipe_baselines`` gives every
-production recipe's (for a cap lift or a degenerate baseline, verification/verdict.py).  The
+production recipe's (for a cap lift or a degenerate baseline, verification/judging/verdict.py).  The
 verdict, not this module, decides what a baseline allows.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ import math
 import time
 from typing import Optional
 
-from verification.metrics import compare
+from verification.judging.metrics import compare
 
 # rms(v) and rms(initial state) inside this: no recipe's storage under- or overflows, so the
 # in-range baseline is the real one and is not computed.  Measured: on smoke + stress (29 cases)
@@ -99,7 +99,7 @@ def tap_metrics(problem, taps: dict) -> dict:
     """Metrics of the workspace taps a backend returned (only ws_inv is judged) against the
     oracle's workspace at the tap's chunk size."""
     from kda_ref.workspace import workspace
-    from verification.metrics import inverse_metrics
+    from verification.judging.metrics import inverse_metrics
     result = {}
     x = (taps or {}).get("ws_inv")
     if x is not None:
@@ -119,7 +119,7 @@ class BaselineCache:
     def __init__(self):
         self._store: dict = {}
         self.computed: dict = {}
-        self.loaded: dict = {}      # (case id, recipe) -> found in the disk cache (verification/cache.py)
+        self.loaded: dict = {}      # (case id, recipe) -> found in the disk cache (verification/running/cache.py)
         self.disk_s = 0.0           # seconds on the disk cache: keys, loads, stores
 
     def prime(self, case_id: str, recipe: str, metrics: dict, seconds: float = 0.0) -> None:
@@ -130,7 +130,7 @@ class BaselineCache:
         if key in self._store:
             m, s = self._store[key]
             return m, s, False
-        from verification import cache as disk
+        from verification.running import cache as disk
         from contextlib import nullcontext
         d0 = time.perf_counter()             # keys, the wait for another process's computation, the load
         dkey = disk.baseline_key(problem, recipe, case) if disk.enabled() else None

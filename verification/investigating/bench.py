@@ -30,7 +30,7 @@ from typing import Callable, Optional
 
 import torch
 
-# the default suite: the 13 production benchmark shapes (also verification.cases.DEFAULT_SHAPES)
+# the default suite: the 13 production benchmark shapes (also verification.running.cases.DEFAULT_SHAPES)
 DEFAULT_SHAPES = ((1, 256, 12), (1, 512, 12), (1, 1664, 12), (1, 2048, 12), (1, 8192, 12), (1, 16384, 12),
                   (1, 16384, 64), (1, 16384, 96), (1, 8192, 32), (1, 8192, 64), (2, 2664, 12), (4, 4096, 16),
                   (8, 2048, 16))
@@ -70,15 +70,15 @@ class BenchResult:
 
 
 def shapes_of_suite(suite: str) -> list:
-    """(B, T, H) of every case of a suite (verification.cases when present)."""
+    """(B, T, H) of every case of a suite (verification.running.cases when present)."""
     try:
-        from verification.cases import get_suite
+        from verification.running.cases import get_suite
     except ImportError:
         get_suite = None
     if suite == "default" and get_suite is None:
         return list(DEFAULT_SHAPES)
     if get_suite is None:
-        raise ValueError(f"--suite: only 'default' is known without verification.cases, got {suite!r}")
+        raise ValueError(f"--suite: only 'default' is known without verification.running.cases, got {suite!r}")
     out = []
     for c in get_suite(suite):
         p = c.params

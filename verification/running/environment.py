@@ -15,7 +15,7 @@ import os
 import re
 from typing import Optional
 
-from .errors import UsageError
+from verification.errors import UsageError
 
 TRITON_RANGE = ((3, 6), (3, 10))      # >= 3.6, < 3.10: as pyproject.toml's "triton>=3.6,<3.10"
 OVERRIDE = "KDA_VERIFY_ANY_TRITON"

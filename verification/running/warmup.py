@@ -139,8 +139,8 @@ def run_share(todo: list, call: Callable[[object, object, object], None]) -> int
 def kernel_call(device: str) -> Callable:
     """One kernel call of a route on a case's Problem, its outputs discarded (what compiles it)."""
     def call(lb, route, case):
-        from verification.room import no_room
-        from verification.runner import _fresh_state, _sync
+        from verification.running.room import no_room
+        from verification.running.runner import _fresh_state, _sync
         if no_room(case, device) is not None:
             return
         problem = shortened(case).build(device=device)
@@ -158,7 +158,7 @@ def warm_up(cells: list, worker_id: str, workers: int, run_id: str, device: str,
     there is nothing to do)."""
     import tempfile
 
-    from verification.compile_time import compile_clock
+    from verification.running.compile_time import compile_clock
     index = worker_index(worker_id)
     every = variants(cells)
     if index is None or not every:

@@ -1,5 +1,5 @@
 """The catalogue of mutants of our Triton FlashKDA (kda_kernels/triton/): realistic slips of a
-kernel engineer, each a small source patch, for ``kda-verify mutate`` (verification/mutate.py).
+kernel engineer, each a small source patch, for ``kda-verify mutate`` (verification/investigating/mutate.py).
 
 A mutant is a list of edits ``(anchor, find, replace)``.  ``anchor`` names a marker comment
 ``# mutant-anchor: NAME`` in the package's source, on the first line of a statement or on a
@@ -49,7 +49,7 @@ class Mutant:
     @property
     def file(self) -> str:
         """The file of kda_kernels/triton/ that holds the mutant's first anchor (in the shipped package)."""
-        from verification.mutate import mutant_files
+        from verification.investigating.mutate import mutant_files
         return mutant_files(self)[0]
 
     def to_dict(self) -> dict:

@@ -1,9 +1,9 @@
 """The runner: every (backend, route, case) cell of a matrix, judged and recorded.
 
 One cell = one route of one backend on one case.  Its record (``run_cell``) is the dict
-form of a ``verification.record.Record``: who ran (backend, route, recipe), on what (case id, suite, seed,
+form of a ``verification.judging.record.Record``: who ran (backend, route, recipe), on what (case id, suite, seed,
 shape), the verdict (status in policy.STATUSES, a one-line reason, per-tensor err /
-threshold / margin from ``verification.verdict.judge``), the full metrics, the
+threshold / margin from ``verification.judging.verdict.judge``), the full metrics, the
 baseline's metrics, timings and a repro command.
 
 The truth of a case (``kda_ref.truth.truth``, float64) is computed once per run and
@@ -15,7 +15,7 @@ held in memory.
 ``run_matrix`` appends each finished record to ``DIR/results.jsonl`` at once (write,
 flush, fsync): an interrupted run loses nothing, and ``resume=True`` skips every
 cell whose key is already there.  With ``isolate=True`` each cell runs in a child
-process (``python -m verification.runner --child``) that is handed the problem, the
+process (``python -m verification.running.runner --child``) that is handed the problem, the
 truth and the baseline through a file, so a kernel that kills its process (illegal
 memory access, abort, ``os._exit``) is recorded as ``crashed`` with the tail of its
 stderr, and the run goes on.
@@ -39,13 +39,13 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-from verification.policy import DEFAULT_RECIPE, FAILING, JUDGED, RESOURCE_ERROR, exit_code
-from verification.record import (RESULTS_FILE, RUN_FILE, append_record, cell_key, read_records,  # noqa: F401
+from verification.judging.policy import DEFAULT_RECIPE, FAILING, JUDGED, RESOURCE_ERROR, exit_code
+from verification.judging.record import (RESULTS_FILE, RUN_FILE, append_record, cell_key, read_records,  # noqa: F401
                                  read_runs, repair_partial_line)
-from verification.baselines import BaselineCache, recipe_baselines  # noqa: F401 - BaselineCache: the old path
-from verification.devices import default_device  # noqa: F401 - the old path
-from verification.record import decode_number as as_float  # noqa: F401 - the old names
-from verification.record import encode as jsonable  # noqa: F401
+from verification.judging.baselines import BaselineCache, recipe_baselines  # noqa: F401 - BaselineCache: the old path
+from verification.running.devices import default_device  # noqa: F401 - the old path
+from verification.judging.record import decode_number as as_float  # noqa: F401 - the old names
+from verification.judging.record import encode as jsonable  # noqa: F401
 
 STDERR_TAIL_CHARS = 4000
 
@@ -78,15 +78,15 @@ class TruthCache:
         self.computed: dict[str, int] = {}
         self.lock_wait_s: dict[str, float] = {}
         self.build_s: dict[str, float] = {}       # seconds each case's build took (its inputs drawn)
-        self.disk_s = 0.0           # seconds on the disk cache (verification/cache.py): keys, loads, stores
+        self.disk_s = 0.0           # seconds on the disk cache (verification/running/cache.py): keys, loads, stores
         self.loaded: dict[str, int] = {}          # truths found on disk per case id (not computed)
-        self._big = None            # verification.room.BigCaseLock, made on the first large case
+        self._big = None            # verification.running.room.BigCaseLock, made on the first large case
 
     def _enter(self, case) -> None:
         """Before building ``case``: leaving a large case drops it, returns its memory to the
         device and releases the big-case lock; a case over this worker's share of the device
-        (verification.room.is_big) first takes that lock (the seconds waited: lock_wait_s)."""
-        from verification.room import BigCaseLock, is_big
+        (verification.running.room.is_big) first takes that lock (the seconds waited: lock_wait_s)."""
+        from verification.running.room import BigCaseLock, is_big
         leaving = self._big is not None and self._big.held and self._big.case_id != case.id
         big = str(self.device).startswith("cuda") and is_big(case, self.device)
         if leaving or big:                  # the memory of other cases goes back to the device first
@@ -147,7 +147,7 @@ class TruthCache:
             t, s = self._truths[case.id]
             return p, t, s, False
         from kda_ref.truth import truth as oracle
-        from verification import cache as disk
+        from verification.running import cache as disk
         self._make_room(self._truths, case.id)
         d0 = time.perf_counter()             # keys, the wait for another process's computation, the load
         key = disk.truth_key(p, case) if disk.enabled() else None
@@ -288,7 +288,7 @@ def _shape(problem) -> dict:
 
 def _tol_dtype(problem) -> str:
     """The dtype a cell's tolerance is keyed by (the verdict's: the input dtype, bf16 / fp16 / fp32)."""
-    from verification.metrics import dtype_name
+    from verification.judging.metrics import dtype_name
     return dtype_name(problem.v.dtype)
 
 
@@ -328,8 +328,8 @@ _summ = scalar_metrics      # the old name
 
 
 def _base_record(lb: LoadedBackend, route, case, device) -> dict:
-    """The dict form of a fresh Record (verification/record.py) of this cell, not yet judged."""
-    from verification.record import Record
+    """The dict form of a fresh Record (verification/judging/record.py) of this cell, not yet judged."""
+    from verification.judging.record import Record
     return Record(
         key=cell_key(lb.name, route.name, case.id),
         backend=lb.name, backend_spec=lb.spec, backend_version=lb.version,
@@ -417,7 +417,7 @@ def worst_margin(tensors: dict) -> Optional[float]:
 
 
 def guards_default(device) -> bool:
-    """Memory guards are on by default for CUDA devices (verification/guards.py)."""
+    """Memory guards are on by default for CUDA devices (verification/running/guards.py)."""
     return str(device).startswith("cuda")
 
 
@@ -443,10 +443,10 @@ def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: Base
              device: Optional[str] = None, guards: Optional[bool] = None) -> dict:
     """Run one route of one backend on one case and record it; never raises for a kernel's
     sake (a kernel exception is status "error" with the traceback's tail).  The final status
-    is verification.verdict.decide's (the verdict, the guards, the contract, the register of
+    is verification.judging.verdict.decide's (the verdict, the guards, the contract, the register of
     known failures); this function only runs and records.
 
-    guards: run under verification.guards (None: on for CUDA devices); a violated guard makes
+    guards: run under verification.running.guards (None: on for CUDA devices); a violated guard makes
     the cell "fail" with reason "guard: ..." and the record holds ``guards`` (what was checked).
 
     backend: a LoadedBackend (or a spec string / Backend object, loaded here)."""
@@ -457,7 +457,7 @@ def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: Base
     if not backend.available:
         rec.update(status="skipped", reason=f"backend unavailable: {backend.reason or 'no reason given'}")
         return rec
-    from verification.room import no_room
+    from verification.running.room import no_room
     why = no_room(case, device)
     if why is not None:                  # decided from the case's size: nothing of it is built
         rec.update(status="skipped", reason=why)
@@ -488,7 +488,7 @@ def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: Base
         why = str(why or "not applicable")
         rec.update(status="skipped", reason=why if why.startswith("not applicable") else f"not applicable: {why}")
         return rec
-    # truth and baseline, shared (the memory caches, then the disk cache: verification/cache.py)
+    # truth and baseline, shared (the memory caches, then the disk cache: verification/running/cache.py)
     disk0 = _disk_counts(truth_cache, baseline_cache)
     try:
         problem, truth, oracle_s, fresh = harness_call(lambda: truth_cache.get(case), device,
@@ -505,7 +505,7 @@ def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: Base
     finally:
         add_disk_timings(timings, disk0, truth_cache, baseline_cache)
     # the kernel (Triton compilation inside the call is measured apart: compile_s)
-    from verification.compile_time import compile_clock
+    from verification.running.compile_time import compile_clock
     clock = compile_clock()
     clock.forget_pending()
     c0, n0, h0 = clock.seconds, clock.compiles, clock.cache_hits
@@ -517,7 +517,7 @@ def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: Base
         t0 = time.perf_counter()
         guard = None
         if guards_default(device) if guards is None else guards:
-            from verification.guards import guarded_run
+            from verification.running.guards import guarded_run
             outputs, guard = guarded_run(backend.backend, run_problem, route)
         else:
             outputs = backend.backend.run(run_problem, route)
@@ -550,8 +550,8 @@ def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: Base
     rec["info"] = jsonable(getattr(outputs, "info", {}) or {})
     # metrics and verdict
     try:
-        from verification.metrics import compare
-        from verification.verdict import decide, judge, known_failure_entry
+        from verification.judging.metrics import compare
+        from verification.judging.verdict import decide, judge, known_failure_entry
         t0 = time.perf_counter()
 
         def judging():
@@ -575,7 +575,7 @@ def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: Base
     rec["margin"] = jsonable(worst_margin(rec["tensors"]))
     if guard is not None:
         rec["guards"] = jsonable(guard.as_record())
-    # the final status: verification.verdict.decide, the one place that decides it
+    # the final status: verification.judging.verdict.decide, the one place that decides it
     kf = None if contract else known_failure_entry(db, rec["backend"], rec["route"], rec["case"], rec.get("params"))
     return decide(verdict, guard=guard, contract=contract, known_failure=kf, metrics=rec["metrics"]).apply_to(rec)
 
@@ -589,17 +589,17 @@ class _Said:
 
 def mark_out_of_contract(rec: dict, contract: str) -> dict:
     """Record a judged (or raised) cell as outside the kernel's documented-but-unchecked range:
-    verification.verdict.decide with ``contract``; the verdict it would have had is kept in
+    verification.judging.verdict.decide with ``contract``; the verdict it would have had is kept in
     ``contract_verdict``."""
-    from verification.verdict import decide
+    from verification.judging.verdict import decide
     return decide(_Said(rec["status"], rec["reason"]), contract=contract, metrics=rec.get("metrics")).apply_to(rec)
 
 
 def apply_known_failure(rec: dict, db) -> dict:
     """Mark a failing cell that tolerances.yaml lists as a known failure ``known-fail`` (with the
-    entry's reason); note on a passing one that the entry may be stale (verification.verdict.decide
+    entry's reason); note on a passing one that the entry may be stale (verification.judging.verdict.decide
     with the register's entry)."""
-    from verification.verdict import decide, known_failure_entry
+    from verification.judging.verdict import decide, known_failure_entry
     kf = known_failure_entry(db, rec["backend"], rec["route"], rec["case"], rec.get("params"))
     if kf is None:
         return rec
@@ -652,7 +652,7 @@ class IsolatedRunner:
         return path, oracle_s
 
     def run(self, lb: LoadedBackend, route, case, device: str) -> dict:
-        from verification.room import no_room
+        from verification.running.room import no_room
         rec0 = _base_record(lb, route, case, device)
         if not lb.available or no_room(case, device) is not None:
             return run_cell(lb, route, case, self.truth_cache, self.baseline_cache, None, device)
@@ -688,7 +688,7 @@ class IsolatedRunner:
                     "tolerances_path": self.tolerances_path, "guards": self.guards}, spec_path)
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-        cmd = [sys.executable, "-m", "verification.runner", "--child", str(spec_path), str(out_path)]
+        cmd = [sys.executable, "-m", "verification.running.runner", "--child", str(spec_path), str(out_path)]
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=self.timeout_s,
@@ -729,7 +729,7 @@ def _child_main(spec_path: str, out_path: str) -> int:
     use_device(device)
     data = torch.load(spec["case_file"], weights_only=False, map_location=device)
     from kda_ref.truth import Truth
-    from verification.tolerances import load_tolerances
+    from verification.judging.tolerances import load_tolerances
 
     problem = data["problem"]
     truth = Truth(**{k: v.to(device) for k, v in data["truth"].items()
@@ -837,7 +837,7 @@ class RunSummary:
 
     @property
     def exit_code(self) -> int:
-        """verification.policy.exit_code of the run's cells: 130 when interrupted, 1 when a cell
+        """verification.judging.policy.exit_code of the run's cells: 130 when interrupted, 1 when a cell
         failed, was mistrusted, crashed or errored, 2 when the harness ran out of memory on a
         cell or no cell was judged, else 0."""
         return exit_code([r.get("status") for r in self.records], interrupted=self.not_run is not None)
@@ -956,7 +956,7 @@ def run_matrix(backends: Iterable, cases: list, out_dir=None, *, routes: Optiona
     resume: skip cells already in out_dir/results.jsonl (without it, a non-empty file is an error;
         a resume of another ``selection`` too: check_resume, before anything is written).
     max_cells: stop after running this many cells (resumed cells do not count).
-    guards: memory guards per cell (verification/guards.py); None: on for CUDA devices.
+    guards: memory guards per cell (verification/running/guards.py); None: on for CUDA devices.
     selection: the options that picked the cells, recorded in run.json (check_resume).
 
     Ctrl-C (KeyboardInterrupt) during the cells raises errors.Interrupted carrying the summary,
@@ -975,7 +975,7 @@ def run_matrix(backends: Iterable, cases: list, out_dir=None, *, routes: Optiona
     cells = plan(loaded, routes, cases)
     wanted = {cell_key(lb.name, r.name, c.id) for lb, r, c in cells}
     if db is None:
-        from verification.tolerances import load_tolerances
+        from verification.judging.tolerances import load_tolerances
         db = load_tolerances(tolerances_path)
     summary = RunSummary(out_dir=Path(out_dir) if out_dir is not None else None, selected=len(cells))
     done_keys: set = set()
@@ -1044,6 +1044,6 @@ def run_matrix(backends: Iterable, cases: list, out_dir=None, *, routes: Optiona
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "--child":
         sys.exit(_child_main(sys.argv[2], sys.argv[3]))
-    print("usage: python -m verification.runner --child SPEC.pt RECORD.json (used by kda-verify run --isolate)",
+    print("usage: python -m verification.running.runner --child SPEC.pt RECORD.json (used by kda-verify run --isolate)",
           file=sys.stderr)
     sys.exit(2)

@@ -1,18 +1,18 @@
 """Mutation testing of our Triton FlashKDA: does the harness catch real bugs?
 
-Each mutant of the catalogue (verification/mutants.py) is a small source patch of
+Each mutant of the catalogue (verification/investigating/mutants.py) is a small source patch of
 kda_kernels/triton/, anchored on a ``# mutant-anchor: NAME`` marker and applied to the marked
 statement's syntax tree.  A mutant runs in a child process of its own (``python -m
-verification.mutate --child SPEC OUT``), on a patched copy of the package imported under
+verification.investigating.mutate --child SPEC OUT``), on a patched copy of the package imported under
 another name (``kda_mutant_<name>.triton``), so the shipped package is never touched, two
 mutants never meet, and a mutant that kills its process is recorded as crashed.
 
 In the child, for each of the mutant's routes and each case of the suites (case order of
 the suites), one cell is run and judged exactly as ``kda-verify run`` judges it
-(``verification.runner.run_cell`` with tolerances.yaml).  The first failing cell is a kill
+(``verification.running.runner.run_cell`` with tolerances.yaml).  The first failing cell is a kill
 only when the shipped kernel passes that same cell (run once to confirm); a kernel that
 raises counts as killed (crashed).  On the killing case the per-pass debugger
-(``verification.debug.debug_passes``) runs the mutant's route; the mutant is *localized* when
+(``verification.investigating.debug.debug_passes``) runs the mutant's route; the mutant is *localized* when
 the first pass over its row thresholds is the pass the mutant patched.
 
     outcome     killed | crashed | survived | equivalent (survived, marked so in the catalogue)
@@ -37,7 +37,7 @@ import traceback
 from pathlib import Path
 from typing import Optional
 
-from verification.mutants import AFTER, WHOLE, Mutant
+from verification.investigating.mutants import AFTER, WHOLE, Mutant
 
 STDERR_TAIL = 3000
 CHILD_TIMEOUT_S = 900
@@ -228,7 +228,7 @@ def load_mutant_backend(mutant: Mutant, root: Path, taps: bool = True):
 def _cases(suites, long: bool, case_globs=None):
     import fnmatch
 
-    from verification.cases import get_suite
+    from verification.running.cases import get_suite
     out = []
     for s in suites:
         out.extend(get_suite(s, long=long))
@@ -261,10 +261,10 @@ def run_mutant(mutant: Mutant, suites=("smoke", "stress"), long: bool = False, d
     """Run one mutant over the suites (in this process; the interpreter, on the CPU, must be
     on before this is called).  Returns its record (see the module docstring)."""
     from kda_kernels.triton.backend import TritonBackend
-    from verification.debug import debug_passes
-    from verification.policy import FAILING
-    from verification.runner import BaselineCache, TruthCache, as_loaded, run_cell
-    from verification.tolerances import load_tolerances
+    from verification.investigating.debug import debug_passes
+    from verification.judging.policy import FAILING
+    from verification.running.runner import BaselineCache, TruthCache, as_loaded, run_cell
+    from verification.judging.tolerances import load_tolerances
 
     t_start = time.perf_counter()
     rec = dict(mutant=mutant.name, pass_name=mutant.pass_name, file=mutant.file, what=mutant.what,
@@ -336,7 +336,7 @@ def _child_main(spec_path: str, out_path: str) -> int:
     mutant = Mutant.from_dict(spec["mutant"])
     rec = run_mutant(mutant, suites=spec["suites"], long=spec["long"], device=spec["device"],
                      case_globs=spec.get("cases"), taps=spec.get("taps", True), workdir=Path(spec["workdir"]))
-    from verification.runner import jsonable
+    from verification.running.runner import jsonable
     Path(out_path).write_text(json.dumps(jsonable(rec), allow_nan=False))
     return 0
 
@@ -361,7 +361,7 @@ def run_in_child(mutant: Mutant, suites, long: bool, device: str, case_globs=Non
             env.pop("TRITON_INTERPRET", None)
         t0 = time.perf_counter()
         try:
-            proc = subprocess.run([sys.executable, "-m", "verification.mutate", "--child", str(tmp / "spec.json"),
+            proc = subprocess.run([sys.executable, "-m", "verification.investigating.mutate", "--child", str(tmp / "spec.json"),
                                    str(out)], env=env, capture_output=True, text=True, timeout=timeout_s)
             rc, err = proc.returncode, proc.stderr
         except subprocess.TimeoutExpired as e:
@@ -418,7 +418,7 @@ def format_table(records: list) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m verification.mutate")
+    ap = argparse.ArgumentParser(prog="python -m verification.investigating.mutate")
     ap.add_argument("--child", nargs=2, metavar=("SPEC", "OUT"), required=True)
     args = ap.parse_args(argv)
     return _child_main(*args.child)

@@ -143,7 +143,7 @@ def load_problem(path: str) -> Problem:
     if not meta:
         raise _usage(f"metadata: expected the string metadata block of a {PROBLEM_FORMAT} file in {path} "
                      f"(keys {', '.join(('format',) + META_KEYS)}), got none: the file holds tensors only "
-                     f"(write it with verification.problem_file.save_problem or kda-verify export)")
+                     f"(write it with verification.reporting.problem_file.save_problem or kda-verify export)")
     kw = {n: tensors.get(n) for n in REQUIRED_TENSORS + OPTIONAL_TENSORS}
     kw["scale"] = _parse_num("scale", meta.get("scale", "none"), path)
     kw["lower_bound"] = _parse_num("lower_bound", meta.get("lower_bound", "none"), path)

@@ -274,9 +274,9 @@ def inverse_rule(backend, p: Problem, route, ws_inv: torch.Tensor) -> str:
     storage slip (bf16 where fp16 is due moves every row by ~4e-3, far below 3e-2), the
     verdict's tensor rule does."""
     from kda_kernels.emulator import RECIPES
-    from verification.metrics import dtype_name
-    from verification.tolerances import load_tolerances
-    from verification.verdict import judge_tensor, emulate_taps, tap_metrics
+    from verification.judging.metrics import dtype_name
+    from verification.judging.tolerances import load_tolerances
+    from verification.judging.verdict import judge_tensor, emulate_taps, tap_metrics
     recipe = RECIPES.get(getattr(route, "recipe", ""))
     if recipe is None or recipe.chunk != int(ws_inv.shape[-1]):
         return ""

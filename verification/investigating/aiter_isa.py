@@ -467,10 +467,10 @@ def compile_bounded(v: AiterVariant, arch: str, timeout_s: float = KERNEL_TIMEOU
 
 def aiter_isa_report(archs: list, on_report=None, timeout_s: float = KERNEL_TIMEOUT_S, kernels=None) -> list:
     """Every (arch, variant) compiled (each bounded by ``timeout_s``): the FlashKDA kernels where the
-    tree has them, and on gfx950 / gfx1250 aiter's Gluon KDA kernels (verification.aiter_kda_isa)
+    tree has them, and on gfx950 / gfx1250 aiter's Gluon KDA kernels (verification.investigating.aiter_kda_isa)
     where it has those; ``kernels`` (substrings of kernel names) keeps only those that match.
     ``on_report(report)`` is called as each one finishes."""
-    from verification import aiter_kda_isa as kda_isa
+    from verification.investigating import aiter_kda_isa as kda_isa
     bad = [a for a in archs if a not in ARCHS]
     if bad:
         raise AiterIsaError(f"--arch: expected values in {','.join(ARCHS)} for --backend aiter, got {bad[0]!r}")

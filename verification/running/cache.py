@@ -1,7 +1,7 @@
 """The disk cache of truths and baselines, shared by every process and run on one machine.
 
 A case's float64 truth (``kda_ref.truth.truth``) and each recipe's baseline metrics
-(``verification.baselines.baseline_metrics``) are pure functions of the Problem, the recipe and
+(``verification.judging.baselines.baseline_metrics``) are pure functions of the Problem, the recipe and
 the code that computes them; under pytest-xdist each worker, and each run, would compute them
 again.  Here they are stored on disk, content-addressed:
 
@@ -50,12 +50,12 @@ FULL_HASH_BYTES = 64 * 2 ** 20    # a tensor up to this size is hashed whole
 SAMPLED_BYTES = 4 * 2 ** 20       # a larger one: this many bytes of evenly spaced elements, plus its ends
 DEFAULT_GB = 16.0
 _OFF = ("off", "0", "no", "false")
-_ROOT = Path(__file__).resolve().parent.parent          # the repository: kda_ref, kda_kernels, verification
+_ROOT = Path(__file__).resolve().parents[2]         # the repository: kda_ref, kda_kernels, verification
 _PACKAGES = ("kda_ref", "kda_kernels", "verification")
 
 TRUTH_ENTRY = ("kda_ref.truth",)
-BASELINE_ENTRY = ("verification.baselines", "kda_kernels.emulator", "verification.metrics")
-CASE_ENTRY = ("verification.cases",)
+BASELINE_ENTRY = ("verification.judging.baselines", "kda_kernels.emulator", "verification.judging.metrics")
+CASE_ENTRY = ("verification.running.cases",)
 
 
 # ----------------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Optional
 
 from verification.errors import UsageError
-from verification.policy import JUDGED_METRICS
+from verification.judging.policy import JUDGED_METRICS
 NEW_FLOOR = 1.0e-6
 
 
@@ -59,9 +59,9 @@ class Group:
 
 def collect_groups(records: list[dict], db) -> dict[tuple, Group]:
     """Group every measured (cell, tensor) by the entry of ``db`` governing it."""
-    from verification.record import decode_number as as_float
+    from verification.judging.record import decode_number as as_float
     from verification.errors import ToleranceError
-    from verification.verdict import known_failure_entry
+    from verification.judging.verdict import known_failure_entry
 
     groups: dict[tuple, Group] = {}
     for r in records:
@@ -239,7 +239,7 @@ def earlier_records(out_dir: str, backend: str, routes: list, cases: list) -> li
     """The records of an earlier run's directory, of one backend (optionally some routes / cases)."""
     import fnmatch
 
-    from verification.record import read_records
+    from verification.judging.record import read_records
 
     d = Path(out_dir)
     files = sorted(d.glob("results*.jsonl")) if d.is_dir() else []
@@ -256,7 +256,7 @@ def earlier_records(out_dir: str, backend: str, routes: list, cases: list) -> li
 
 def is_long(case_id: str) -> bool:
     """Whether a recorded case id names one of the long cases (False when it is unknown here)."""
-    from verification.cases import get_case
+    from verification.running.cases import get_case
     try:
         return False if case_id.startswith("fuzz/") else bool(get_case(case_id).long)     # fuzz cases are short
     except Exception:  # noqa: BLE001 - an id from another version of the suites
@@ -308,8 +308,8 @@ def measured_where(prov: dict, earlier, records: list[dict], out_dir) -> tuple[s
 def measure(backend: str, cases: list, routes: Optional[list], device: str) -> list[dict]:
     """The records of every cell of ``backend`` on ``cases``, judged against a catch-all entry:
     calibration needs every cell's numbers, whatever tolerances.yaml says."""
-    from verification.runner import run_matrix
-    from verification.tolerances import Tolerance, ToleranceDB
+    from verification.running.runner import run_matrix
+    from verification.judging.tolerances import Tolerance, ToleranceDB
     measure_db = ToleranceDB([(("*", "*", "*", "*"), Tolerance(m=math.inf, floor=math.inf, cap=math.inf,
                               reason="calibration: measure only", calibrated_on="-", key="*/*/*/*"))],
                              "<calibrate>")

@@ -49,7 +49,7 @@ from kda_ref.problem import Problem, validate
 
 SUITES = ("smoke", "default", "k3-prefill", "stress", "fuzz", "long", "norm")
 # The numeric parameters of the module docstring: the ones a known failure in tolerances.yaml may
-# put conditions on (its ``params`` field; verification.tolerances).
+# put conditions on (its ``params`` field; verification.judging.tolerances).
 NUMERIC_PARAMS = ("B", "T", "H", "HV", "K", "V", "lb", "g_scale", "g_shift", "beta_raw", "rho", "qk_scale",
                   "exact_keys", "state_scale", "slots", "slot_pad", "chunks_per_seg", "norm_eps")
 

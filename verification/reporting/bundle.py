@@ -1,6 +1,6 @@
 """The bundle of a shrunk failure: what an upstream bug report needs, in one directory.
 
-    problem.safetensors   the shrunk problem (kda-verify-problem/1, verification.problem_file)
+    problem.safetensors   the shrunk problem (kda-verify-problem/1, verification.reporting.problem_file)
     truth.safetensors     its float64 oracle outputs (o, final_state or state_cache; ws_inv, the
                           oracle's exact (I - L)^{-1} at the tap's chunk size, when the kernel's was tapped)
     outputs.safetensors   what the kernel returned on it (kda-verify-outputs/1; ws_inv when tapped);
@@ -16,11 +16,11 @@
 repro.py imports torch and safetensors, and the kernel's own library: ``flash_kda`` (moonshot),
 ``fla`` (fla), ``aiter`` (aiter); for the project's own backends (emulator, emulator-bad,
 triton) it imports ``kda_kernels`` and ``kda_ref``.  Its measures are the verdict's
-(verification.metrics, verification.verdict), re-implemented on plain tensors:
+(verification.judging.metrics, verification.judging.verdict), re-implemented on plain tensors:
 
     rel_l2       ||x - r|| / ||r||                        (the paged cache: written slots only;
                                                           ws_inv [HV*tiles, C, C]: rows i < Lc of each
-                                                          tile, columns j < i, as verification.metrics.inverse_metrics)
+                                                          tile, columns j < i, as verification.judging.metrics.inverse_metrics)
     tail_rel_l2  rel_l2 over the last half of every sequence (o); rel_l2 for a state
     slice        sqrt(e2 / max(r2, NEGLIGIBLE^2 * ms * count)), ms = the kind's total r2 / count,
                  over the slice the verdict named (o: (sequence, head), (sequence, 16-token
@@ -51,7 +51,7 @@ CHECKED = ("o", "final_state", "state_cache", "ws_inv")     # ws_inv: the stored
 
 
 def underlying_status_of(rec: dict) -> str:
-    from verification.shrink import underlying_status
+    from verification.investigating.shrink import underlying_status
     return underlying_status(rec)
 LIBRARY = {"moonshot": "flash_kda", "fla": "fla", "aiter": "aiter"}
 
@@ -66,7 +66,7 @@ def checks_from_record(rec: dict) -> list[dict]:
     against that slice's threshold.  Each check says whether it failed when the bundle was made
     (``failed``); the repro reproduces when any check fails, so a failure that changes form between
     processes (memory a kernel leaves unwritten) still reproduces, and a pass does not."""
-    from verification.shrink import _f
+    from verification.investigating.shrink import _f
     out = []
     if underlying_status_of(rec) == "error":           # the kernel raised: the repro holds it to that
         out.append({"tensor": "run", "measure": "raises", "threshold": 0.0,
@@ -644,21 +644,21 @@ def _cpu(t):
 
 
 def _fmt(x) -> str:
-    from verification.shrink import _f
+    from verification.investigating.shrink import _f
     v = _f(x)
     return "nan" if math.isnan(v) else ("inf" if math.isinf(v) else f"{v:.3g}")
 
 
 def environment(backend_version: str, device: str) -> dict:
-    from verification.provenance import device_info, git_info, software_info
+    from verification.reporting.provenance import device_info, git_info, software_info
     return {"device": device_info(device), "software": software_info(), "kda_verify_git": git_info(),
             "library": backend_version}
 
 
 def write_bundle(out_dir, result, loaded, route, case, device: str, command: str) -> dict:
     """Write the bundle of a ShrinkResult into ``out_dir``; returns the shrink.json dict."""
-    from verification.problem_file import save_outputs, save_problem
-    from verification.shrink import shape_text, size
+    from verification.reporting.problem_file import save_outputs, save_problem
+    from verification.investigating.shrink import shape_text, size
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     fin, orig = result.final, result.original
@@ -708,7 +708,7 @@ def write_bundle(out_dir, result, loaded, route, case, device: str, command: str
         "repro_command": "python repro.py",
     }
     data["repro_check"] = verify_repro(out, device, checks)
-    from verification.runner import jsonable
+    from verification.running.runner import jsonable
     (out / "shrink.json").write_text(json.dumps(jsonable(data), indent=1, allow_nan=False), encoding="utf-8")
     (out / "REPORT.md").write_text(report_md(data, p), encoding="utf-8")
     return data

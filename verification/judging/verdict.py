@@ -41,7 +41,7 @@ carried into the next sequence still errs many times the baseline on that sequen
 tokens.  The cap is a whole-tensor bound only.  The verdict names the worst slice.
 
 The recipe's range.  Where a problem's magnitudes lie off the typical range (rms(v) or the
-initial state's outside 2^-8..2^8, verification/baselines.py) the baseline holds two figures: the
+initial state's outside 2^-8..2^8, verification/judging/baselines.py) the baseline holds two figures: the
 recipe on the problem as given, and ``in_range``, the same recipe with its fp16 storage given
 fp32's exponent range (its precision without fp16's flush below 6.1e-5 and overflow above
 65504).  Every rule above meets the in-range figure first; a tensor that fails it is
@@ -74,11 +74,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from verification.metrics import compare, dtype_name, tensor_metrics
-from verification.baselines import (TAP_TENSORS, TYPICAL_RMS, _tensors, in_range_view, off_range,  # noqa: F401
+from verification.judging.metrics import compare, dtype_name, tensor_metrics
+from verification.judging.baselines import (TAP_TENSORS, TYPICAL_RMS, _tensors, in_range_view, off_range,  # noqa: F401
                                     baseline_metrics, emulate_taps, recipe_chunk, tap_metrics)
-from verification.policy import JUDGED_METRICS, NOT_APPLICABLE, OUT_OF_CONTRACT, STATUSES  # noqa: F401
-from verification.record import encode
+from verification.judging.policy import JUDGED_METRICS, NOT_APPLICABLE, OUT_OF_CONTRACT, STATUSES  # noqa: F401
+from verification.judging.record import encode
 NEGLIGIBLE_SLICE = 1e-2     # a slice whose rms is below this fraction of the tensor's is judged on the tensor's scale
 SLICE_FLOOR_SHARE = 1.0     # a slice is held to at least the whole tensor's baseline error
 SLICE_KINDS = {"seq_head": ("sequence", "head"), "seq_block": ("sequence", "tokens"),
@@ -513,7 +513,7 @@ def decide(verdict, *, guard=None, contract: Optional[str] = None, known_failure
        entry (or any object with status and reason: a kernel that raised is "error");
        ``not-applicable`` (no sound baseline) is recorded "skipped", never a pass;
        ``out-of-contract`` (outside the recipe's range, ``beyond_recipe_range``) stays so;
-    2. ``guard`` (verification.guards): a violated memory guard fails the cell, its reason first;
+    2. ``guard`` (verification.running.guards): a violated memory guard fails the cell, its reason first;
     3. ``contract``: a problem outside the kernel's documented-but-unchecked range
        (kda_kernels.base.out_of_contract) makes the cell "out-of-contract", never a pass or a
        failure; the reason says what the kernel did (``metrics``: the record's);
@@ -536,7 +536,7 @@ def decide(verdict, *, guard=None, contract: Optional[str] = None, known_failure
 def out_of_contract_reason(contract: str, status: str, reason: str, metrics: Optional[dict]) -> str:
     """What the kernel did outside its contract: raised (``reason``), or returned values (o rel_l2
     and tail, NaN/Inf and exact-zero fractions of o and the state against the oracle's)."""
-    from verification.record import decode_number as num
+    from verification.judging.record import decode_number as num
     if status == "error":
         did = reason
     else:
