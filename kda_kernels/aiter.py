@@ -57,7 +57,7 @@ Trace routes (kda_kernels.base.RunsTraces; docs/backends.md "Trace routes"):
                        any other arch, so off AMD the route is not applicable.  aiter publishes no
                        Triton KDA decode (docs/backends.md says what was searched).
 
-``debug_plan`` / ``run_pass`` (verification.debug) launch the module's Triton kernels one
+``debug_plan`` / ``run_pass`` (verification.investigating.debug) launch the module's Triton kernels one
 pass at a time (K1, pass A, the scan, pass C) on oracle-fed inputs, with flash_kda_fwd's grids,
 constexprs and segment descriptors (its own ``_build_segments``), kernel parameters with defaults
 (the newest layout's paged ones, cache modifiers) at their defaults; dense states only.
@@ -789,7 +789,7 @@ class AiterBackend:
         copy_back(call, out.state_cache)
         return out.o
 
-    # ----- per-pass debugging (verification.debug) -------------------------------------
+    # ----- per-pass debugging (verification.investigating.debug) -------------------------------------
     #
     # aiter's launchers, one at a time, with the grids and constexprs flash_kda_fwd uses:
     #   K1  _flash_kda_prepare_kernel[(tiles | NT, B*H)]          -> ws_kd ws_qd ws_kr ws_gt ws_inv_mqk

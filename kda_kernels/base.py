@@ -93,7 +93,7 @@ class RunsPasses(Protocol):
 
 @runtime_checkable
 class TakesBuffers(Protocol):
-    """Taking guard buffers (verification.guards): with ``accepts_buffers`` true,
+    """Taking guard buffers (verification.running.guards): with ``accepts_buffers`` true,
     ``run(problem, route, buffers=GuardedBuffers)`` allocates every output and workspace from
     ``buffers.allocate`` and writes the paged cache in place.  Built in: triton."""
     accepts_buffers: bool

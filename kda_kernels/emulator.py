@@ -176,7 +176,7 @@ RECIPES: dict[str, Recipe] = {
                            paged_store_empty=False, fused_norm=True),
 }
 # Recipes of references, not of production kernels: a route may name one as its baseline, but they
-# take no part in a cap lift or a degenerate-baseline fallback (verification.baselines iterates
+# take no part in a cap lift or a degenerate-baseline fallback (verification.judging.baselines iterates
 # RECIPES only).  fp32: the eager fp32 references (kda_kernels/references.py: fla's naive_*_kda,
 # transformers' Kimi Linear functions), every product and storage IEEE fp32, o in the input dtype.
 REFERENCE_RECIPES: dict[str, Recipe] = {

@@ -5,7 +5,7 @@
 
 ``assert_kda_close`` judges one kernel call the way ``kda-verify run`` judges a cell and
 ``kda-verify check`` judges files (verification.commands.check.judge_files ->
-verification.verdict.judge): against the float64 oracle and the baseline recipe's error on the
+verification.judging.verdict.judge): against the float64 oracle and the baseline recipe's error on the
 same problem, every tensor and every slice, with the tolerances.yaml entry, the cap and the
 recipe's range.  Under pytest the plugin of this package offers it as the fixture ``kda_close``.
 """

@@ -6,7 +6,7 @@ the outputs pass, and raises AssertionError whose message names the worst slice 
 What judges: ``verification.commands.check.judge_files``, the function ``kda-verify check``
 judges a problem file and an outputs file with, which computes the float64 truth
 (kda_ref.truth), the baseline recipe's error on the same problem
-(verification.baselines.baseline_metrics) and calls ``verification.verdict.judge``, the judge
+(verification.judging.baselines.baseline_metrics) and calls ``verification.judging.verdict.judge``, the judge
 ``kda-verify run`` calls for every cell: per tensor (o; final_state, or state_cache when
 paged; ws_inv when given)
 
@@ -15,7 +15,7 @@ paged; ws_inv when given)
 and every slice (o per (sequence, head), per (sequence, 16-token block), each sequence's first
 4 tokens; a state per (sequence, head); the cache per (slot, head)), with the cap lift where no
 recipe meets the cap and the recipe's range (out-of-contract) as run applies them
-(docs/tolerances.md).  ``verification.verdict.decide`` makes the final status; the register of
+(docs/tolerances.md).  ``verification.judging.verdict.decide`` makes the final status; the register of
 known failures is not consulted (it names cases of the built-in suites, and a kernel author's
 test asserts that this call is right).  Only ``pass`` passes: ``fail``, ``mistrusted``,
 ``out-of-contract`` and ``skipped`` (no sound baseline) raise.
@@ -53,13 +53,13 @@ def _check_problem(problem):
 
 def _output_tensors(outputs, problem) -> dict:
     """{name: tensor} of ``outputs`` (Outputs, a dict, or a tuple (o, final_state[, state_cache])),
-    on the problem's device, held to the problem's shapes (verification.problem_file.check_outputs);
+    on the problem's device, held to the problem's shapes (verification.reporting.problem_file.check_outputs);
     a one-line TypeError / ValueError naming ``outputs`` otherwise."""
     import torch
 
     from kda_kernels.base import Outputs
     from kda_ref.problem import ProblemError
-    from verification.problem_file import check_outputs
+    from verification.reporting.problem_file import check_outputs
     form = "a kda_kernels.base.Outputs, a dict or a tuple (o, final_state[, state_cache])"
     if isinstance(outputs, Outputs):
         given = {"o": outputs.o, "final_state": outputs.final_state, "state_cache": outputs.state_cache}
@@ -103,7 +103,7 @@ def _output_tensors(outputs, problem) -> dict:
 
 def _check_recipe(recipe) -> str:
     from kda_kernels.emulator import RECIPES
-    from verification.policy import DEFAULT_RECIPE
+    from verification.judging.policy import DEFAULT_RECIPE
     if recipe is None:
         return DEFAULT_RECIPE
     if not isinstance(recipe, str):
@@ -129,7 +129,7 @@ def _split_route(route) -> tuple[str, Optional[str]]:
 
 def _tolerances(path):
     from verification.errors import UsageError
-    from verification.tolerances import load_tolerances
+    from verification.judging.tolerances import load_tolerances
     if path is not None and not isinstance(path, (str, Path)):
         raise TypeError(f"tolerances: expected a path to a tolerances YAML file or None, got {_type_name(path)}")
     try:
@@ -149,9 +149,9 @@ def _as_argument(msg: str) -> str:
 
 def save_repro(problem, outputs, directory, *, recipe: Optional[str] = None, route: Optional[str] = None) -> str:
     """Write ``problem`` and ``outputs`` as DIRECTORY/problem.safetensors and
-    DIRECTORY/outputs.safetensors (verification/problem_file.py) and return the ``kda-verify
+    DIRECTORY/outputs.safetensors (verification/reporting/problem_file.py) and return the ``kda-verify
     check`` command that judges them as ``assert_kda_close`` does."""
-    from verification.problem_file import save_outputs, save_problem
+    from verification.reporting.problem_file import save_outputs, save_problem
     problem = _check_problem(problem)
     tensors = _output_tensors(outputs, problem)
     recipe = _check_recipe(recipe)
@@ -216,7 +216,7 @@ def assert_kda_close(outputs, problem, *, recipe: Optional[str] = None, route: O
         for vk; the paged cache [slots,HV,V,K] in place of final_state when paged).
     problem: the kda_ref.problem.Problem the kernel ran on (validated here).
     recipe: the emulator recipe whose error on this problem is the baseline (kda_kernels/
-        emulator.py RECIPES; default verification.policy.DEFAULT_RECIPE, flashkda).
+        emulator.py RECIPES; default verification.judging.policy.DEFAULT_RECIPE, flashkda).
     route: "BACKEND/ROUTE" to judge under that tolerances.yaml entry and, for a backend
         kda-verify loads, that route's flags (e.g. "triton/seg", "fla/chunk:safe_gate"); None:
         the default entry (backend "external", route the recipe's name).
@@ -224,7 +224,7 @@ def assert_kda_close(outputs, problem, *, recipe: Optional[str] = None, route: O
     repro_dir: where a failing call writes problem.safetensors and outputs.safetensors
         (``save_repro``); the message then gives the ``kda-verify check`` line that judges them.
 
-    Returns the verification.verdict.Verdict on a pass.  Raises AssertionError naming the worst
+    Returns the verification.judging.verdict.Verdict on a pass.  Raises AssertionError naming the worst
     slice (tensor, slice, error, threshold, margin), the verdict's reason and a repro hint;
     TypeError / ValueError, one line naming the argument, for bad arguments."""
     __tracebackhide__ = True   # pytest shows the caller's line
@@ -237,7 +237,7 @@ def assert_kda_close(outputs, problem, *, recipe: Optional[str] = None, route: O
     db = _tolerances(tolerances)
     from verification.commands.check import judge_files
     from verification.errors import UsageError
-    from verification.verdict import decide
+    from verification.judging.verdict import decide
     try:
         verdict, _ = judge_files(problem, tensors, recipe, backend, route_name, db, str(problem.device))
     except UsageError as e:

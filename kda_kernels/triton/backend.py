@@ -50,7 +50,7 @@ class TritonBackend:
     """``TritonBackend(taps=True)`` returns the workspace (ws_*) and, when segmented, A_seg,
     b_seg and h_in as ``Outputs.taps`` on every run; ``run(..., taps=True)`` asks for one run."""
     name = "triton"
-    accepts_buffers = True      # run(..., buffers=GuardedBuffers): caller-owned buffers (verification.guards)
+    accepts_buffers = True      # run(..., buffers=GuardedBuffers): caller-owned buffers (verification.running.guards)
 
     def __init__(self, taps: bool = False):
         self.taps = bool(taps)
@@ -171,7 +171,7 @@ class TritonBackend:
 
     # ------------------------------------------------------------------------------ run
     def run(self, problem: Problem, route, taps: Optional[bool] = None, buffers=None) -> Outputs:
-        """``buffers`` (verification.guards.GuardedBuffers): every buffer of the forward (o,
+        """``buffers`` (verification.running.guards.GuardedBuffers): every buffer of the forward (o,
         final_state, workspace, segment tensors) comes from ``buffers.allocate`` and the paged
         cache is written in place when it is already on the kernel's device (else adopted there)."""
         p = problem
@@ -208,7 +208,7 @@ class TritonBackend:
 
     # ------------------------------------------------------------------------------ passes
     def debug_plan(self, problem: Problem, route) -> dict:
-        """What ``verification.debug`` needs: chunk size, the resolved chunks per segment (None:
+        """What ``verification.investigating.debug`` needs: chunk size, the resolved chunks per segment (None:
         unsegmented) and the passes this route runs."""
         p = problem
         spec = self._spec(p, route)

@@ -9,7 +9,7 @@ The launch context (``LaunchContext``) is explicit state, set for a block of cod
     target_is_hip   True / False: launch parameters for an AMD / NVIDIA target; None: this
                     torch's platform
     allocator       allocator(name, shape, dtype, device) -> tensor makes every buffer the
-                    forward allocates (guard-banded buffers, verification.guards); None: torch.empty
+                    forward allocates (guard-banded buffers, verification.running.guards); None: torch.empty
 
 Under Triton's CPU interpreter the first launch applies the interpreter fixes of
 ``_interpreter_compat`` (once; compiled kernels are untouched).
