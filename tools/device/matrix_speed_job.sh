@@ -8,6 +8,15 @@
 # check that every cell's status is the same in the four runs (a cache never changes a verdict).
 #
 #   OUT=DIR BEFORE=DIR tools/device/matrix_speed_job.sh      (run from the repository root)
+#   OUT=DIR BEFORE=none RUNS="after-cold after-warm after-warm-n8" tools/device/matrix_speed_job.sh
+#
+# RUNS: the runs, in order (default: before-cold after-cold after-warm before-warm; the before runs
+# are dropped with BEFORE=none).  A name is TREE-cold|warm[-nJ][-mps]: -nJ runs that one with J
+# workers, -mps with CUDA's multi-process service started for it (where nvidia-cuda-mps-control
+# exists; the run is skipped, saying so, where it does not).  PROFILE=1 adds, after the runs, one
+# worker's warm run of triton x default under cProfile (profile.txt: the 45 heaviest by cumulative
+# and by own time).  FLASH_KDA_KEEP=1 returns the built flash_kda as flash_kda.tgz (FLASH_KDA_BUILT
+# takes it in a later call).
 #
 # BEFORE: e.g. mkdir -p .vendor/before && git archive 7073469 | tar -x -C .vendor/before
 # Carry (54 MiB, no __pycache__ in them): .whl/fla_core-0.6.0-py3-none-any.whl (1 MB), .vendor/aiter-upstream
@@ -24,8 +33,13 @@
 set -u -o pipefail
 export PYTHONUNBUFFERED=1 AITER_TRITON_ONLY=1
 OUT=${OUT:?OUT: expected the output directory in the environment, got none}
-BEFORE=${BEFORE:?BEFORE: expected the before tree (a directory) in the environment, got none}
-[ -d "$BEFORE/verification" ] || { echo "matrix_speed_job.sh: BEFORE: expected a source tree with verification/, got '$BEFORE'"; exit 2; }
+BEFORE=${BEFORE:?BEFORE: expected the before tree (a directory, or none) in the environment, got nothing}
+RUNS=${RUNS:-before-cold after-cold after-warm before-warm}
+if [ "$BEFORE" = none ]; then
+  RUNS=$(for r in $RUNS; do case $r in before-*) ;; *) printf '%s ' "$r";; esac; done); BEFORE=$PWD
+else
+  [ -d "$BEFORE/verification" ] || { echo "matrix_speed_job.sh: BEFORE: expected a source tree with verification/ (or none), got '$BEFORE'"; exit 2; }
+fi
 JOBS=${JOBS:-16} BACKENDS=${BACKENDS:-triton,fla,aiter,moonshot} SUITES=${SUITES:-smoke,default,stress,k3-prefill}
 AITER=${AITER:-.vendor/aiter-upstream} MOONSHOT=${MOONSHOT:-build} BUILD_JOBS=${BUILD_JOBS:-16}
 DEADLINE=${DEADLINE:-540} T_COLD=${T_COLD:-200} T_WARM=${T_WARM:-150}
@@ -43,6 +57,7 @@ elif [ "$MOONSHOT" = build ]; then
   t=$(date +%s)
   FLASH_KDA_TARGET=/tmp/site MAX_JOBS=$BUILD_JOBS timeout 200 tools/build_flash_kda.sh "$K" > "$OUT/build.txt" 2>&1
   echo "=== flash_kda build: exit $? after $(( $(date +%s) - t ))s"; tail -n 3 "$OUT/build.txt"
+  [ "${FLASH_KDA_KEEP:-0}" = 1 ] && (cd /tmp/site && tar -czf "$OUT/flash_kda.tgz" flash_kda* 2>/dev/null) && ls -la "$OUT/flash_kda.tgz"
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
@@ -55,8 +70,8 @@ python3 -m compileall -q -j 0 /tmp/site "$BEFORE" "$HERE/kda_kernels" "$HERE/kda
 PYTHONPATH=/tmp/site python3 -c "import torch, triton, fla.ops.kda" 2>/dev/null   # the imports' files read once
 echo "=== setup done at +$(( $(date +%s) - T0 ))s; backends $BACKENDS, suites $SUITES, -n $JOBS"
 
-run() {   # run NAME TREE cold|warm LIMIT
-  local name=$1 tree=$2 how=$3 lim=$4 side=${1%%-*}
+run() {   # run NAME TREE cold|warm LIMIT [JOBS]
+  local name=$1 tree=$2 how=$3 lim=$4 side=${1%%-*} jobs=${5:-$JOBS}
   [ "$(left)" -lt "$lim" ] && lim=$(left)
   [ "$lim" -gt 10 ] || { echo "=== $name: skipped, past the deadline"; return; }
   export TRITON_CACHE_DIR=/tmp/speed/$side/triton KDA_VERIFY_CACHE_DIR=/tmp/speed/$side/kda-verify
@@ -65,7 +80,7 @@ run() {   # run NAME TREE cold|warm LIMIT
   echo; echo "=== $name (limit ${lim}s, at +$(( $(date +%s) - T0 ))s)"
   local t=$(date +%s.%N)
   ( cd "$tree" && PYTHONPATH=/tmp/site:$tree:$AITER timeout "$lim" python3 -m pytest -q -p no:cacheprovider \
-      -p no:kda_verify -p verification.pytest_plugin -m verify tests/test_verify_matrix.py -n "$JOBS" --dist loadgroup \
+      -p no:kda_verify -p verification.pytest_plugin -m verify tests/test_verify_matrix.py -n "$jobs" --dist loadgroup \
       --kda-backend "$BACKENDS" --kda-suite "$SUITES" --junitxml "$OUT/$name.xml" > "$OUT/$name.txt" 2>&1 )
   local rc=$? wall
   wall=$(python3 -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1]):.1f}')" "$t" "$(date +%s.%N)")
@@ -75,10 +90,32 @@ run() {   # run NAME TREE cold|warm LIMIT
   sed -n '/kda-verify time breakdown/,$p' "$OUT/$name.txt" | head -n 14
 }
 mkdir -p /tmp/speed && : > /tmp/speed/walls.txt
-run before-cold "$BEFORE" cold "$T_COLD"
-run after-cold "$HERE" cold "$T_COLD"
-run after-warm "$HERE" warm "$T_WARM"
-run before-warm "$BEFORE" warm "$T_WARM"      # last: the one a short deadline cuts (90 s measured before)
+for r in $RUNS; do
+  tree=$HERE; [ "${r%%-*}" = before ] && tree=$BEFORE
+  how=cold; lim=$T_COLD; case $r in *-warm*) how=warm; lim=$T_WARM;; esac
+  j=$JOBS; case $r in *-n[0-9]*) j=$(echo "$r" | sed -E 's/.*-n([0-9]+).*/\1/');; esac
+  mps=0; case $r in *-mps*) mps=1;; esac
+  if [ $mps = 1 ]; then
+    command -v nvidia-cuda-mps-control >/dev/null || { echo "=== $r: skipped, no nvidia-cuda-mps-control here"; continue; }
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log; mkdir -p /tmp/mps-pipe /tmp/mps-log
+    nvidia-cuda-mps-control -d && echo "=== MPS started" || { echo "=== $r: skipped, MPS did not start"; continue; }
+  fi
+  run "$r" "$tree" "$how" "$lim" "$j"
+  [ $mps = 1 ] && { echo quit | nvidia-cuda-mps-control; unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY; }
+done
+if [ "${PROFILE:-0}" = 1 ] && [ "$(left)" -gt 40 ]; then
+  echo "=== profile: one worker, triton x default, warm (at +$(( $(date +%s) - T0 ))s)"
+  export TRITON_CACHE_DIR=/tmp/speed/after/triton KDA_VERIFY_CACHE_DIR=/tmp/speed/after/kda-verify
+  PYTHONPATH=/tmp/site:$HERE:$AITER timeout "$(( $(left) - 5 ))" python3 -m cProfile -o /tmp/prof.out -m pytest -q -p no:cacheprovider \
+      -p no:kda_verify -p verification.pytest_plugin -m verify tests/test_verify_matrix.py -p no:xdist \
+      --kda-backend triton --kda-suite default > "$OUT/profile-run.txt" 2>&1
+  echo "=== profile: exit $?"; tail -n 3 "$OUT/profile-run.txt"
+  python3 -c "
+import pstats, sys
+p = pstats.Stats('/tmp/prof.out', stream=sys.stdout)
+p.sort_stats('cumulative').print_stats(45)
+p.sort_stats('tottime').print_stats(45)" > "$OUT/profile.txt" 2>&1 || true
+fi
 
 {
   echo "matrix: --kda-backend $BACKENDS --kda-suite $SUITES -n $JOBS --dist loadgroup"
