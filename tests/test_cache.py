@@ -98,6 +98,19 @@ def test_a_large_tensor_is_sampled_and_its_ends_are_hashed(monkeypatch):
         assert cache._tensor_bytes(y) != base
 
 
+def test_sampling_a_tensor_of_more_than_2_to_the_24_elements_stays_in_bounds(monkeypatch):
+    """The sample's indices are exact integers: a float32 linspace rounded n - 1 up to n for
+    n > 2**24 (the H200 matrix's default/B1-T8192-H64 inputs, 67M elements), an index out of
+    bounds that a GPU raises as a device-side assert, killing the worker's CUDA context."""
+    monkeypatch.setattr(cache, "FULL_HASH_BYTES", 1024)
+    n = 2 ** 26                                # 8192 x 64 x 128: float32 rounds n - 1 to n
+    x = torch.zeros(n, dtype=torch.uint8)
+    x[-2] = 7                                  # the ends and the spaced sample both see the tail
+    out = cache._tensor_bytes(x)
+    assert len(out) <= cache.SAMPLED_BYTES + 2 * (cache.SAMPLED_BYTES // 8) + 8
+    assert cache._tensor_bytes(x) == out and out != cache._tensor_bytes(torch.zeros(n, dtype=torch.uint8))
+
+
 def _copy_sources(dst: Path) -> Path:
     for pkg in cache._PACKAGES:
         shutil.copytree(cache._ROOT / pkg, dst / pkg, ignore=shutil.ignore_patterns("__pycache__", "*.yaml", "*.md"))

@@ -167,8 +167,10 @@ def _tensor_bytes(t: torch.Tensor) -> bytes:
     if size > FULL_HASH_BYTES:
         per = max(1, SAMPLED_BYTES // flat.element_size())
         ends = max(1, per // 8)
-        idx = torch.cat([torch.arange(0, min(n, ends)), torch.linspace(0, n - 1, per).long(),
-                         torch.arange(max(0, n - ends), n)])
+        # evenly spaced in exact integer arithmetic: a float32 linspace rounds n - 1 up to n once
+        # n > 2**24, and that index out of bounds is a device-side assert on a GPU
+        spaced = torch.arange(per, dtype=torch.int64) * (n - 1) // max(1, per - 1)
+        idx = torch.cat([torch.arange(0, min(n, ends)), spaced, torch.arange(max(0, n - ends), n)])
         flat = flat[idx.to(flat.device)]
     return flat.contiguous().cpu().view(torch.uint8).numpy().tobytes()
 
