@@ -85,7 +85,8 @@ def judge_plant(problem, outputs: Outputs, tr=None, baselines: Optional[dict] = 
     """The verdict of planted ``outputs`` as ``check --recipe flashkda`` gives it."""
     from kda_kernels.emulator import RECIPES
     from verification.tolerances import load_tolerances
-    from verification.verdict import baseline_metrics, judge
+    from verification.baselines import baseline_metrics
+    from verification.verdict import judge
     tr = tr if tr is not None else truth(problem)
     baselines = {} if baselines is None else baselines
 

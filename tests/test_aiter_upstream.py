@@ -55,7 +55,8 @@ def _judge(b, p, name):
     """(Outputs, Verdict) of route ``name`` on ``p``, as the verify matrix judges a cell."""
     from kda_ref.truth import truth
     from verification.tolerances import load_tolerances
-    from verification.verdict import baseline_metrics, judge
+    from verification.baselines import baseline_metrics
+    from verification.verdict import judge
     route = {r.name: r for r in b.routes()}[name]
     assert b.accepts(p, route) == (True, ""), b.accepts(p, route)
     tr = truth(p)

@@ -12,7 +12,8 @@ from kda_ref.truth import truth
 from verification.cases import get_case, get_suite
 from verification.metrics import compare
 from verification.tolerances import load_tolerances
-from verification.verdict import baseline_metrics, judge
+from verification.baselines import baseline_metrics
+from verification.verdict import judge
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -7,7 +7,8 @@ import pytest
 
 from kda_test_backends import write_tolerances
 from verification.cases import _fuzz_draw, _fuzz_params, fuzz_suite, get_case, get_suite
-from verification.cli import UsageError, main
+from verification.cli import main
+from verification.errors import UsageError
 from verification.runner import RESULTS_FILE, read_records
 
 pytest_plugins = ["pytester"]

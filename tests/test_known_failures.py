@@ -151,7 +151,7 @@ def test_bad_params_name_the_entry_the_field_what_was_expected_and_what_came(val
 
 
 def test_calibrate_leaves_a_params_matched_fuzz_failure_out():
-    from verification.commands.calibrate import collect_groups
+    from verification.calibrate import collect_groups
     db = load_tolerances()
     rec = {**_fuzz_rec(148), "dtype": "bf16", "metrics": {"o": {"rel_l2": 0.065, "tail_rel_l2": 0.065}}}
     assert collect_groups([rec], db) == {}

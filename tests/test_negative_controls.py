@@ -11,7 +11,8 @@ from kda_kernels.emulator import EmulatorBackend, emulate
 from kda_ref.truth import truth
 from verification.cases import get_case
 from verification.tolerances import load_tolerances
-from verification.verdict import baseline_metrics, judge
+from verification.baselines import baseline_metrics
+from verification.verdict import judge
 
 SUBSET = ["stress/weak-gate-lb-1", "stress/tail17-lb-1", "stress/exact-keys-gate-off-beta4",
           "stress/correlated-keys-rho0.9-lb-0.01"]

@@ -18,7 +18,8 @@ from verification import invariance as inv
 from verification.cases import build_problem, get_case
 from verification.metrics import compare
 from verification.tolerances import load_tolerances
-from verification.verdict import baseline_metrics, judge
+from verification.baselines import baseline_metrics
+from verification.verdict import judge
 
 NAMES = ("fla-naive", "transformers")
 DEVICES = ["cpu"] + ([pytest.param("cuda", marks=pytest.mark.gpu)] if torch.cuda.is_available() else [])

@@ -5,7 +5,8 @@ import json
 import pytest
 
 from verification.cases import get_suite
-from verification.cli import UsageError, main
+from verification.cli import main
+from verification.errors import UsageError
 from verification.policy import FAILING
 from verification.record import RESULTS_FILE, read_records
 from verification.runner import run_matrix as _run_matrix

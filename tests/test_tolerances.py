@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from verification.cli import UsageError
+from verification.errors import UsageError
 from verification.tolerances import DEFAULT_PATH, ToleranceError, load_tolerances, parse_tolerances
 
 GOOD = """schema: 1
@@ -88,7 +88,7 @@ FIGURES = [
 def measured():
     from kda_ref.truth import truth
     from verification.cases import get_case
-    from verification.verdict import baseline_metrics
+    from verification.baselines import baseline_metrics
     out = {}
     for cid in BASIS:
         p = get_case(cid).build()

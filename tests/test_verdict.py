@@ -10,7 +10,8 @@ from kda_kernels.emulator import emulate
 from kda_ref.truth import truth
 from verification.cases import get_case
 from verification.tolerances import load_tolerances, parse_tolerances
-from verification.verdict import baseline_metrics, judge
+from verification.baselines import baseline_metrics
+from verification.verdict import judge
 
 ROUTE = Route(name="flashkda", recipe="flashkda")
 

@@ -179,7 +179,8 @@ def _run(a, mods) -> int:
     from verification.cases import get_case
     from verification.runner import apply_known_failure
     from verification.tolerances import load_tolerances
-    from verification.verdict import baseline_metrics, judge
+    from verification.baselines import baseline_metrics
+    from verification.verdict import judge
     warnings.filterwarnings("ignore", category=RuntimeWarning)
 
     routes = [r.strip() for r in a.routes.split(",") if r.strip()]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 
-from verification.devices import check_device  # noqa: F401 - the old import path (verification/devices.py)
+from verification.devices import check_device
 from verification.policy import exit_code
 
 NAME = "oracle"

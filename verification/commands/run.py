@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import sys
 
-from verification.selection import fuzz_args, select_cases, setup_interpreter, split_list  # noqa: F401 - also
-# imported from here by the commands that take the same options
+from verification.selection import fuzz_args, select_cases, setup_interpreter, split_list
 
 NAME = "run"
 HELP = "run every (backend, route, case) cell of the chosen suites and write the report"

@@ -1,0 +1,52 @@
+"""The runtime packages keep no re-export aliases: a name a module imports at module level
+(``from X import name``) is one that module uses, so every importer names the real home of what
+it imports and a module can move without a shim left behind.
+
+A package's ``__init__.py`` is its public API and is not checked.  The exceptions below are
+whole modules whose re-exports are their purpose (each with its reason); anything else unused
+fails, naming the file, line and name."""
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("kda_ref", "kda_kernels", "kda_verify", "verification")
+
+EXCEPTIONS = {
+    # the index of every Triton kernel, by the pass that launches it (its docstring)
+    "kda_kernels/triton/kernels.py": "every name",
+    # the forward's facade: `forward as fw` in isa.py, backend.py and bench.py reads the passes'
+    # constants and entry points through it; `from . import kernels` builds the kernels
+    "kda_kernels/triton/forward.py": "every name",
+    # the serving judge re-exports the slice constants of verdict.py its callers read
+    "verification/serving/judge.py": {"NEGLIGIBLE_SLICE"},
+}
+
+
+def unused_imports(path: Path) -> list:
+    """(line, name) of each module-level ``from X import name`` the module never uses."""
+    tree = ast.parse(path.read_text())
+    used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    found = []
+    for node in tree.body:
+        for st in (node.body if isinstance(node, ast.Try) else [node]):
+            if isinstance(st, ast.ImportFrom) and st.module != "__future__":
+                found += [(st.lineno, a.asname or a.name) for a in st.names if (a.asname or a.name) not in used]
+    return found
+
+
+def test_no_module_re_exports_what_it_imports():
+    bad = []
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            if path.name == "__init__.py" or EXCEPTIONS.get(rel) == "every name":
+                continue
+            bad += [f"{rel}:{line}: {name}" for line, name in unused_imports(path)
+                    if name not in EXCEPTIONS.get(rel, set())]
+    assert not bad, "imported but unused (a re-export: import it from its home instead):\n" + "\n".join(bad)
+
+
+def test_the_check_sees_an_unused_import(tmp_path):
+    p = tmp_path / "m.py"
+    p.write_text("from __future__ import annotations\n\nfrom os import path, sep  # noqa: F401\n\nprint(sep)\n")
+    assert unused_imports(p) == [(3, "path")]
