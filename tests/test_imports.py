@@ -50,3 +50,28 @@ def test_the_check_sees_an_unused_import(tmp_path):
     p = tmp_path / "m.py"
     p.write_text("from __future__ import annotations\n\nfrom os import path, sep  # noqa: F401\n\nprint(sep)\n")
     assert unused_imports(p) == [(3, "path")]
+
+
+def test_the_aiter_stand_ins_exist_once():
+    """The stand-ins aiter is imported with on a machine without its GPU (an ``arch_info``
+    module, a driver answering only the target) are verification/aiter_isa.py's, which
+    ``kda-verify isa --backend aiter`` needs at run time; tools/aiter_interpret.py and the
+    interpreter tests take them from there (the tests through the tool's loader)."""
+    import importlib.util
+
+    from verification.aiter_isa import ARCH_INFO
+    makers = []
+    for folder in ("verification", "kda_kernels", "tools", "tests"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if path == Path(__file__).resolve():
+                continue
+            text = path.read_text()
+            if ("class _TargetOnlyDriver" in text or "ModuleType(ARCH_INFO)" in text
+                    or f'ModuleType("{ARCH_INFO}")' in text):
+                makers.append(path.relative_to(ROOT).as_posix())
+    assert makers == ["verification/aiter_isa.py"], makers
+    spec = importlib.util.spec_from_file_location("aiter_interpret", ROOT / "tools" / "aiter_interpret.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    arch = tool._stand_ins()[ARCH_INFO]
+    assert arch.get_arch() == tool.STAND_IN_ARCH == "gfx942" and not arch.is_gluon_avail()
