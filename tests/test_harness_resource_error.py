@@ -9,7 +9,8 @@ import torch
 from verification import runner
 from verification.cases import get_case
 from verification.policy import FAILING, JUDGED, RESOURCE_ERROR
-from verification.runner import BaselineCache, TruthCache, harness_call, is_out_of_memory, run_cell
+from verification.baselines import BaselineCache
+from verification.runner import TruthCache, harness_call, is_out_of_memory, run_cell
 from verification.tolerances import load_tolerances
 
 truth_mod = importlib.import_module("kda_ref.truth")     # the module (kda_ref.truth is also the function)

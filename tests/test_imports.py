@@ -46,6 +46,46 @@ def test_no_module_re_exports_what_it_imports():
     assert not bad, "imported but unused (a re-export: import it from its home instead):\n" + "\n".join(bad)
 
 
+# importers that still take a name through a module that only imports it: the rewrite of
+# verification/shrink.py and runner.py (as_float, BaselineCache) removes these
+THROUGH_EXCEPTIONS = {"verification/shrink.py": {("verification.runner", "as_float"),
+                                                 ("verification.runner", "BaselineCache")}}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_importers_name_the_home_of_what_they_import():
+    """No module, test or tool imports a name from a module of the packages that itself only
+    imports it (``from verification.runner import jsonable`` where verification.record defines
+    it as ``encode``): the importer names the module that defines it.  A package's __init__ and
+    the facades in EXCEPTIONS are homes by design."""
+    borrowed = {}
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            rel = path.relative_to(ROOT).as_posix()
+            if path.name == "__init__.py" or EXCEPTIONS.get(rel) == "every name":
+                continue
+            names = set()
+            for node in ast.parse(path.read_text()).body:
+                for st in (node.body if isinstance(node, ast.Try) else [node]):
+                    if isinstance(st, ast.ImportFrom) and st.module != "__future__":
+                        names |= {a.asname or a.name for a in st.names}
+            borrowed[_module_name(path)] = names
+    bad = []
+    for folder in (*PACKAGES, "tests", "tools"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in borrowed:
+                    bad += [f"{rel}:{node.lineno}: {a.name} from {node.module}" for a in node.names
+                            if a.name in borrowed[node.module]
+                            and (node.module, a.name) not in THROUGH_EXCEPTIONS.get(rel, set())]
+    assert not bad, "imported through a module that only imports it (import it from its home):\n" + "\n".join(bad)
+
+
 def test_the_check_sees_an_unused_import(tmp_path):
     p = tmp_path / "m.py"
     p.write_text("from __future__ import annotations\n\nfrom os import path, sep  # noqa: F401\n\nprint(sep)\n")

@@ -4,7 +4,8 @@ import pytest
 
 from verification.policy import FAILING
 from verification.runner import apply_known_failure
-from verification.tolerances import ToleranceError, load_tolerances, parse_tolerances
+from verification.errors import ToleranceError
+from verification.tolerances import load_tolerances, parse_tolerances
 
 HEAD = """schema: 1
 entries:

@@ -15,7 +15,8 @@ from kda_ref.truth import truth
 from verification.cases import build_problem, get_case
 from verification.cli import main
 from verification.problem_file import save_outputs, save_problem
-from verification.runner import BaselineCache, TruthCache, run_cell
+from verification.baselines import BaselineCache
+from verification.runner import TruthCache, run_cell
 from verification.tolerances import load_tolerances
 from planted import PLANTS, judge_plant, plant, pooled_margin
 

@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from verification.errors import UsageError
-from verification.tolerances import DEFAULT_PATH, ToleranceError, load_tolerances, parse_tolerances
+from verification.errors import ToleranceError, UsageError
+from verification.tolerances import DEFAULT_PATH, load_tolerances, parse_tolerances
 
 GOOD = """schema: 1
 entries:

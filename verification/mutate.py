@@ -268,7 +268,8 @@ def run_mutant(mutant: Mutant, suites=("smoke", "stress"), long: bool = False, d
     from kda_kernels.triton.backend import TritonBackend
     from verification.debug import debug_passes
     from verification.policy import FAILING
-    from verification.runner import BaselineCache, TruthCache, as_loaded, run_cell
+    from verification.baselines import BaselineCache
+    from verification.runner import TruthCache, as_loaded, run_cell
     from verification.tolerances import load_tolerances
 
     t_start = time.perf_counter()
@@ -341,8 +342,8 @@ def _child_main(spec_path: str, out_path: str) -> int:
     mutant = Mutant.from_dict(spec["mutant"])
     rec = run_mutant(mutant, suites=spec["suites"], long=spec["long"], device=spec["device"],
                      case_globs=spec.get("cases"), taps=spec.get("taps", True), workdir=Path(spec["workdir"]))
-    from verification.runner import jsonable
-    Path(out_path).write_text(json.dumps(jsonable(rec), allow_nan=False))
+    from verification.record import encode
+    Path(out_path).write_text(json.dumps(encode(rec), allow_nan=False))
     return 0
 
 

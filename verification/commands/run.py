@@ -95,7 +95,8 @@ def run(args) -> int:
     from verification.cases import FUZZ_N, FUZZ_SEED
     from verification.errors import Interrupted, UsageError, writable_dir
     from verification.devices import check_device
-    from verification.runner import cell_key, check_resume, load, plan, run_matrix
+    from verification.record import cell_key
+    from verification.runner import check_resume, load, plan, run_matrix
 
     started = time.perf_counter()
     from verification.serving.command import SUITE, check_serving_args, run_serving
