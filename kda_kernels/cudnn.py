@@ -43,8 +43,6 @@ use_beta_sigmoid_in_kernel; pregated -> post-sigmoid beta; sigmoid2 refused (all
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from kda_ref.problem import Problem

@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from .budget import block_budget, sharing_workers  # noqa: F401 - sharing_workers: kept importable here
+from .budget import block_budget
 from .preprocess import F64, Prepared
 from .workspace import BlockBuffers, Workspace, workspace_prepared
 

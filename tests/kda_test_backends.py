@@ -8,7 +8,7 @@
     unavailable  available() is False with a reason
     dense_only   accepts only problems without cu_seqlens (varlen: "not applicable")
     leak         the truth of a forward whose sequences after the first start from the previous
-                 one's final state (verification.planted's "leak"), route "flashkda"
+                 one's final state (tests/planted.py's "leak"), route "flashkda"
     raising_passes  kda-verify debug's passes (debug_plan, run_pass), run_pass raising
     held         routes "fast" (exact) and "held": "held" writes $KDA_TEST_HOLD.waiting, then waits,
                  before answering exactly, while the file named by $KDA_TEST_HOLD exists (at most
@@ -57,7 +57,7 @@ class _TestBackend:
                 os.abort()
             os._exit(3)
         if self.mode == "leak":
-            from verification.planted import plant
+            from planted import plant
             out = plant(problem, "leak")
             out.info = {"route_ran": route.name}
             return out

@@ -8,14 +8,16 @@ Two kinds of test:
   signature and launch objects records what the adapter passes and what it does with the result;
 * the assembled tree (``.vendor/aiter-newest``, built by tools/assemble_aiter.py, never
   committed; the tests skip with the reason when it is absent): aiter's own kernels in Triton's
-  CPU interpreter against the float64 oracle.  aiter asks the GPU for its arch on import: the
-  import gets a stand-in ``arch_info`` (gfx942, so no Gluon) and a stand-in driver answering the
-  target, ``fast_launch`` becomes a pass-through wrapper (the real one needs compiled
+  CPU interpreter against the float64 oracle, loaded by tools/aiter_interpret.py.  aiter asks the
+  GPU for its arch on import: the import gets a stand-in ``arch_info`` (gfx942, so no Gluon) and a
+  stand-in driver answering the target (verification.investigating.aiter_isa's), ``fast_launch`` becomes a
+  pass-through wrapper (the real one needs compiled
   JITFunctions; the wrapper is still a distinct object, so launches are counted through it as
   through the real one), and the interpreter gets the project's fixes
   (kda_kernels.triton._interpreter_compat).  Everything is put back afterwards.  Like every
   interpreter test these skip on a GPU machine.
 """
+import importlib.util
 import json
 import os
 import sys
@@ -31,10 +33,18 @@ from kda_kernels.aiter import AiterBackend
 from kda_kernels.base import Route
 from verification.running.cases import build_problem
 
-NEWEST = Path(__file__).resolve().parents[1] / ".vendor" / "aiter-newest"
-FLASH_KDA = "aiter.ops.triton._triton_kernels.chunk_delta_attn.flash_kda"
-FAST_LAUNCH = "aiter.ops.triton._triton_kernels.chunk_delta_attn.fast_launch"
-ARCH_INFO = "aiter.ops.triton.utils._triton.arch_info"
+ROOT = Path(__file__).resolve().parents[1]
+NEWEST = ROOT / ".vendor" / "aiter-newest"
+
+
+def _load_tool():
+    spec = importlib.util.spec_from_file_location("aiter_interpret", ROOT / "tools" / "aiter_interpret.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+TOOL = _load_tool()   # tools/aiter_interpret.py: the interpreter loader and its fast_launch stand-in
 
 warnings.filterwarnings("ignore", category=RuntimeWarning)  # inf in the masked upper triangle
 
@@ -60,14 +70,7 @@ class _Kernel:
         return lambda *a, **kw: self.log.append(self.name)
 
 
-class _FastLaunch:
-    """What aiter's fast_launch returns: another object, holding the kernel as ``_kernel``."""
-
-    def __init__(self, kernel):
-        self._kernel = kernel
-
-    def __getitem__(self, grid):
-        return self._kernel[grid]
+_FastLaunch = TOOL.PassThrough   # what aiter's fast_launch returns: another object, holding the kernel as _kernel
 
 
 def _newest_stand_in():
@@ -105,82 +108,17 @@ def _newest_stand_in():
 
 
 # ----- the assembled tree in Triton's interpreter --------------------------------------------
-def _arch_stub() -> types.ModuleType:
-    m = types.ModuleType(ARCH_INFO)
-    m.get_arch = lambda: "gfx942"
-    for name in ("is_gluon_avail", "is_fp4_avail", "is_mx_scale_preshuffling_avail", "is_tdm_avail"):
-        setattr(m, name, lambda: False)
-    m.is_fp8_avail = lambda: True
-    m._LDS_CAP_BYTES = {"gfx942": 65536}
-    return m
-
-
-def _fast_launch_stub() -> types.ModuleType:
-    m = types.ModuleType(FAST_LAUNCH)
-    m.fast_launch = lambda kernel, use_intj=False: _FastLaunch(kernel)
-    return m
-
-
-class _TargetOnlyDriver:
-    """Answers aiter's import-time target queries; launches go through the interpreter."""
-
-    def get_current_target(self):
-        from triton.backends.compiler import GPUTarget
-        return GPUTarget("hip", "gfx942", 64)
-
-    def get_current_device(self):
-        return 0
-
-
-def _no_device(*args, **kwargs):
-    raise RuntimeError("no GPU on this machine")
-
-
 @pytest.fixture(scope="module")
 def newest():
     if not (NEWEST / "aiter").is_dir():
         pytest.skip(f"no assembled aiter tree in {NEWEST} (build it with tools/assemble_aiter.py; never committed)")
     if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the interpreter tests run on machines without a GPU (or with TRITON_INTERPRET=1)")
-    saved_env = {k: os.environ.get(k) for k in ("TRITON_INTERPRET", "AITER_TRITON_ONLY")}
-    saved_modules = set(sys.modules)
-
-    def restore():
-        if str(NEWEST) in sys.path:
-            sys.path.remove(str(NEWEST))
-        for name in set(sys.modules) - saved_modules:
-            if name in ("aiter", "intj") or name.startswith(("aiter.", "intj.")):
-                del sys.modules[name]
-        for k, v in saved_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-    os.environ.update(TRITON_INTERPRET="1", AITER_TRITON_ONLY="1")
-    import triton.language as tl
-    from triton.runtime.driver import driver
-    if type(tl.standard.sum).__name__ != "InterpretedFunction":
-        restore()
-        pytest.skip("Triton was imported in this process before TRITON_INTERPRET=1 was set, so its own "
-                    "functions are compiled ones; run this module in a fresh process")
-    from kda_kernels.triton._interpreter_compat import install
-    install()
-    saved_props, saved_driver = torch.cuda.get_device_properties, driver._active
-    sys.path.insert(0, str(NEWEST))
-    sys.modules[ARCH_INFO] = _arch_stub()
-    sys.modules[FAST_LAUNCH] = _fast_launch_stub()
-    torch.cuda.get_device_properties, driver._active = _no_device, _TargetOnlyDriver()
     try:
-        import importlib
-        mod = importlib.import_module(FLASH_KDA)
-    except Exception:
-        restore()
-        raise
-    finally:
-        torch.cuda.get_device_properties, driver._active = saved_props, saved_driver
-    yield mod
-    restore()
+        with TOOL.loaded(NEWEST) as mods:
+            yield mods["flash_kda"]
+    except TOOL.NotInterpreted as e:
+        pytest.skip(str(e))
 
 
 def _rel(x, ref):

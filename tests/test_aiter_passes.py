@@ -5,24 +5,24 @@ aiter is never part of this repository: the module skips unless a copy of its ``
 lies in ``.vendor/``.  aiter asks the active GPU for its arch when imported; without a GPU the
 import gets a stand-in ``arch_info`` (gfx942, no Gluon), a stand-in Triton driver reporting
 that target and a ``get_device_properties`` that raises RuntimeError (what aiter expects when
-there is no device), for the import only.  The interpreter gets the project's fixes
+there is no device), for the import only: tools/aiter_interpret.py's loader, with
+verification.investigating.aiter_isa's stand-ins.  The interpreter gets the project's fixes
 (kda_kernels.triton._interpreter_compat: loop bounds, bf16 dots, bf16 rounding).  Everything is put back afterwards, aiter's modules
 included, so later test modules see the machine as it is.  Like every interpreter test, this
 module skips on a GPU machine (Triton's interpreter would break compiled kernels there).
 
 Thresholds are the debugger's row thresholds (verification.investigating.debug.THRESHOLDS).
 """
+import importlib.util
 import os
-import sys
-import types
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
-VENDOR = Path(__file__).resolve().parents[1] / ".vendor"
-FLASH_KDA = "aiter.ops.triton._triton_kernels.chunk_delta_attn.flash_kda"
+ROOT = Path(__file__).resolve().parents[1]
+VENDOR = ROOT / ".vendor"
 
 if not (VENDOR / "aiter").is_dir():
     pytest.skip(f"no copy of aiter's source in {VENDOR} (it is never committed)", allow_module_level=True)
@@ -38,73 +38,21 @@ from verification.investigating.debug import debug_passes, format_reports  # noq
 warnings.filterwarnings("ignore", category=RuntimeWarning)  # inf in the masked upper triangle
 
 
-def _arch_stub() -> types.ModuleType:
-    m = types.ModuleType("aiter.ops.triton.utils._triton.arch_info")
-    m.get_arch = lambda: "gfx942"
-    for name in ("is_gluon_avail", "is_fp4_avail", "is_mx_scale_preshuffling_avail", "is_tdm_avail"):
-        setattr(m, name, lambda: False)
-    m.is_fp8_avail = lambda: True
-    m._LDS_CAP_BYTES = {"gfx942": 65536}
-    return m
-
-
-class _TargetOnlyDriver:
-    """Answers aiter's import-time target queries; launches go through the interpreter."""
-
-    def get_current_target(self):
-        from triton.backends.compiler import GPUTarget
-        return GPUTarget("hip", "gfx942", 64)
-
-    def get_current_device(self):
-        return 0
-
-
-def _no_device(*args, **kwargs):
-    raise RuntimeError("no GPU on this machine")
+def _tool():
+    spec = importlib.util.spec_from_file_location("aiter_interpret", ROOT / "tools" / "aiter_interpret.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 @pytest.fixture(scope="module")
 def flash_kda():
-    saved_env = {k: os.environ.get(k) for k in ("TRITON_INTERPRET", "AITER_TRITON_ONLY")}
-    saved_modules = set(sys.modules)
-
-    def restore():
-        if str(VENDOR) in sys.path:
-            sys.path.remove(str(VENDOR))
-        for name in set(sys.modules) - saved_modules:
-            if name == "aiter" or name.startswith("aiter."):
-                del sys.modules[name]
-        for k, v in saved_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-    # before Triton's first import: triton.language's own functions are built as interpreted ones
-    os.environ.update(TRITON_INTERPRET="1", AITER_TRITON_ONLY="1")
-    import triton.language as tl
-    from triton.runtime.driver import driver
-    if type(tl.standard.sum).__name__ != "InterpretedFunction":
-        restore()
-        pytest.skip("Triton was imported in this process before TRITON_INTERPRET=1 was set, so its own "
-                    "functions are compiled ones; run this module in a fresh process")
-
-    from kda_kernels.triton._interpreter_compat import install
-    install()   # loop bounds from loaded scalars, bf16 dots and round-to-nearest bf16 casts, as on a GPU
-    saved_props, saved_driver = torch.cuda.get_device_properties, driver._active
-    sys.path.insert(0, str(VENDOR))
-    sys.modules["aiter.ops.triton.utils._triton.arch_info"] = _arch_stub()
-    torch.cuda.get_device_properties, driver._active = _no_device, _TargetOnlyDriver()
+    tool = _tool()
     try:
-        import importlib
-        mod = importlib.import_module(FLASH_KDA)
-    except Exception:
-        restore()
-        raise
-    finally:
-        torch.cuda.get_device_properties, driver._active = saved_props, saved_driver
-    yield mod
-    restore()
+        with tool.loaded(VENDOR) as mods:
+            yield mods["flash_kda"]
+    except tool.NotInterpreted as e:
+        pytest.skip(str(e))
 
 
 def make(lens=None, B=1, T=0, H=1, lb=-1.0, state=None, seed=0):

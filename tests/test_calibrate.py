@@ -5,7 +5,7 @@ import json
 import pytest
 
 from verification.cli import main
-from verification.commands.calibrate import ceil2
+from verification.investigating.calibrate import ceil2
 from verification.judging.tolerances import parse_tolerances
 from kda_kernels.emulator import EmulatorBackend
 
@@ -107,7 +107,7 @@ def test_from_results_reuses_an_earlier_run_and_leaves_known_failures_out(tmp_pa
 
 
 def test_earlier_provenance_reads_the_latest_run_and_names_its_device(tmp_path):
-    from verification.commands.calibrate import device_description, earlier_provenance
+    from verification.investigating.calibrate import device_description, earlier_provenance
     assert earlier_provenance(str(tmp_path)) is None                 # no run.json
     (tmp_path / "run.json").write_text("{not json")
     assert earlier_provenance(str(tmp_path)) is None

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from verification.running.cases import DEFAULT_SHAPES, SUITES, Case, get_case, get_suite
-from verification.cli import UsageError
+from verification.errors import UsageError
 
 
 def test_suite_names_and_unknown_suite():

@@ -103,7 +103,8 @@ def test_check_judges_a_route_under_the_flags_run_gives_it(monkeypatch, tmp_path
     from kda_kernels.emulator import emulate
     from kda_kernels.moonshot import MoonshotBackend, state_dtype
     from kda_kernels.base import Outputs
-    from verification.running.runner import BaselineCache, TruthCache, load, run_cell
+    from verification.judging.baselines import BaselineCache
+    from verification.running.runner import TruthCache, load, run_cell
     from verification.judging.tolerances import load_tolerances
 
     def run(self, p, route):           # what flash_kda computes: the moonshot recipe, states in the route's dtype

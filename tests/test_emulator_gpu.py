@@ -12,7 +12,8 @@ from kda_ref.truth import truth
 from verification.running.cases import get_case, get_suite
 from verification.judging.metrics import compare
 from verification.judging.tolerances import load_tolerances
-from verification.judging.verdict import baseline_metrics, judge
+from verification.judging.baselines import baseline_metrics
+from verification.judging.verdict import judge
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -1,10 +1,10 @@
 """docs/errors.md's bad-input table is the one the entry points print: every row is run again through
-its entry point (verification/errors_table.py) and compared with the document's line, so the table
+its entry point (tests/errors_table.py) and compared with the document's line, so the table
 cannot drift from the messages; the document holds no row the module does not make."""
 import pytest
 
-from verification.errors_table import (BEGIN, DOC, END, HEADER, Row, TableError, cli, make_line,
-                                       doc_table, replace_table, row_head, rows)
+from errors_table import (BEGIN, DOC, END, HEADER, Row, TableError, cli, doc_table, make_line, replace_table,
+                          row_head, rows)
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
 
@@ -19,7 +19,7 @@ def test_the_doc_holds_exactly_the_rows_of_the_table():
     lines = _doc_lines()
     assert tuple(lines[:2]) == HEADER
     heads = [ln[:len(row_head(r))] for ln, r in zip(lines[2:], ROWS)]
-    assert heads == [row_head(r) for r in ROWS], "docs/errors.md's rows differ: python -m verification.errors_table --write"
+    assert heads == [row_head(r) for r in ROWS], "docs/errors.md's rows differ: python tests/errors_table.py --write"
     assert len(lines) == 2 + len(ROWS), "docs/errors.md has rows the table does not make"
     assert len({row_head(r) for r in ROWS}) == len(ROWS), "two rows with the same situation and entry point"
 
@@ -31,7 +31,7 @@ def test_each_doc_row_is_the_message_printed(i):
     assert 2 + i < len(lines) and lines[2 + i] == want, (
         f"docs/errors.md's row differs from what {ROWS[i].where!r} printed:\n  doc: "
         f"{lines[2 + i] if 2 + i < len(lines) else None}\n  printed: {want}\n"
-        f"(python -m verification.errors_table --write rewrites the table)")
+        f"(python tests/errors_table.py --write rewrites the table)")
 
 
 def test_a_row_that_does_not_exit_2_with_one_line_is_an_error_of_the_table(tmp_path, monkeypatch):

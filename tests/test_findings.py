@@ -6,7 +6,8 @@ import pytest
 
 from verification.cli import main
 from verification.reporting.findings import BEGIN, DOC, END, HEADER, doc_table, markdown, replace_table, rows
-from verification.judging.tolerances import ToleranceError, load_tolerances, parse_tolerances
+from verification.errors import ToleranceError
+from verification.judging.tolerances import load_tolerances, parse_tolerances
 
 ENTRY = """schema: 1
 entries: []

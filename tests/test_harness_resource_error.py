@@ -9,7 +9,8 @@ import torch
 from verification.running import runner
 from verification.running.cases import get_case
 from verification.judging.policy import FAILING, JUDGED, RESOURCE_ERROR
-from verification.running.runner import BaselineCache, TruthCache, harness_call, is_out_of_memory, run_cell
+from verification.judging.baselines import BaselineCache
+from verification.running.runner import TruthCache, harness_call, is_out_of_memory, run_cell
 from verification.judging.tolerances import load_tolerances
 
 truth_mod = importlib.import_module("kda_ref.truth")     # the module (kda_ref.truth is also the function)

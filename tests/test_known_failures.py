@@ -4,7 +4,8 @@ import pytest
 
 from verification.judging.policy import FAILING
 from verification.running.runner import apply_known_failure
-from verification.judging.tolerances import ToleranceError, load_tolerances, parse_tolerances
+from verification.errors import ToleranceError
+from verification.judging.tolerances import load_tolerances, parse_tolerances
 
 HEAD = """schema: 1
 entries:
@@ -151,7 +152,7 @@ def test_bad_params_name_the_entry_the_field_what_was_expected_and_what_came(val
 
 
 def test_calibrate_leaves_a_params_matched_fuzz_failure_out():
-    from verification.commands.calibrate import collect_groups
+    from verification.investigating.calibrate import collect_groups
     db = load_tolerances()
     rec = {**_fuzz_rec(148), "dtype": "bf16", "metrics": {"o": {"rel_l2": 0.065, "tail_rel_l2": 0.065}}}
     assert collect_groups([rec], db) == {}

@@ -4,7 +4,8 @@ a fuzz case's empty sequences and initial states live in lists and strings (``le
 import pytest
 
 from verification.running.runner import apply_known_failure
-from verification.judging.tolerances import DERIVED_PARAMS, ToleranceError, match_params, parse_tolerances
+from verification.errors import ToleranceError
+from verification.judging.tolerances import DERIVED_PARAMS, match_params, parse_tolerances
 
 HEAD = """schema: 1
 entries:

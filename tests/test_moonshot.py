@@ -19,7 +19,8 @@ from kda_kernels.emulator import emulate
 from kda_ref.problem import Problem
 from verification.running.cases import get_case
 from verification.cli import main
-from verification.running.runner import BaselineCache, TruthCache, run_cell
+from verification.judging.baselines import BaselineCache
+from verification.running.runner import TruthCache, run_cell
 from verification.judging.tolerances import load_tolerances
 
 BF = torch.bfloat16

@@ -15,7 +15,8 @@ import pytest
 from verification.cli import main as cli_main
 from verification.investigating.mutants import CATALOGUE, UNSEG, Mutant, by_name
 from verification.investigating.mutate import (ANCHOR_RE, AnchorError, anchor_sites, check_anchors, kernel_dir, materialize,
-                                 mutant_files, needs_attention, patched_source, patched_sources, run_in_child)
+                                 mutant_file, mutant_files, needs_attention, patched_source, patched_sources,
+                                 run_in_child)
 
 def _digest(d):
     h = hashlib.sha256()
@@ -111,15 +112,40 @@ def test_parallel_jobs_keep_the_catalogue_order(tmp_path, capsys):
     assert [r["outcome"] for r in recs] == ["equivalent", "equivalent"]
 
 
+def _imported_modules(path) -> set:
+    """Every module ``path`` imports, at module level or inside a function."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+    return names
+
+
+def test_the_catalogue_does_not_import_the_runner_of_mutants():
+    """mutate.py imports the catalogue (mutants.py); the catalogue imports nothing of mutate.py's,
+    not even inside a function, so the two are no import circle."""
+    from pathlib import Path
+
+    import verification
+    pkg = Path(verification.__file__).parent / "investigating"
+    assert "verification.investigating.mutate" not in _imported_modules(pkg / "mutants.py")
+    assert "verification.investigating.mutants" in _imported_modules(pkg / "mutate.py")
+    top = {n.module for n in ast.parse((pkg / "mutate.py").read_text()).body if isinstance(n, ast.ImportFrom)}
+    assert "verification.investigating.mutants" in top                    # at module level
+
+
 def test_copy_is_patched_and_shipped_package_untouched(tmp_path):
     before = _digest(kernel_dir())
     m = by_name(["wrong_sign_of_L"])[0]
     name = materialize(m, tmp_path)
     copy = tmp_path / name / "triton"
-    assert m.file == "k1.py"
-    assert ast.dump(ast.parse((copy / m.file).read_text())) == ast.dump(ast.parse(patched_source(m)))
+    assert mutant_file(m) == "k1.py"
+    assert ast.dump(ast.parse((copy / mutant_file(m)).read_text())) == ast.dump(ast.parse(patched_source(m)))
     for p in kernel_dir().glob("*.py"):                      # every other file copied as it is
-        if p.name != m.file:
+        if p.name != mutant_file(m):
             assert (copy / p.name).read_text() == p.read_text(), p.name
     assert _digest(kernel_dir()) == before
 

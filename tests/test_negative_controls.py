@@ -11,7 +11,8 @@ from kda_kernels.emulator import EmulatorBackend, emulate
 from kda_ref.truth import truth
 from verification.running.cases import get_case
 from verification.judging.tolerances import load_tolerances
-from verification.judging.verdict import baseline_metrics, judge
+from verification.judging.baselines import baseline_metrics
+from verification.judging.verdict import judge
 
 SUBSET = ["stress/weak-gate-lb-1", "stress/tail17-lb-1", "stress/exact-keys-gate-off-beta4",
           "stress/correlated-keys-rho0.9-lb-0.01"]

@@ -6,7 +6,8 @@ import torch
 from safetensors.torch import save_file
 
 from kda_ref import ProblemError, truth
-from verification.cli import UsageError, main
+from verification.cli import main
+from verification.errors import UsageError
 from verification.reporting.problem_file import (load_outputs, load_outputs_metadata, load_problem, save_outputs,
                                        save_problem)
 from verification.investigating.selfcheck import RECIPES, build

@@ -14,8 +14,8 @@ from kda_ref.truth import truth
 from verification.judging.baselines import baseline_metrics
 from verification.running.cases import build_problem, get_case
 from verification.cli import main
-from verification.planted import judge_plant
 from verification.reporting.problem_file import save_outputs, save_problem
+from planted import judge_plant
 
 LENS = {"lens": [1, 64, 200], "H": 2, "lb": -0.5}
 

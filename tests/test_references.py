@@ -18,7 +18,8 @@ from verification.investigating import invariance as inv
 from verification.running.cases import build_problem, get_case
 from verification.judging.metrics import compare
 from verification.judging.tolerances import load_tolerances
-from verification.judging.verdict import baseline_metrics, judge
+from verification.judging.baselines import baseline_metrics
+from verification.judging.verdict import judge
 
 NAMES = ("fla-naive", "transformers")
 DEVICES = ["cpu"] + ([pytest.param("cuda", marks=pytest.mark.gpu)] if torch.cuda.is_available() else [])

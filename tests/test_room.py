@@ -20,7 +20,8 @@ def test_cell_bytes_counts_tokens_heads_and_channels():
 
 
 def test_a_case_larger_than_the_device_is_skipped_before_it_is_built(monkeypatch):
-    from verification.running.runner import BaselineCache, TruthCache, run_cell
+    from verification.judging.baselines import BaselineCache
+    from verification.running.runner import TruthCache, run_cell
     c = get_case("long/T1048576-H12-lb-5")
     monkeypatch.setattr(room, "_total", lambda device: 24 * 2 ** 30)
     built = []

@@ -8,7 +8,7 @@ import pytest
 
 from verification.running.cases import get_suite
 from verification.cli import main
-from verification.running.runner import read_records
+from verification.judging.record import read_records
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
 

@@ -5,7 +5,8 @@ import json
 import pytest
 
 from verification.running.cases import get_suite
-from verification.cli import UsageError, main
+from verification.cli import main
+from verification.errors import UsageError
 from verification.judging.policy import FAILING
 from verification.judging.record import RESULTS_FILE, read_records
 from verification.running.runner import run_matrix as _run_matrix

@@ -252,7 +252,7 @@ def test_bad_input_is_one_line_and_exit_2(argv, fragment, tmp_path, capsys):
 
 def test_from_results_finds_the_cell_and_an_unknown_key_names_one(tmp_path, capsys):
     from verification.commands.shrink import _from_results
-    from verification.running.runner import append_record
+    from verification.judging.record import append_record
     d = tmp_path / "run"
     d.mkdir()
     append_record(d / "results.jsonl", {"key": "emulator-bad|carry_scaled|fuzz/fuzz0-3", "backend": "emulator-bad",

@@ -14,10 +14,11 @@ from kda_kernels.controls import BATCH_CONTROLS, negative_control
 from kda_ref.truth import truth
 from verification.running.cases import build_problem, get_case
 from verification.cli import main
-from verification.planted import PLANTS, judge_plant, plant, pooled_margin
 from verification.reporting.problem_file import save_outputs, save_problem
-from verification.running.runner import BaselineCache, TruthCache, run_cell
+from verification.judging.baselines import BaselineCache
+from verification.running.runner import TruthCache, run_cell
 from verification.judging.tolerances import load_tolerances
+from planted import PLANTS, judge_plant, plant, pooled_margin
 
 pytest_plugins = ["pytester"]
 ROOT = Path(__file__).resolve().parents[1]

@@ -178,14 +178,14 @@ def test_block_budget_shrinks_with_the_workers_sharing_the_device(monkeypatch):
     from kda_ref import budget
     monkeypatch.delenv("PYTEST_XDIST_WORKER_COUNT", raising=False)
     monkeypatch.delenv(budget.WORKERS_ENV, raising=False)
-    assert ch.sharing_workers() == 1
+    assert budget.sharing_workers() == 1
     one = ch.default_block_bytes("cpu")
     assert 0 < one <= budget.CPU_BLOCK_CAP
     monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "16")
-    assert ch.sharing_workers() == 16 and ch.default_block_bytes("cpu") <= one
+    assert budget.sharing_workers() == 16 and ch.default_block_bytes("cpu") <= one
     monkeypatch.setattr(budget, "CPU_BLOCK_CAP", 2 ** 62)             # uncapped: total x share / 16
     many = ch.default_block_bytes("cpu")
     monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "1")
     assert many * 8 < ch.default_block_bytes("cpu")
     monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "x")
-    assert ch.sharing_workers() == 1
+    assert budget.sharing_workers() == 1

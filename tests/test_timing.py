@@ -12,7 +12,7 @@ import pytest
 from kda_test_backends import write_tolerances
 from verification.running import compile_time, timing
 from verification.cli import main
-from verification.running.runner import RESULTS_FILE, read_records
+from verification.judging.record import RESULTS_FILE, read_records
 from kda_kernels.emulator import EmulatorBackend
 
 EMULATOR_ROUTES = [r.name for r in EmulatorBackend().routes()]

@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from verification.cli import UsageError
-from verification.judging.tolerances import DEFAULT_PATH, ToleranceError, load_tolerances, parse_tolerances
+from verification.errors import ToleranceError, UsageError
+from verification.judging.tolerances import DEFAULT_PATH, load_tolerances, parse_tolerances
 
 GOOD = """schema: 1
 entries:
@@ -88,7 +88,7 @@ FIGURES = [
 def measured():
     from kda_ref.truth import truth
     from verification.running.cases import get_case
-    from verification.judging.verdict import baseline_metrics
+    from verification.judging.baselines import baseline_metrics
     out = {}
     for cid in BASIS:
         p = get_case(cid).build()

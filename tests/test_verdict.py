@@ -10,7 +10,8 @@ from kda_kernels.emulator import emulate
 from kda_ref.truth import truth
 from verification.running.cases import get_case
 from verification.judging.tolerances import load_tolerances, parse_tolerances
-from verification.judging.verdict import baseline_metrics, judge
+from verification.judging.baselines import baseline_metrics
+from verification.judging.verdict import judge
 
 ROUTE = Route(name="flashkda", recipe="flashkda")
 

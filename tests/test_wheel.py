@@ -3,7 +3,9 @@ verification/judging/tolerances.yaml, and installed with --no-deps into a direct
 editable link, no repository next to it) ``load_tolerances()`` finds it there, and the public API
 ``kda_verify.assert_kda_close`` imports from it.  The wheel is built
 from a copy of the sources (pyproject.toml, README.md, the four packages), so the build leaves
-nothing in the checkout; --no-build-isolation uses the installed setuptools (no network)."""
+nothing in the checkout; --no-build-isolation uses the installed setuptools (no network).  Code
+only the tests and tools use (tests/planted.py, tests/errors_table.py, the tests' helper
+modules) is not in the wheel."""
 import os
 import shutil
 import subprocess
@@ -15,6 +17,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("kda_ref", "kda_kernels", "kda_verify", "verification")
+# modules only tests and tools import: they live in tests/, and no copy may ship under a package
+TEST_ONLY = ("planted.py", "errors_table.py")
 
 pytest.importorskip("setuptools")
 pytest.importorskip("wheel")
@@ -67,3 +71,14 @@ def test_installed_from_the_wheel_the_default_tolerances_load(wheel, tmp_path):
     assert Path(module) == target / "kda_verify" / "__init__.py"
     assert Path(path) == target / "verification" / "judging" / "tolerances.yaml"
     assert int(entries) >= 5
+
+
+def test_the_wheel_ships_no_test_only_module(wheel):
+    """No module of the wheel is test code: none named like a module of tests/ (the helpers the
+    tests import, tests/planted.py and tests/errors_table.py among them), none named test_*.py
+    or conftest.py, nothing under a tests/ folder."""
+    names = [n for n in zipfile.ZipFile(wheel).namelist() if n.endswith(".py")]
+    helpers = {p.name for p in (ROOT / "tests").glob("*.py")} | set(TEST_ONLY)
+    shipped = [n for n in names if Path(n).name in helpers or Path(n).name.startswith("test_")
+               or Path(n).name == "conftest.py" or "tests" in Path(n).parts[:-1]]
+    assert not shipped, f"test-only modules in the wheel: {shipped}"

@@ -12,11 +12,15 @@ DIR holds aiter/ (default .vendor/aiter-newest, built by tools/assemble_aiter.py
 tree with the kimi_delta_attn layout and attention/chunk_kda.py works the same way, and then
 the chunk_kda routes run too: chunk_kda:triton is its Triton fallback, which it takes on the
 stand-in arch).  The import gets what a machine without an AMD GPU lacks: a stand-in
-``arch_info`` (gfx942: no Gluon), a stand-in driver answering the target for the import,
+``arch_info`` (gfx942: no Gluon) and, for the import, a driver answering the target
+(verification.investigating.aiter_isa's, the ones ``kda-verify isa --backend aiter`` imports aiter with),
 ``fast_launch`` as a pass-through wrapper (the real one needs compiled kernels), 256 CUs for
 aiter's segment and scan heuristics, and the project's interpreter fixes
 (kda_kernels.triton._interpreter_compat).  Exit 0 when every cell passes or is a known failure,
 1 otherwise, 2 on bad input (one line).
+
+``loaded`` is also the interpreter tests' loader (tests/test_aiter_passes.py,
+tests/test_aiter_newest.py, tests/test_aiter_upstream.py, tests/test_trace_flashkda.py).
 """
 from __future__ import annotations
 
@@ -36,8 +40,12 @@ _TK = "aiter.ops.triton._triton_kernels."
 FLASH_KDA = {"kimi_delta_attn": _TK + "kimi_delta_attn.flash_kda",
              "chunk_delta_attn": _TK + "chunk_delta_attn.flash_kda"}
 FAST_LAUNCH = (_TK + "chunk_delta_attn.fast_launch", _TK + "kimi_delta_attn.fast_launch")
-ARCH_INFO = "aiter.ops.triton.utils._triton.arch_info"
 STAND_IN_ARCH = "gfx942"
+
+
+class NotInterpreted(RuntimeError):
+    """Triton was imported in this process before TRITON_INTERPRET=1: its own functions are
+    compiled ones, so aiter's kernels cannot run in the interpreter here."""
 
 
 def fail(msg: str):
@@ -51,8 +59,9 @@ def tree_layout(tree: Path) -> str:
     return "kimi_delta_attn" if renamed.is_file() else "chunk_delta_attn"
 
 
-class _PassThrough:
-    """What fast_launch returns, without compiling: another object whose [grid] launches the kernel."""
+class PassThrough:
+    """What fast_launch returns, without compiling: another object (holding the kernel as
+    ``_kernel``, as aiter's does) whose [grid] launches the kernel."""
 
     def __init__(self, kernel):
         self._kernel = kernel
@@ -62,29 +71,15 @@ class _PassThrough:
 
 
 def _stand_ins() -> dict:
-    arch = types.ModuleType(ARCH_INFO)
-    arch.get_arch = lambda: STAND_IN_ARCH
-    for name in ("is_gluon_avail", "is_fp4_avail", "is_mx_scale_preshuffling_avail", "is_tdm_avail"):
-        setattr(arch, name, lambda: False)
-    arch.is_fp8_avail = lambda: True
-    arch._LDS_CAP_BYTES = {STAND_IN_ARCH: 65536}
-    mods = {ARCH_INFO: arch}
+    """{module name: stand-in}: aiter_isa's arch_info answering STAND_IN_ARCH, and a fast_launch
+    module per layout returning PassThrough."""
+    from verification.investigating.aiter_isa import ARCH_INFO, arch_stand_in
+    mods = {ARCH_INFO: arch_stand_in(STAND_IN_ARCH)}
     for path in FAST_LAUNCH:
         fl = types.ModuleType(path)
-        fl.fast_launch = lambda kernel, use_intj=False: _PassThrough(kernel)
+        fl.fast_launch = lambda kernel, use_intj=False: PassThrough(kernel)
         mods[path] = fl
     return mods
-
-
-class _TargetOnlyDriver:
-    """Answers aiter's import-time target queries; launches go through the interpreter."""
-
-    def get_current_target(self):
-        from triton.backends.compiler import GPUTarget
-        return GPUTarget("hip", STAND_IN_ARCH, 64)
-
-    def get_current_device(self):
-        return 0
 
 
 @contextlib.contextmanager
@@ -92,26 +87,25 @@ def loaded(tree: Path):
     """Import aiter's modules from ``tree`` under Triton's interpreter with the stand-ins above;
     yields dict(layout, flash_kda, chunk_kda, chunk_fwd, chunk_kda_why) (chunk_kda None with the
     reason where the tree has none).  Everything is put back afterwards: sys.path, the aiter
-    modules, the environment.  Triton must not have been imported before TRITON_INTERPRET=1."""
+    modules, the environment.  Triton must not have been imported before TRITON_INTERPRET=1
+    (NotInterpreted, before anything of aiter is imported)."""
     saved_env = {k: os.environ.get(k) for k in ("TRITON_INTERPRET", "AITER_TRITON_ONLY")}
     saved_modules = set(sys.modules)
     os.environ.update(TRITON_INTERPRET="1", AITER_TRITON_ONLY="1")
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(tree))
     try:
-        import torch
-        from triton.runtime.driver import driver
+        import triton.language as tl
+        if type(tl.standard.sum).__name__ != "InterpretedFunction":
+            raise NotInterpreted("Triton was imported in this process before TRITON_INTERPRET=1 was set, so its "
+                                 "own functions are compiled ones; run this in a fresh process")
 
         from kda_kernels.triton._interpreter_compat import install
+        from verification.investigating.aiter_isa import cpu_import
         install()
         sys.modules.update(_stand_ins())
         layout = tree_layout(tree)
-        saved = torch.cuda.get_device_properties, driver._active
-
-        def no_device(*a, **k):
-            raise RuntimeError("no GPU")
-        torch.cuda.get_device_properties, driver._active = no_device, _TargetOnlyDriver()
-        try:
+        with cpu_import(STAND_IN_ARCH):
             mod = importlib.import_module(FLASH_KDA[layout])
             ck = fwd = None
             why = "the tree has no aiter/ops/triton/attention/chunk_kda.py"
@@ -126,8 +120,6 @@ def loaded(tree: Path):
                     fwd = importlib.import_module(CHUNK_FWD)
                 except Exception:  # noqa: BLE001
                     fwd = None
-        finally:
-            torch.cuda.get_device_properties, driver._active = saved
         mod.__aiter_layout__ = layout
         if hasattr(mod, "_num_cus"):
             mod._num_cus = lambda device_index=0: 256
@@ -179,7 +171,8 @@ def _run(a, mods) -> int:
     from verification.running.cases import get_case
     from verification.running.runner import apply_known_failure
     from verification.judging.tolerances import load_tolerances
-    from verification.judging.verdict import baseline_metrics, judge
+    from verification.judging.baselines import baseline_metrics
+    from verification.judging.verdict import judge
     warnings.filterwarnings("ignore", category=RuntimeWarning)
 
     routes = [r.strip() for r in a.routes.split(",") if r.strip()]

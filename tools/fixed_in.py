@@ -33,7 +33,7 @@ from verification.judging.record import load_records  # noqa: E402
 from verification.judging.tolerances import load_tolerances  # noqa: E402
 
 FAILED = ("fail", "known-fail", "mistrusted", "crashed")
-TOL = ROOT / "verification" / "judging" / "tolerances.yaml"
+TOL = ROOT / "verification" / "tolerances.yaml"
 # an emulator recipe, named as a build of the kernel it predicts
 RECIPE_BUILDS = {"moonshot": "recipe moonshot (1ce47ea's fp16 Neumann inverse)",
                  "moonshot-fwdsub": "recipe moonshot-fwdsub (7afb9f45's inverse)"}
@@ -85,7 +85,8 @@ def recipe_cells(kf, recipes, device: str = "cpu", caches=None) -> dict:
     that recipe} (the case its shrink command names, with its --fuzz-n); ``caches``: a (TruthCache,
     BaselineCache) pair shared across calls (entries with one repro case compute its truth once)."""
     from verification.running.cases import get_case
-    from verification.running.runner import BaselineCache, TruthCache, as_loaded, run_cell
+    from verification.judging.baselines import BaselineCache
+    from verification.running.runner import TruthCache, as_loaded, run_cell
     words = repro_args(kf.shrink)
     case_id = words[words.index("--case") + 1]
     n = int(words[words.index("--fuzz-n") + 1]) if "--fuzz-n" in words else None
@@ -177,7 +178,8 @@ def _recipes(a, db) -> int:
               file=sys.stderr)
         return 2
     recipes = [x for x in a.recipes.split(",") if x]
-    from verification.running.runner import BaselineCache, TruthCache
+    from verification.judging.baselines import BaselineCache
+    from verification.running.runner import TruthCache
     caches = (TruthCache(device="cpu"), BaselineCache())
     text = TOL.read_text(encoding="utf-8")
     for kf in sorted(entries, key=lambda k: -k.line):        # bottom up: earlier line numbers stay valid

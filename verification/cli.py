@@ -16,10 +16,8 @@ import importlib
 import pkgutil
 import sys
 
-from kda_ref.problem import ProblemError  # noqa: F401 - re-exported (old imports)
-
 from verification.running.environment import check_triton
-from .errors import Interrupted, KernelFailure, UsageError, bad_input_errors, save_traceback  # noqa: F401
+from .errors import Interrupted, KernelFailure, bad_input_errors, save_traceback
 from verification.judging.policy import EXIT_CODES_HELP, EXIT_USAGE, exit_code
 
 

@@ -52,7 +52,8 @@ def controls(b, route, device):
     from kda_ref.truth import truth
     from verification.running.cases import get_case
     from verification.judging.tolerances import load_tolerances
-    from verification.judging.verdict import baseline_metrics, judge
+    from verification.judging.baselines import baseline_metrics
+    from verification.judging.verdict import judge
     db = load_tolerances()
     for name in NEGATIVE_CONTROLS:
         row = {"what": "control", "name": name}

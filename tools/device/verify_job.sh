@@ -45,7 +45,7 @@ want fuzz && MF+=("timeout $T_MATRIX ${VERIFY[*]} --kda-suite fuzz --kda-fuzz-n 
 for d in matrix fuzz; do [ -f "$OUT/$d.txt" ] && { echo "--- $d: tail"; tail -n 30 "$OUT/$d.txt"; }; done
 for d in matrix fuzz; do [ -d "$OUT/$d" ] && tar -czf "$OUT/$d.tgz" -C "$OUT" "$d" $( [ -f "$OUT/$d.txt" ] && echo "$d.txt" ) && rm -rf "${OUT:?}/$d" "$OUT/$d.txt"; done
 want mutate && step mutate "$T_MUTATE" python3 -m verification.cli mutate --device cuda --jobs "$JOBS" --json-out "$OUT/mutants.json"
-want planted && step planted 60 bash -c "python3 -m verification.planted --device cuda > '$OUT/planted.md'"
+want planted && step planted 60 bash -c "python3 tests/planted.py --device cuda > '$OUT/planted.md'"
 want slices && step slices 60 bash -c "python3 tools/device/slice_cost.py --device cuda > '$OUT/slices.txt'"
 cat "$OUT/planted.md" "$OUT/slices.txt" 2>/dev/null
 echo "total $(( $(date +%s) - T0 )) s"

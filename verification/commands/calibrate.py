@@ -8,10 +8,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from verification.investigating.calibrate import (ENTRY_ORDER, NEW_FLOOR, Group, ceil2, collect_groups,  # noqa: F401
-                                    device_description, earlier_provenance, earlier_records, entry_yaml,
-                                    is_long, measure, measured_where, proposal_diff, proposal_yaml,
-                                    propose, proposed_file)
+from verification.investigating.calibrate import (collect_groups, earlier_provenance, earlier_records, is_long, measure,
+                                    measured_where, proposal_diff, proposal_yaml, propose, proposed_file)
 from verification.judging.policy import exit_code
 
 NAME = "calibrate"

@@ -45,12 +45,12 @@ def run(args) -> int:
     from verification.running.cases import SUITES
     from verification.errors import UsageError
     from verification.investigating.mutants import CATALOGUE, by_name
-    from verification.investigating.mutate import AnchorError, check_anchors, format_table, needs_attention, run_in_child
+    from verification.investigating.mutate import AnchorError, check_anchors, format_table, mutant_file, needs_attention, run_in_child
 
     if args.list:
         for m in CATALOGUE:
             eq = "  [equivalent]" if m.equivalent else ""
-            print(f"{m.name:<38} {m.pass_name:<3} {m.file:<11} {m.what}{eq}")
+            print(f"{m.name:<38} {m.pass_name:<3} {mutant_file(m):<11} {m.what}{eq}")
         return exit_code()
     try:
         mutants = by_name(_names(args.mutant))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 
-from verification.running.devices import check_device  # noqa: F401 - the old import path (verification/running/devices.py)
+from verification.running.devices import check_device
 from verification.judging.policy import exit_code
 
 NAME = "oracle"

@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import sys
 
-from verification.running.selection import fuzz_args, select_cases, setup_interpreter, split_list  # noqa: F401 - also
-# imported from here by the commands that take the same options
+from verification.running.selection import fuzz_args, select_cases, setup_interpreter, split_list
 
 NAME = "run"
 HELP = "run every (backend, route, case) cell of the chosen suites and write the report"
@@ -96,7 +95,8 @@ def run(args) -> int:
     from verification.running.cases import FUZZ_N, FUZZ_SEED
     from verification.errors import Interrupted, UsageError, writable_dir
     from verification.running.devices import check_device
-    from verification.running.runner import cell_key, check_resume, load, plan, run_matrix
+    from verification.judging.record import cell_key
+    from verification.running.runner import check_resume, load, plan, run_matrix
 
     started = time.perf_counter()
     from verification.serving.command import SUITE, check_serving_args, run_serving

@@ -77,6 +77,9 @@ class AiterKernelReport:
 
 
 # ----------------------------------------------------------------------------------- import
+# The stand-ins for importing aiter without its GPU, once for the project: this command's
+# cross-compiles, tools/aiter_interpret.py's interpreter runs and the interpreter tests (which
+# load that tool) all take them from here.
 class _TargetOnlyDriver:
     def __init__(self, arch):
         self.arch = arch
@@ -89,9 +92,10 @@ class _TargetOnlyDriver:
         return 0
 
 
-def _arch_stub(arch: str) -> types.ModuleType:
-    """A stand-in ``arch_info`` answering ``arch``; ``set_stub_arch`` changes its answer (aiter's
-    KDA host modules are imported once per arch)."""
+def arch_stand_in(arch: str) -> types.ModuleType:
+    """A stand-in ``arch_info`` answering ``arch`` (Gluon, fp4 and MX preshuffling on gfx950 and
+    gfx1250, TDM on gfx1250, fp8 everywhere, the LDS capacity per arch); ``set_stub_arch``
+    changes its answer (aiter's KDA host modules are imported once per arch)."""
     m = types.ModuleType(ARCH_INFO)
     m.ARCH = arch
     m.get_arch = lambda: m.ARCH
@@ -106,7 +110,7 @@ def _arch_stub(arch: str) -> types.ModuleType:
 
 def set_stub_arch(arch: str) -> None:
     """Make the stand-in ``arch_info`` (installed if absent) answer ``arch``."""
-    stub = sys.modules.setdefault(ARCH_INFO, _arch_stub(arch))
+    stub = sys.modules.setdefault(ARCH_INFO, arch_stand_in(arch))
     if hasattr(stub, "ARCH"):
         stub.ARCH = arch
 
@@ -119,7 +123,7 @@ def cpu_import(arch: str):
     saved_props, saved_driver = torch.cuda.get_device_properties, driver._active
 
     def no_device(*a, **k):
-        raise RuntimeError("no GPU (kda-verify isa --backend aiter cross-compiles)")
+        raise RuntimeError(f"no GPU (aiter imported for {arch} on a machine without one)")
     torch.cuda.get_device_properties, driver._active = no_device, _TargetOnlyDriver(arch)
     try:
         yield

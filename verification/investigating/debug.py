@@ -276,7 +276,8 @@ def inverse_rule(backend, p: Problem, route, ws_inv: torch.Tensor) -> str:
     from kda_kernels.emulator import RECIPES
     from verification.judging.metrics import dtype_name
     from verification.judging.tolerances import load_tolerances
-    from verification.judging.verdict import judge_tensor, emulate_taps, tap_metrics
+    from verification.judging.baselines import emulate_taps, tap_metrics
+    from verification.judging.verdict import judge_tensor
     recipe = RECIPES.get(getattr(route, "recipe", ""))
     if recipe is None or recipe.chunk != int(ws_inv.shape[-1]):
         return ""

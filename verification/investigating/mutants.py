@@ -1,5 +1,7 @@
 """The catalogue of mutants of our Triton FlashKDA (kda_kernels/triton/): realistic slips of a
-kernel engineer, each a small source patch, for ``kda-verify mutate`` (verification/investigating/mutate.py).
+kernel engineer, each a small source patch, for ``kda-verify mutate`` (verification/investigating/mutate.py,
+which imports this module; this one imports nothing of it: where a mutant's anchors lie is
+``verification.investigating.mutate.mutant_file``).
 
 A mutant is a list of edits ``(anchor, find, replace)``.  ``anchor`` names a marker comment
 ``# mutant-anchor: NAME`` in the package's source, on the first line of a statement or on a
@@ -45,12 +47,6 @@ class Mutant:
     routes: tuple = (UNSEG,)
     equivalent: Optional[str] = None   # why it cannot change any output on the cases (then survival is expected)
     gap: Optional[str] = None          # a known survivor: what would catch it (survival still fails the run)
-
-    @property
-    def file(self) -> str:
-        """The file of kda_kernels/triton/ that holds the mutant's first anchor (in the shipped package)."""
-        from verification.investigating.mutate import mutant_files
-        return mutant_files(self)[0]
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -164,6 +164,11 @@ def mutant_files(mutant: Mutant, src_dir: Optional[Path] = None) -> list:
     return list(dict.fromkeys(_site(mutant, e[0], texts)[0] for e in mutant.edits))
 
 
+def mutant_file(mutant: Mutant, src_dir: Optional[Path] = None) -> str:
+    """The file of kda_kernels/triton/ that holds the mutant's first anchor."""
+    return mutant_files(mutant, src_dir)[0]
+
+
 def patched_sources(mutant: Mutant, src_dir: Optional[Path] = None) -> dict:
     """{file: patched text} for the files the mutant edits, every edit applied in order;
     AnchorError unless each anchor is found exactly once, each ``find`` occurs exactly once in
@@ -189,7 +194,7 @@ def patched_sources(mutant: Mutant, src_dir: Optional[Path] = None) -> dict:
 
 def patched_source(mutant: Mutant, src_dir: Optional[Path] = None) -> str:
     """The patched text of the mutant's file (its first anchor's)."""
-    return patched_sources(mutant, src_dir)[mutant_files(mutant, src_dir)[0]]
+    return patched_sources(mutant, src_dir)[mutant_file(mutant, src_dir)]
 
 
 def check_anchors(mutants) -> None:
@@ -263,11 +268,12 @@ def run_mutant(mutant: Mutant, suites=("smoke", "stress"), long: bool = False, d
     from kda_kernels.triton.backend import TritonBackend
     from verification.investigating.debug import debug_passes
     from verification.judging.policy import FAILING
-    from verification.running.runner import BaselineCache, TruthCache, as_loaded, run_cell
+    from verification.judging.baselines import BaselineCache
+    from verification.running.runner import TruthCache, as_loaded, run_cell
     from verification.judging.tolerances import load_tolerances
 
     t_start = time.perf_counter()
-    rec = dict(mutant=mutant.name, pass_name=mutant.pass_name, file=mutant.file, what=mutant.what,
+    rec = dict(mutant=mutant.name, pass_name=mutant.pass_name, file=mutant_file(mutant), what=mutant.what,
                equivalent=mutant.equivalent, gap=mutant.gap, routes=list(mutant.routes), outcome=None, killed=False,
                crashed=False, route=None, case=None, status=None, reason="", metric="", cells=0,
                confirmed_by_original=None, original_failed=[], localized=None, debug_first_pass=None,
@@ -336,8 +342,8 @@ def _child_main(spec_path: str, out_path: str) -> int:
     mutant = Mutant.from_dict(spec["mutant"])
     rec = run_mutant(mutant, suites=spec["suites"], long=spec["long"], device=spec["device"],
                      case_globs=spec.get("cases"), taps=spec.get("taps", True), workdir=Path(spec["workdir"]))
-    from verification.running.runner import jsonable
-    Path(out_path).write_text(json.dumps(jsonable(rec), allow_nan=False))
+    from verification.judging.record import encode
+    Path(out_path).write_text(json.dumps(encode(rec), allow_nan=False))
     return 0
 
 
@@ -371,7 +377,7 @@ def run_in_child(mutant: Mutant, suites, long: bool, device: str, case_globs=Non
         if rc is not None and "AnchorError" in (err or ""):
             raise AnchorError(err.strip().splitlines()[-1])
         why = f"timed out after {timeout_s:.0f} s" if rc is None else f"child exited with status {rc}"
-        rec = dict(mutant=mutant.name, pass_name=mutant.pass_name, file=mutant.file, what=mutant.what,
+        rec = dict(mutant=mutant.name, pass_name=mutant.pass_name, file=mutant_file(mutant), what=mutant.what,
                    equivalent=mutant.equivalent, gap=mutant.gap, routes=list(mutant.routes), killed=True, crashed=True,
                    route=None, case=None, status="crashed", reason=why, metric="crash", cells=None,
                    localized=False, debug_first_pass=None, debug_where=None,

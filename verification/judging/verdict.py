@@ -75,9 +75,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from verification.judging.metrics import compare, dtype_name, tensor_metrics
-from verification.judging.baselines import (TAP_TENSORS, TYPICAL_RMS, _tensors, in_range_view, off_range,  # noqa: F401
-                                    baseline_metrics, emulate_taps, recipe_chunk, tap_metrics)
-from verification.judging.policy import JUDGED_METRICS, NOT_APPLICABLE, OUT_OF_CONTRACT, STATUSES  # noqa: F401
+from verification.judging.baselines import TAP_TENSORS, _tensors, emulate_taps, in_range_view, recipe_chunk, tap_metrics
+from verification.judging.policy import JUDGED_METRICS, NOT_APPLICABLE, OUT_OF_CONTRACT
 from verification.judging.record import encode
 NEGLIGIBLE_SLICE = 1e-2     # a slice whose rms is below this fraction of the tensor's is judged on the tensor's scale
 SLICE_FLOOR_SHARE = 1.0     # a slice is held to at least the whole tensor's baseline error

@@ -7,11 +7,13 @@ and takes the one line it printed: for the CLI the text after ``kda-verify <comm
 which must come with exit 2 and be the only line on stderr.  A row whose entry point answers
 otherwise (another exit code, a traceback, two lines) is an error of the table, not a row.
 
-    python -m verification.errors_table            # print the table
-    python -m verification.errors_table --write    # replace the table in docs/errors.md
-    python -m verification.errors_table --check    # exit 1 when docs/errors.md's table differs
+    python tests/errors_table.py            # print the table
+    python tests/errors_table.py --write    # replace the table in docs/errors.md
+    python tests/errors_table.py --check    # exit 1 when docs/errors.md's table differs
 
 tests/test_errors_table.py fails when docs/errors.md's table is not the one this module makes.
+Test code, not shipped: it lives in tests/ and the wheel has no copy (tests/test_wheel.py).
+Run as a script it puts its checkout first on sys.path, so the table is this checkout's.
 """
 from __future__ import annotations
 
@@ -29,9 +31,12 @@ from unittest import mock
 
 import torch
 
-BEGIN = "<!-- bad-input table: made by `python -m verification.errors_table --write`; do not edit by hand -->"
+ROOT = Path(__file__).resolve().parents[1]
+if __name__ == "__main__" and str(ROOT) not in sys.path[:1]:   # as a script: this checkout's packages
+    sys.path.insert(0, str(ROOT))
+BEGIN = "<!-- bad-input table: made by `python tests/errors_table.py --write`; do not edit by hand -->"
 END = "<!-- end of the bad-input table -->"
-DOC = Path(__file__).resolve().parent.parent / "docs" / "errors.md"
+DOC = ROOT / "docs" / "errors.md"
 
 
 class TableError(RuntimeError):
@@ -521,7 +526,7 @@ def replace_table(text: str, table: str) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m verification.errors_table", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python tests/errors_table.py", description=__doc__.splitlines()[0])
     ap.add_argument("--write", action="store_true", help="replace the table in docs/errors.md")
     ap.add_argument("--check", action="store_true", help="exit 1 when docs/errors.md's table differs")
     args = ap.parse_args(argv)
@@ -537,7 +542,7 @@ def main(argv=None) -> int:
     elif args.check:
         same = doc_table(DOC.read_text()) == table
         print("docs/errors.md's bad-input table is current" if same else
-              "docs/errors.md's bad-input table differs: run python -m verification.errors_table --write")
+              "docs/errors.md's bad-input table differs: run python tests/errors_table.py --write")
         return 0 if same else 1
     else:
         print(table, end="")

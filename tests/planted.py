@@ -10,18 +10,25 @@ it to the same judge as ``check`` and ``run`` with the flashkda recipe's baselin
     gate^1.2   the same with 1.2
     slot swap  the final states of the first two written cache slots exchanged
 
-``python -m verification.planted [--device DEVICE] [CASE ...]`` prints the table row by row
-(default: the cases below).
+``python tests/planted.py [--device DEVICE] [CASE ...]`` prints the table row by row (default:
+the cases below).  Test code, not shipped: tests/test_slices.py, tests/test_recipe_range.py and
+tests/kda_test_backends.py import it, tools/device/verify_job.sh prints the table; the wheel has
+no copy (tests/test_wheel.py).  Run as a script it puts its checkout first on sys.path.
 """
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Optional
 
-from kda_kernels.base import Outputs, Route
-from kda_kernels.controls import changes_anything, own_initial_state, per_sequence, start_state
-from kda_ref.preprocess import gate_activation
-from kda_ref.truth import truth
+ROOT = Path(__file__).resolve().parents[1]
+if __name__ == "__main__" and str(ROOT) not in sys.path[:1]:   # as a script: this checkout's packages
+    sys.path.insert(0, str(ROOT))
+
+from kda_kernels.base import Outputs, Route  # noqa: E402
+from kda_kernels.controls import changes_anything, own_initial_state, per_sequence, start_state  # noqa: E402
+from kda_ref.preprocess import gate_activation  # noqa: E402
+from kda_ref.truth import truth  # noqa: E402
 
 CASES = ("k3-prefill/p02-N7-T1939", "k3-prefill/p09-N8-T7838", "k3-prefill/p16-N6-T282",
          "smoke/paged-lb-5", "smoke/varlen-tail33-lb-5", "default/B2-T2664-H12")
@@ -78,7 +85,8 @@ def judge_plant(problem, outputs: Outputs, tr=None, baselines: Optional[dict] = 
     """The verdict of planted ``outputs`` as ``check --recipe flashkda`` gives it."""
     from kda_kernels.emulator import RECIPES
     from verification.judging.tolerances import load_tolerances
-    from verification.judging.verdict import baseline_metrics, judge
+    from verification.judging.baselines import baseline_metrics
+    from verification.judging.verdict import judge
     tr = tr if tr is not None else truth(problem)
     baselines = {} if baselines is None else baselines
 
