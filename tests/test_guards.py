@@ -175,3 +175,34 @@ def test_run_cell_records_guards_and_fails_a_violation():
     assert bad["margin"] is not None and bad["margin"] <= 1     # the numbers alone would have passed
     off = run_cell(OracleBackend(), ROUTE, case, tc, bc, db, "cpu")   # default on a CPU: guards off
     assert off["status"] == "pass" and "guards" not in off
+
+
+def test_the_band_and_poison_flags_are_read_with_one_host_read(dense, monkeypatch):
+    """On one GPU shared by 16 worker processes every host read waits for the others' time
+    slices; the bands (two per buffer) and the outputs' poison are read together, once."""
+    from verification.running import guards
+
+    out = OracleBackend().run(dense, ROUTE)          # the truth computed outside the count
+    reads = []
+    real_bool, real_tolist = torch.Tensor.__bool__, torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "__bool__", lambda t: reads.append("bool") or real_bool(t))
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append("tolist") or real_tolist(t))
+    bufs = GuardedBuffers()
+    o = bufs.allocate("o", out.o.shape, out.o.dtype, "cpu")
+    o.copy_(out.o)
+    bufs.allocate("ws_scratch", (4, 8), torch.float32, "cpu").zero_()
+    bufs.allocate("ws_more", (2, 8), torch.float32, "cpu").zero_()
+    rep = guards.GuardReport()
+    pending: list = []
+    for buf in bufs.buffers:
+        guards.check_bands(buf, bufs.band, rep, pending)
+    guards.check_no_poison("o", o, rep, pending)
+    guards._settle(pending)
+    assert rep.ok and reads == ["tolist"]
+    # a violation is still named with its particulars
+    bufs.buffers[1].raw[-1] = 0
+    rep2, pending = guards.GuardReport(), []
+    for buf in bufs.buffers:
+        guards.check_bands(buf, bufs.band, rep2, pending)
+    guards._settle(pending)
+    assert not rep2.ok and "ws_scratch: 1 byte(s) changed in the band after the buffer" in rep2.violations[0]

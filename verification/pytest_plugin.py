@@ -42,9 +42,11 @@ reason says what the kernel did there, never a pass or a failure).  The terminal
 (verification/running/timing.py; under xdist summed over the workers, which send theirs through
 xdist's workeroutput), and the report carries it too.  Each test records its metrics with
 ``user_properties`` (what ``record_property`` writes), so ``--junitxml`` carries them.  Under pytest-xdist each worker writes
-DIR/results-gwN.jsonl; the controller merges them into the report at the end.  Every cell
-of one case carries ``xdist_group(case id)``, so ``--dist loadgroup`` computes each truth
-once.  In a run whose ``-m`` expression excludes ``verify`` (the default addopts) the
+DIR/results-gwN.jsonl; the controller merges them into the report at the end.  The cells are
+collected largest case first, and only the cells of a case too big to share the device carry
+``xdist_group(case id)`` (``_scheduled``): under ``-n N`` (``--dist load``) or ``--dist
+loadgroup`` every other case's cells spread over the workers, which compute each truth once
+through the disk cache.  In a run whose ``-m`` expression excludes ``verify`` (the default addopts) the
 matrix yields no items at all: no backend is loaded and no truth computed.
 
 The fixture ``kda_close`` is ``kda_verify.assert_kda_close`` (kda_verify/close.py), for a kernel
@@ -295,13 +297,40 @@ def pytest_pycollect_makeitem(collector, name, obj):
     except Exception as e:  # noqa: BLE001 - bad options: one failing item that says why
         return [VerifyConfigError.from_parent(collector, name=f"{name}[options]", error=e)]
     items = []
-    for lb, route, case in cells:
+    for lb, route, case, grouped in _scheduled(cells, pick_device(collector.config)):
         item = VerifyItem.from_parent(collector, name=f"{name}[{cell_id(lb.name, route.name, case.id)}]",
                                       cell=(lb, route, case))
         item.add_marker(MARKER)
-        item.add_marker(pytest.mark.xdist_group(case.id))
+        if grouped:
+            item.add_marker(pytest.mark.xdist_group(case.id))
         items.append(item)
     return items
+
+
+def _scheduled(cells: list, device: str) -> list:
+    """[(backend, route, case, grouped)]: the cells in the order xdist hands them out, largest
+    case first (``room.cell_bytes``; a stable sort, so each case's cells stay together), so the
+    long cells start first and no worker is left alone with a large case at the end (on an H200
+    with 16 workers, the warm matrix's workers were busy 20 s on average of a 40 s wall when every
+    case was one xdist group).  ``grouped``: only a case too big to sit beside the others on the
+    device (``room.is_big``) keeps its cells on one worker under ``--dist loadgroup``, where its
+    truth stays resident; every other case's cells spread over the workers, which share its truth
+    and baselines through kda-verify's disk cache (verification/running/cache.py, one computation
+    under its lock)."""
+    from verification.running.room import cell_bytes, is_big
+    from verification.serving.cases import ServingCase
+
+    def cost(case) -> float:           # a long serving trace (10^4 steps) outlasts every short one
+        if isinstance(case, ServingCase):
+            return float("inf") if case.long else 0.0
+        return float(cell_bytes(case))
+    big: dict = {}
+    out = []
+    for lb, route, case in sorted(cells, key=lambda c: -cost(c[2])):
+        if case.id not in big:
+            big[case.id] = not isinstance(case, ServingCase) and is_big(case, device)
+        out.append((lb, route, case, big[case.id]))
+    return out
 
 
 class VerifyFailure(AssertionError):
