@@ -1,0 +1,79 @@
+"""Every short case of every suite builds the Problem it built when its baselines and tolerances
+were measured: tests/data/case_digests.json holds, per case id, the sha256 of the built Problem
+(every tensor's name, dtype, shape, strides, storage offset and bytes; every scalar field; meta),
+written by ``python tests/test_case_digests.py --write`` from the generator as it was before it
+moved into kda_ref.problems.  Long cases (too large to build on a CPU) are left out; the fuzz
+suite is checked at its default draw and at one other seed."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+DIGESTS = Path(__file__).parent / "data" / "case_digests.json"
+FUZZ_DRAWS = ((20, 0), (20, 1))
+
+
+def problem_digest(p) -> str:
+    """sha256 of a Problem: its tensors bit for bit (with their strides: a strided view is a
+    different input to a kernel than its contiguous copy) and every other field."""
+    h = hashlib.sha256()
+    for f in dataclasses.fields(p):
+        v = getattr(p, f.name)
+        h.update(f.name.encode())
+        if isinstance(v, torch.Tensor):
+            h.update(f"{v.dtype}{tuple(v.shape)}{v.stride()}{v.storage_offset() if v._base is not None else 0}".encode())
+            c = v.detach().contiguous()
+            h.update(c.view(torch.uint8).numpy().tobytes() if c.numel() else b"")
+        else:
+            h.update(repr(v).encode())
+    return h.hexdigest()
+
+
+def short_cases():
+    from verification.cases import SUITES, get_suite
+    out = []
+    for s in SUITES:
+        if s == "fuzz":
+            for n, seed in FUZZ_DRAWS:
+                out += get_suite("fuzz", n=n, seed=seed, long=False)
+        else:
+            out += get_suite(s, long=False)
+    return out
+
+
+def digests() -> dict:
+    return {c.id: problem_digest(c.build()) for c in short_cases()}
+
+
+def test_every_short_case_builds_the_problem_its_baselines_were_measured_on():
+    want = json.loads(DIGESTS.read_text())
+    got = digests()
+    assert sorted(got) == sorted(want), "the set of short cases changed: rewrite the digests only with a reason"
+    changed = [cid for cid in want if got[cid] != want[cid]]
+    assert not changed, f"{len(changed)} cases build other problems now: {changed[:5]}"
+
+
+def test_the_digest_sees_one_bit_and_one_stride():
+    from verification.cases import get_case
+    p = get_case("smoke/dense-T64-lb-5").build()
+    d = problem_digest(p)
+    q = p.q.clone()
+    q.view(torch.int16)[0, 0, 0, 0] ^= 1                     # one bit of one bf16 value
+    assert problem_digest(p.replace(q=q)) != d
+    assert problem_digest(p.replace(q=p.q.transpose(1, 2).contiguous().transpose(1, 2))) != d
+    assert problem_digest(p.replace(meta={})) != d
+    assert problem_digest(p.replace(lower_bound=-4.0)) != d
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))     # this checkout's packages
+    if sys.argv[1:] != ["--write"]:
+        sys.exit("usage: python tests/test_case_digests.py --write")
+    DIGESTS.write_text(json.dumps(digests(), indent=1, sort_keys=True) + "\n")
+    print(f"wrote {DIGESTS}")
