@@ -1,38 +1,21 @@
 """Every short case of every suite builds the Problem it built when its baselines and tolerances
-were measured: tests/data/case_digests.json holds, per case id, the sha256 of the built Problem
-(every tensor's name, dtype, shape, strides, storage offset and bytes; every scalar field; meta),
-written by ``python tests/test_case_digests.py --write`` from the generator as it was before it
-moved into kda_ref.problems.  Long cases (too large to build on a CPU) are left out; the fuzz
-suite is checked at its default draw and at one other seed."""
+were measured: tests/data/case_digests.json holds, per case id, kda_ref.problems.problem_digest of
+the built Problem (the sha256 of every tensor's name, dtype, shape, strides, storage offset and
+bytes, every scalar field and meta), written by ``python tests/test_case_digests.py --write`` from
+the generator as it was before it moved into kda_ref.problems.  Long cases (too large to build on
+a CPU) are left out; the fuzz suite is checked at its default draw and at one other seed."""
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import json
 import sys
 from pathlib import Path
 
-import pytest
 import torch
+
+from kda_ref.problems import problem_digest
 
 DIGESTS = Path(__file__).parent / "data" / "case_digests.json"
 FUZZ_DRAWS = ((20, 0), (20, 1))
-
-
-def problem_digest(p) -> str:
-    """sha256 of a Problem: its tensors bit for bit (with their strides: a strided view is a
-    different input to a kernel than its contiguous copy) and every other field."""
-    h = hashlib.sha256()
-    for f in dataclasses.fields(p):
-        v = getattr(p, f.name)
-        h.update(f.name.encode())
-        if isinstance(v, torch.Tensor):
-            h.update(f"{v.dtype}{tuple(v.shape)}{v.stride()}{v.storage_offset() if v._base is not None else 0}".encode())
-            c = v.detach().contiguous()
-            h.update(c.view(torch.uint8).numpy().tobytes() if c.numel() else b"")
-        else:
-            h.update(repr(v).encode())
-    return h.hexdigest()
 
 
 def short_cases():
