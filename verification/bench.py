@@ -85,10 +85,10 @@ def shapes_of_suite(suite: str) -> list:
         raise ValueError(f"--suite: only 'default' is known without verification.cases, got {suite!r}")
     out = []
     for c in get_suite(suite):
-        p = c.params
-        if "lens" in p:
+        s = c.spec                    # the generator's recipe of the case (kda_ref.problems.ProblemSpec)
+        if s.varlen:
             raise ValueError(f"--suite {suite}: bench times fixed-length shapes; case {c.id} is varlen")
-        out.append((int(p.get("B", 1)), int(p.get("T", 64)), int(p.get("H", 2))))
+        out.append((s.B, s.T, s.H))
     return out
 
 
