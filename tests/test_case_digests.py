@@ -3,7 +3,10 @@ were measured: tests/data/case_digests.json holds, per case id, kda_ref.problems
 the built Problem (the sha256 of every tensor's name, dtype, shape, strides, storage offset and
 bytes, every scalar field and meta), written by ``python tests/test_case_digests.py --write`` from
 the generator as it was before it moved into kda_ref.problems.  Long cases (too large to build on
-a CPU) are left out; the fuzz suite is checked at its default draw and at one other seed."""
+a CPU) are left out; the fuzz suite is checked at its default draw and at one other seed.  PROBES
+are small recipes of what no short case combines (key_cos, which only long cases use; GVA with a
+converged state, exact keys, a fused projection, a paged cache with a norm; qk_scale with
+chunks_per_seg), their digests written by the generator of commit ae65bc3 (before the move)."""
 from __future__ import annotations
 
 import json
@@ -16,6 +19,16 @@ from kda_ref.problems import problem_digest
 
 DIGESTS = Path(__file__).parent / "data" / "case_digests.json"
 FUZZ_DRAWS = ((20, 0), (20, 1))
+PROBES = {
+    "key-cos-dense": (dict(B=2, T=70, H=2, K=16, V=16, key_cos=(0.85, 0.97), lb=-0.05, state="kv"), 11),
+    "key-cos-varlen": (dict(lens=[5, 0, 1, 90], H=2, K=16, V=8, key_cos=(0.5, 0.9)), 3),
+    "gva-converged-varlen": (dict(lens=[20, 33], H=1, HV=4, K=16, V=16, converged=True, state_scale=0.1, lb=-0.01), 5),
+    "gva-exact-keys": (dict(lens=[7, 40], H=2, HV=4, K=16, V=16, exact_keys=3, g_shift=-200.0, beta_raw=4.0), 6),
+    "gva-fused-proj-vk": (dict(B=2, T=24, H=1, HV=2, K=16, V=32, fused_proj=True, state="vk"), 7),
+    "gva-paged-norm": (dict(lens=[9, 0, 30], H=1, HV=3, K=16, V=16, state="paged", paged_new=[0], slots=8,
+                            slot_pad=5, norm=True, norm_eps=1e-6, rho=0.5), 8),
+    "qk-scale-chunks": (dict(B=1, T=50, H=2, K=32, V=16, qk_scale=1e-4, chunks_per_seg=2, state="kv"), 9),
+}
 
 
 def short_cases():
@@ -31,7 +44,10 @@ def short_cases():
 
 
 def digests() -> dict:
-    return {c.id: problem_digest(c.build()) for c in short_cases()}
+    from kda_ref.problems import generate
+    out = {c.id: problem_digest(c.build()) for c in short_cases()}
+    out.update({f"probe/{k}": problem_digest(generate(p, seed=s)) for k, (p, s) in PROBES.items()})
+    return out
 
 
 def test_every_short_case_builds_the_problem_its_baselines_were_measured_on():
