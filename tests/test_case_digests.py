@@ -3,16 +3,18 @@ were measured: tests/data/case_digests.json holds, per case id, kda_ref.problems
 the built Problem (the sha256 of every tensor's name, dtype, shape, strides, storage offset and
 bytes, every scalar field and meta), written by ``python tests/test_case_digests.py --write`` from
 the generator as it was before it moved into kda_ref.problems.  Long cases (too large to build on
-a CPU) are left out; the fuzz suite is checked at its default draw and at one other seed.  PROBES
-are small recipes of what no short case combines (key_cos, which only long cases use; GVA with a
-converged state, exact keys, a fused projection, a paged cache with a norm; qk_scale with
-chunks_per_seg), their digests written by the generator of commit ae65bc3 (before the move)."""
+a CPU) are left out; the default suite's (a minute on a CPU) are checked under ``-m slow``; the
+fuzz suite is checked at its default draw and at one other seed.  PROBES are small recipes of
+what no short case combines (key_cos, which only long cases use; GVA with a converged state, exact
+keys, a fused projection, a paged cache with a norm; qk_scale with chunks_per_seg), their digests
+written by the generator of commit ae65bc3 (before the move)."""
 from __future__ import annotations
 
 import json
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from kda_ref.problems import problem_digest
@@ -31,10 +33,10 @@ PROBES = {
 }
 
 
-def short_cases():
+def short_cases(suites=None):
     from verification.cases import SUITES, get_suite
     out = []
-    for s in SUITES:
+    for s in suites or SUITES:
         if s == "fuzz":
             for n, seed in FUZZ_DRAWS:
                 out += get_suite("fuzz", n=n, seed=seed, long=False)
@@ -43,19 +45,32 @@ def short_cases():
     return out
 
 
-def digests() -> dict:
+def digests(suites=None, probes=True) -> dict:
     from kda_ref.problems import generate
-    out = {c.id: problem_digest(c.build()) for c in short_cases()}
-    out.update({f"probe/{k}": problem_digest(generate(p, seed=s)) for k, (p, s) in PROBES.items()})
+    out = {c.id: problem_digest(c.build()) for c in short_cases(suites)}
+    if probes:
+        out.update({f"probe/{k}": problem_digest(generate(p, seed=s)) for k, (p, s) in PROBES.items()})
     return out
 
 
-def test_every_short_case_builds_the_problem_its_baselines_were_measured_on():
+def _check(suites, probes):
     want = json.loads(DIGESTS.read_text())
-    got = digests()
-    assert sorted(got) == sorted(want), "the set of short cases changed: rewrite the digests only with a reason"
-    changed = [cid for cid in want if got[cid] != want[cid]]
+    got = digests(suites, probes)
+    mine = {k: v for k, v in want.items() if k.split("/")[0] in suites or (probes and k.startswith("probe/"))}
+    assert sorted(got) == sorted(mine), "the set of cases changed: rewrite the digests only with a reason"
+    changed = [cid for cid in mine if got[cid] != mine[cid]]
     assert not changed, f"{len(changed)} cases build other problems now: {changed[:5]}"
+
+
+def test_every_short_case_and_probe_builds_the_problem_its_baselines_were_measured_on():
+    from verification.cases import SUITES
+    _check([s for s in SUITES if s != "default"], probes=True)
+
+
+@pytest.mark.slow
+def test_the_default_suites_short_cases_build_the_problems_they_built():
+    """The default suite's shapes (up to 1 x 16384 x 64) take most of a minute to build on a CPU."""
+    _check(["default"], probes=False)
 
 
 def test_the_digest_sees_one_bit_and_one_stride():
