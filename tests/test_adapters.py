@@ -15,20 +15,16 @@ from kda_kernels import aiter as aiter_mod
 from kda_kernels import fla as fla_mod
 from kda_kernels import moonshot as moon_mod
 from kda_kernels.base import Route
-from kda_ref.problem import Problem
+from kda_ref.problems import generate
 
 
 def _problem(T=100, H=2, K=128, V=128, cu=None, layout="kv", gate="lower_bound", lb=-5.0, state=True):
-    g = torch.Generator().manual_seed(0)
-    r = lambda *s: torch.randn(*s, generator=g)
-    N = 1 if cu is None else len(cu) - 1
-    init = None
-    if state and layout != "paged":
-        init = r(N, H, K, V) if layout == "kv" else r(N, H, V, K)
-    return Problem(q=r(1, T, H, K).bfloat16(), k=r(1, T, H, K).bfloat16(), v=r(1, T, H, V).bfloat16(),
-                   g=r(1, T, H, K).bfloat16(), beta=r(1, T, H), A_log=r(H).abs(), dt_bias=r(H * K),
-                   lower_bound=lb if gate == "lower_bound" else None, gate=gate,
-                   cu_seqlens=None if cu is None else torch.tensor(cu), initial_state=init, state_layout=layout)
+    """The generator's problem: g = N(0,1), an N(0,1) initial state in ``layout`` (kv / vk; with
+    layout paged and state False, no state and the kv layout for the test to replace)."""
+    sizes = dict(B=1, T=T) if cu is None else dict(lens=[b - a for a, b in zip(cu[:-1], cu[1:])])
+    p = generate(dict(sizes, H=H, K=K, V=V, gate=gate, lb=lb, g_scale=1.0, state_scale=1.0,
+                      state=layout if state and layout != "paged" else "none"), seed=0)
+    return p.replace(state_layout=layout) if layout == "paged" else p
 
 
 # ----- fla ---------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import torch
 
 from kda_kernels.aiter import AiterBackend
 from kda_kernels.base import Route
-from verification.running.cases import build_problem
+from kda_ref.problems import generate
 
 
 class _Kernel:
@@ -150,17 +150,17 @@ def test_routes_and_recipes():
 def test_refusals_in_chunk_kdas_own_terms():
     b, *_ = _backend("sm90")
     g, *_ = _backend("gfx1250")
-    p = build_problem(dict(B=1, T=40, H=1, lb=-5.2), 0)
+    p = generate(dict(B=1, T=40, H=1, lb=-5.2), seed=0)
     ok, why = b.accepts(p, route("chunk_kda:triton"))
     assert not ok and "[-5.0, 0)" in why and "-5.2" in why     # chunk_kimi_delta_attn's safe range
     assert g.accepts(p, route("chunk_kda:gluon")) == (True, "")   # chunk_kda_prepare's [-5.5, 0)
-    ok, why = g.accepts(build_problem(dict(B=1, T=40, H=1, lb=-5.6), 0), route("chunk_kda:gluon"))
+    ok, why = g.accepts(generate(dict(B=1, T=40, H=1, lb=-5.6), seed=0), route("chunk_kda:gluon"))
     assert not ok and "[-5.5, 0)" in why
-    ok, why = b.accepts(build_problem(dict(B=1, T=40, H=1, K=64, V=64), 0), route("chunk_kda:triton"))
+    ok, why = b.accepts(generate(dict(B=1, T=40, H=1, K=64, V=64), seed=0), route("chunk_kda:triton"))
     assert not ok and "K = V = 128" in why
-    ok, why = b.accepts(build_problem(dict(B=1, T=40, H=1, HV=2), 0), route("chunk_kda:triton"))
+    ok, why = b.accepts(generate(dict(B=1, T=40, H=1, HV=2), seed=0), route("chunk_kda:triton"))
     assert not ok and "one head count" in why
-    p = build_problem(dict(B=1, T=40, H=1), 0)
+    p = generate(dict(B=1, T=40, H=1), seed=0)
     ok, why = b.accepts(p.replace(q=p.q.float(), k=p.k.float(), v=p.v.float()), route("chunk_kda:triton"))
     assert not ok and "bf16 q, k, v" in why
     ok, why = b.accepts(p.replace(beta_kind="identity"), route("chunk_kda:triton"))
@@ -170,7 +170,7 @@ def test_refusals_in_chunk_kdas_own_terms():
 # ----- the mapping --------------------------------------------------------------------------------
 def test_dense_batch_goes_in_packed_with_v_first_states_and_comes_back_in_the_problems_layout():
     b, ck, flash, fwd = _backend("sm90")
-    p = build_problem(dict(B=2, T=40, H=2, state="kv"), 1)
+    p = generate(dict(B=2, T=40, H=2, state="kv"), seed=1)
     assert p.dt_bias is not None
     out = b.run(p, route("chunk_kda:triton"))
     c = ck.calls[-1]
@@ -188,7 +188,7 @@ def test_dense_batch_goes_in_packed_with_v_first_states_and_comes_back_in_the_pr
 
 def test_a_v_first_problem_keeps_its_layout_and_a_missing_dt_bias_is_zero():
     b, ck, *_ = _backend("sm90")
-    p = build_problem(dict(lens=[30, 1, 50], H=1, state="vk"), 2)
+    p = generate(dict(lens=[30, 1, 50], H=1, state="vk"), seed=2)
     p = p.replace(dt_bias=None)
     out = b.run(p, route("chunk_kda:triton"))
     c = ck.calls[-1]
@@ -200,7 +200,7 @@ def test_a_v_first_problem_keeps_its_layout_and_a_missing_dt_bias_is_zero():
 
 def test_paged_cache_is_a_padded_copy_written_in_place():
     b, ck, *_ = _backend("sm90")
-    p = build_problem(dict(lens=[40, 70], H=1, state="paged", paged_new=[1], slot_pad=64), 0)
+    p = generate(dict(lens=[40, 70], H=1, state="paged", paged_new=[1], slot_pad=64), seed=0)
     before = p.state_cache.clone()
     out = b.run(p, route("chunk_kda:triton"))
     c = ck.calls[-1]
@@ -216,7 +216,7 @@ def test_paged_cache_is_a_padded_copy_written_in_place():
 # ----- what ran -----------------------------------------------------------------------------------
 def test_the_fallback_route_switches_flashkda_on_for_the_call_and_restores_it():
     b, ck, flash, fwd = _backend("sm90", fda_enable=False)
-    b.run(build_problem(dict(B=1, T=40, H=1), 0), route("chunk_kda:triton"))
+    b.run(generate(dict(B=1, T=40, H=1), seed=0), route("chunk_kda:triton"))
     assert ck.enable_during == [True] and fwd.AITER_FDA_ENABLE is False
     assert isinstance(flash._prepare_fast, _Kernel)                     # counters removed
 
@@ -226,12 +226,12 @@ def test_a_fallback_that_launches_no_flashkda_kernel_is_refused():
     b, ck, flash, fwd = _backend("sm90")
     b._flash_kda_enabled = lambda: __import__("contextlib").nullcontext()   # the switch left off
     with pytest.raises(RuntimeError, match="counted no K1 launch"):
-        b.run(build_problem(dict(B=1, T=40, H=1), 0), route("chunk_kda:triton"))
+        b.run(generate(dict(B=1, T=40, H=1), seed=0), route("chunk_kda:triton"))
 
 
 def test_the_gluon_route_counts_prepare_and_walk():
     b, ck, flash, _ = _backend("gfx1250")
-    out = b.run(build_problem(dict(B=1, T=40, H=1, state="kv"), 0), route("chunk_kda:gluon"))
+    out = b.run(generate(dict(B=1, T=40, H=1, state="kv"), seed=0), route("chunk_kda:gluon"))
     assert out.info["route_ran"] == "gluon:preparex1, gluon:walkx1"
     assert out.info["layout"] == "chunk_kda on gfx1250"
     assert isinstance(ck.prepare.chunk_kda_prepare_kernel, _Kernel)
@@ -248,7 +248,7 @@ def test_the_record_names_only_pinned_configs_of_kernels_that_ran(monkeypatch):
         counts["K2:config"] = "{'BW': 32}"
         yield
     monkeypatch.setattr(b, "_pinned", pinned)
-    out = b.run(build_problem(dict(B=1, T=40, H=1), 0), route("chunk_kda:gluon"))
+    out = b.run(generate(dict(B=1, T=40, H=1), seed=0), route("chunk_kda:gluon"))
     assert out.info["route_ran"] == "gluon:preparex1, gluon:walkx1"
 
 
@@ -257,7 +257,7 @@ def test_the_record_names_only_pinned_configs_of_kernels_that_ran(monkeypatch):
 def test_gluon_launches_that_contradict_the_route_are_refused(launches, why):
     b, *_ = _backend("gfx950", gluon_launches=launches)
     with pytest.raises(RuntimeError, match=why):
-        b.run(build_problem(dict(B=1, T=40, H=1), 0), route("chunk_kda:gluon"))
+        b.run(generate(dict(B=1, T=40, H=1), seed=0), route("chunk_kda:gluon"))
 
 
 def test_o_outside_out_is_refused():
@@ -265,7 +265,7 @@ def test_o_outside_out_is_refused():
     inner = ck.chunk_kda
     ck.chunk_kda = lambda **kw: inner(**dict(kw, out=None))
     with pytest.raises(RuntimeError, match="another buffer than out"):
-        b.run(build_problem(dict(B=1, T=40, H=1), 0), route("chunk_kda:triton"))
+        b.run(generate(dict(B=1, T=40, H=1), seed=0), route("chunk_kda:triton"))
 
 
 # ----- FlashKDA routes: upstream's Gluon pass C and contradicting Gluon launches ---------------
@@ -294,7 +294,7 @@ def test_the_norm_route_passes_gate_weight_and_eps_and_takes_only_norm_problems(
     routes = {r.name: r for r in b.routes()}
     assert routes["chunk_kda:gluon:norm"].flag("fused_norm") and not routes["chunk_kda:gluon"].flag("fused_norm")
     assert routes["chunk_kda:gluon:norm"].recipe == "aiter-gfx1250"
-    p = build_problem(dict(B=2, T=40, H=1, state="kv", norm=True, norm_eps=1e-6), 0)
+    p = generate(dict(B=2, T=40, H=1, state="kv", norm=True, norm_eps=1e-6), seed=0)
     assert applicable(b, p, routes["chunk_kda:gluon:norm"]) == (True, "")
     out = b.run(p, routes["chunk_kda:gluon:norm"])
     kw = ck.calls[-1]

@@ -31,7 +31,7 @@ import torch
 from kda_kernels import aiter as aiter_mod
 from kda_kernels.aiter import AiterBackend
 from kda_kernels.base import Route
-from verification.running.cases import build_problem
+from kda_ref.problems import generate
 
 ROOT = Path(__file__).resolve().parents[1]
 NEWEST = ROOT / ".vendor" / "aiter-newest"
@@ -57,8 +57,8 @@ def paged_problem(lens=(40, 70), H=1, fresh=(1,), slot_pad=64, lb=-1.0, seed=0):
     """A varlen problem whose states live in a paged cache of 2N+3 slots: sequences in ``fresh``
     start from zero (has_initial_state false, their slots hold NaN), the others read their slot;
     ``slot_pad`` floats of padding after each slot (stride(0) = H*V*K + slot_pad)."""
-    return build_problem(dict(lens=list(lens), H=H, lb=lb, state="paged", paged_new=list(fresh),
-                              slot_pad=slot_pad), seed)
+    return generate(dict(lens=list(lens), H=H, lb=lb, state="paged", paged_new=list(fresh),
+                         slot_pad=slot_pad), seed=seed)
 
 
 # ----- recorded calls ------------------------------------------------------------------------
@@ -178,7 +178,7 @@ def test_newest_per_pass_debugger_within_thresholds(newest, monkeypatch):
     from verification.investigating.debug import debug_passes, format_reports
     monkeypatch.setattr(newest, "_num_cus", lambda device_index=0: 256)
     b = AiterBackend(module=newest)
-    p = build_problem(dict(lens=[40, 70], H=1, lb=-0.3, state="kv"), 3)
+    p = generate(dict(lens=[40, 70], H=1, lb=-0.3, state="kv"), seed=3)
     reports = debug_passes(b, p, route("triton:seg:cps=1"))
     text = format_reports(reports)
     assert [x.name for x in reports] == ["K1", "A", "B", "C"], text
@@ -227,7 +227,7 @@ def test_recorded_paged_call_keeps_slot_padding_and_writes_in_place():
 
 def test_recorded_dense_call_passes_out_and_routes_flags_and_counts_fast_launches():
     m = _newest_stand_in()
-    p = build_problem(dict(B=1, T=64, H=1, state="kv"), 0)
+    p = generate(dict(B=1, T=64, H=1, state="kv"), seed=0)
     b = AiterBackend(module=m)
     out = b.run(p, route("triton:unseg"))
     call = m.calls[-1]
@@ -251,7 +251,7 @@ def test_recorded_launches_the_adapter_cannot_see_are_refused():
         return fwd(*a, **kw)
     m.flash_kda_fwd = through_hidden
     with pytest.raises(RuntimeError, match="counted no K1 launch"):
-        AiterBackend(module=m).run(build_problem(dict(B=1, T=64, H=1), 0), route("triton:unseg"))
+        AiterBackend(module=m).run(generate(dict(B=1, T=64, H=1), seed=0), route("triton:unseg"))
 
 
 def test_recorded_o_outside_out_is_refused():
@@ -263,7 +263,7 @@ def test_recorded_o_outside_out_is_refused():
         return o, f
     m.flash_kda_fwd = other_buffer
     with pytest.raises(RuntimeError, match="returned o in another buffer than out"):
-        AiterBackend(module=m).run(build_problem(dict(B=1, T=64, H=1), 0), route("triton:unseg"))
+        AiterBackend(module=m).run(generate(dict(B=1, T=64, H=1), seed=0), route("triton:unseg"))
 
 
 def test_recorded_paged_caches_aiter_cannot_take_are_not_applicable():

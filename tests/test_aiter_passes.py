@@ -32,7 +32,7 @@ if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
 
 from kda_kernels.aiter import AiterBackend  # noqa: E402
 from kda_kernels.base import Route  # noqa: E402
-from kda_ref import Problem  # noqa: E402
+from kda_ref.problems import generate  # noqa: E402
 from verification.investigating.debug import debug_passes, format_reports  # noqa: E402
 
 warnings.filterwarnings("ignore", category=RuntimeWarning)  # inf in the masked upper triangle
@@ -56,19 +56,9 @@ def flash_kda():
 
 
 def make(lens=None, B=1, T=0, H=1, lb=-1.0, state=None, seed=0):
-    """A bf16 problem, K = V = 128: varlen (B = 1) when ``lens`` is given, else B x T."""
-    gen = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
-    if lens is not None:
-        B, T = 1, sum(lens)
-    N, bf = (B if lens is None else len(lens)), torch.bfloat16
-    p = Problem(q=r(B, T, H, 128).to(bf), k=r(B, T, H, 128).to(bf), v=r(B, T, H, 128).to(bf),
-                g=(0.1 * r(B, T, H, 128)).to(bf), beta=r(B, T, H), A_log=0.5 * r(H).abs(),
-                dt_bias=0.1 * r(H * 128), lower_bound=lb,
-                cu_seqlens=None if lens is None else torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist()))
-    if state in ("kv", "vk"):
-        p = p.replace(initial_state=0.5 * r(N, H, 128, 128), state_layout=state)
-    return p
+    """A bf16 problem, K = V = 128 (the generator's): varlen (B = 1) when ``lens`` is given, else B x T."""
+    sizes = dict(lens=list(lens)) if lens is not None else dict(B=B, T=T)
+    return generate(dict(sizes, H=H, lb=lb, state=state or "none"), seed=seed)
 
 
 def route(name):

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from kda_kernels.base import Route
-from verification.running.cases import build_problem
+from kda_ref.problems import generate
 
 ROOT = Path(__file__).resolve().parents[1]
 UPSTREAM = Path(os.environ.get("KDA_AITER_UPSTREAM") or ROOT / ".vendor" / "aiter-upstream")
@@ -69,7 +69,7 @@ def test_upstream_routes_on_a_machine_without_an_amd_gpu(up):
     assert mods["chunk_kda"] is not None, mods["chunk_kda_why"]
     v = b.version()
     assert "kimi_delta_attn layout" in v and "chunk_kda on gfx942" in v, v
-    p = build_problem(dict(B=1, T=40, H=1), 0)
+    p = generate(dict(B=1, T=40, H=1), seed=0)
     ok, why = b.accepts(p, Route("chunk_kda:gluon"))
     assert not ok and "gfx1250 / gfx950 only" in why and "gfx942" in why
     ok, why = b.accepts(p, Route("gluon:seg:cps=1"))
@@ -95,7 +95,7 @@ CELLS = {   # name -> (route, case parameters, seed)
 def test_upstream_route_passes_the_verdict(up, cell):
     b, _ = up
     name, params, seed = CELLS[cell]
-    p = build_problem(params, seed)
+    p = generate(params, seed=seed)
     out, v = _judge(b, p, name)
     print(f"{cell}: {v.status} {v.reason} | ran {out.info['route_ran']}")
     assert v.status == "pass", v.reason
@@ -116,7 +116,7 @@ def test_chunk_kda_fallback_equals_flash_kda_v_first_bit_for_bit(up):
     """chunk_kda's fallback is flash_kda_fwd with state_v_first on: the same bits as the FlashKDA
     route with aiter's own segmentation heuristic (triton:seg) on the V-first problem."""
     b, _ = up
-    p = build_problem(dict(lens=[33, 64], H=1, state="vk", lb=-0.5), 5)
+    p = generate(dict(lens=[33, 64], H=1, state="vk", lb=-0.5), seed=5)
     by = {r.name: r for r in b.routes()}
     a = b.run(p, by["chunk_kda:triton"])
     f = b.run(p, by["triton:seg"])
@@ -204,7 +204,7 @@ HOST_CELLS = {   # name -> (case parameters, seed)
 def test_chunk_kda_host_over_the_base_flashkda_passes_the_verdict(host_only, cell):
     b, calls, fwd = host_only
     params, seed = HOST_CELLS[cell]
-    p = build_problem(params, seed)
+    p = generate(params, seed=seed)
     out, v = _judge(b, p, "chunk_kda:triton")
     print(f"{cell}: {v.status} {v.reason} | ran {out.info['route_ran']}")
     c = calls[-1]

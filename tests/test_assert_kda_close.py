@@ -7,7 +7,7 @@ import kda_verify
 from kda_kernels.base import Outputs
 from kda_kernels.emulator import emulate
 from kda_ref.truth import truth
-from verification.running.cases import build_problem
+from kda_ref.problems import generate
 
 pytest_plugins = ["pytester"]
 
@@ -19,7 +19,7 @@ LENS = [40, 64]        # sequence 1 is packed tokens 40..103; its 16-token block
 @pytest.fixture(scope="module")
 def kv():
     """A varlen problem with an initial state, the flashkda recipe's outputs and the oracle's."""
-    p = build_problem({"lens": LENS, "H": 2, "K": 16, "V": 16, "state": "kv"}, seed=1)
+    p = generate({"lens": LENS, "H": 2, "K": 16, "V": 16, "state": "kv"}, seed=1)
     return p, emulate(p, "flashkda"), truth(p)
 
 
@@ -85,7 +85,7 @@ def test_nan_and_a_missing_state_fail(kv):
 
 
 def test_a_paged_problem_judges_the_cache():
-    p = build_problem({"lens": [17, 33], "H": 1, "K": 16, "V": 16, "state": "paged", "paged_new": [1]}, seed=2)
+    p = generate({"lens": [17, 33], "H": 1, "K": 16, "V": 16, "state": "paged", "paged_new": [1]}, seed=2)
     out = emulate(p, "flashkda")
     assert set(kda_verify.assert_kda_close((out.o, None, out.state_cache), p).tensors) == {"o", "state_cache"}
 
@@ -156,9 +156,9 @@ def test_bad_arguments_raise_one_line_naming_the_argument(kv, call, error, messa
 def test_the_kda_close_fixture_in_a_test_file(pytester):
     pytester.makepyfile(test_kernel="""
         from kda_kernels.emulator import emulate
-        from verification.running.cases import build_problem
+        from kda_ref.problems import generate
 
-        P = build_problem({"lens": [40, 64], "H": 2, "K": 16, "V": 16, "state": "kv"}, seed=1)
+        P = generate({"lens": [40, 64], "H": 2, "K": 16, "V": 16, "state": "kv"}, seed=1)
 
         def test_good_kernel(kda_close):
             kda_close(emulate(P, "flashkda"), P)

@@ -77,9 +77,9 @@ def test_pass_times_carries_the_floors_and_bench_prints_the_design_floor(monkeyp
 
     from verification.cli import main
 
-    def fake(backend, route, shape, device, reps=50, warmup=5, graph=False, seed=0):
+    def fake(backend, route, shape, device, reps=50, warmup=5, graph=False, seed=0, name=None):
         B, T, H = shape
-        return bench.BenchResult(backend, route, B, T, H, time_us=9.0, p10_us=9.0, p90_us=9.0, reps=reps,
+        return bench.BenchResult(name, route, B, T, H, time_us=9.0, p10_us=9.0, p90_us=9.0, reps=reps,
                                  graph=graph, bytes=1, flops=1, bandwidth_gbs=1.0, tflops=1.0, floor_us=1.0)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "interpreter")

@@ -117,9 +117,9 @@ def test_case_is_the_documented_dataclass():
 
 
 def test_moving_a_problem_keeps_strided_views_strided():
-    from verification.running.cases import _to_device_keep_views
+    from kda_ref.problems import to_device_keep_views
     p = get_case("stress/fused-projection-bands-lb-1").build()
-    m = _to_device_keep_views(p, "cpu")
+    m = to_device_keep_views(p, "cpu")
     for name in ("q", "k", "v", "g"):
         a, b = getattr(p, name), getattr(m, name)
         assert torch.equal(a, b) and a.stride() == b.stride()

@@ -199,9 +199,9 @@ def test_gpu_invariances(route):
     P = 264 // (N H) pieces (hopper/cuda_host.py), so a slice run alone is cut elsewhere: varlen and batch
     slices are not expected bitwise on hopper_cuda; batch_invariant=True promises them."""
     from verification.investigating import invariance as inv
-    from verification.running.cases import build_problem
+    from kda_ref.problems import generate
     b, r = cd.CudnnBackend(), _route(route)
-    pr = {n: build_problem(params, seed, device="cuda") for seed, (n, params) in enumerate(INVARIANCE_SHAPES.items())}
+    pr = {n: generate(params, seed=seed, device="cuda") for seed, (n, params) in enumerate(INVARIANCE_SHAPES.items())}
     results = [inv.determinism(b, r, pr["one"], repeats=3),
                inv.varlen_slice(b, r, pr["varlen"]),
                inv.batch_slice(b, r, pr["batch"]),

@@ -4,18 +4,14 @@ import pytest
 import torch
 
 from kda_kernels.base import Route
-from kda_ref.problem import Problem
+from kda_ref.problems import generate
 from verification.investigating.debug import debug_passes, format_reports, oracle_intermediates
 
 
 def _problem(K=16, V=16, H=2):
-    g = torch.Generator().manual_seed(1)
-    r = lambda *s: torch.randn(*s, generator=g)
-    cu = [0, 40, 40, 170]
-    T = cu[-1]
-    return Problem(q=r(1, T, H, K), k=r(1, T, H, K), v=r(1, T, H, V), g=0.1 * r(1, T, H, K), beta=r(1, T, H),
-                   A_log=0.5 * r(H).abs(), dt_bias=0.1 * r(H * K), lower_bound=-1.0,
-                   cu_seqlens=torch.tensor(cu), initial_state=0.1 * r(3, H, K, V))
+    """Three sequences (40, 0, 130 tokens), fp32 inputs, a kv initial state of 0.1 N(0,1)."""
+    return generate(dict(lens=[40, 0, 130], H=H, K=K, V=V, lb=-1.0, state="kv", state_scale=0.1,
+                         dtype=torch.float32), seed=1)
 
 
 STORAGE = {"ws_gt": torch.float32, "ws_beta": torch.float32, "ws_inv": torch.float16, "ws_mqk": torch.float16,

@@ -10,7 +10,8 @@ from kda_kernels.controls import BATCH_CONTROLS, NEGATIVE_CONTROLS, negative_con
 from kda_kernels.emulator import DEFAULT_HOOKS, RECIPES, EmulatorBackend, emulate, exact_recipe, round_tf32
 from kda_ref.truth import truth
 from kda_ref.workspace import workspace
-from verification.running.cases import build_problem, get_case
+from kda_ref.problems import generate
+from verification.running.cases import get_case
 from verification.judging.metrics import compare, rel_l2
 
 EXACT_CASES = ["smoke/varlen-tail33-lb-5", "smoke/paged-lb-5", "smoke/weak-gate-lb-0.1-vk",
@@ -41,7 +42,7 @@ def test_without_rounding_every_recipe_is_the_oracle(problems, recipe):
 
 
 def test_exact_recipe_handles_gva():
-    p = build_problem(dict(lens=[21, 40], H=1, HV=2, lb=-1.0, state="vk"), seed=5)
+    p = generate(dict(lens=[21, 40], H=1, HV=2, lb=-1.0, state="vk"), seed=5)
     tr = truth(p)
     for r in RECIPES.values():
         m = compare(emulate(p, exact_recipe(r), keep_f64=True).tensors(), tr.tensors(), p)

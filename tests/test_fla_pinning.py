@@ -27,7 +27,7 @@ import torch
 from kda_kernels import _autotune_pin as pin
 from kda_kernels import fla as fla_mod
 from kda_kernels.base import Route
-from kda_ref.problem import Problem
+from kda_ref.problems import generate
 
 
 def _tt():
@@ -222,16 +222,9 @@ def test_fla_dry_runs_in_a_fresh_process():
 
 
 def _problem(lens=(40, 30), H=2, K=64, V=64, gate="lower_bound", beta_kind="sigmoid", l2=True, layout="kv"):
-    gen = torch.Generator().manual_seed(0)
-    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
-    T, N = sum(lens), len(lens)
-    g = -r(1, T, H, K).abs() if gate == "pregated" else r(1, T, H, K)
-    init = r(N, H, K, V) if layout == "kv" else r(N, H, V, K)
-    return Problem(q=r(1, T, H, K).bfloat16(), k=r(1, T, H, K).bfloat16(), v=r(1, T, H, V).bfloat16(),
-                   g=g.bfloat16(), beta=r(1, T, H), A_log=r(H).abs(), dt_bias=r(H * K),
-                   lower_bound=-1.0 if gate == "lower_bound" else None, gate=gate, beta_kind=beta_kind,
-                   qk_l2norm=l2, cu_seqlens=torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()]),
-                   initial_state=init, state_layout=layout)
+    """The generator's varlen problem with g = N(0,1) (pregated: -|N(0,1)|) and an N(0,1) state."""
+    return generate(dict(lens=list(lens), H=H, K=K, V=V, gate=gate, beta_kind=beta_kind, qk_l2norm=l2, lb=-1.0,
+                         g_scale=1.0, state=layout, state_scale=1.0), seed=0)
 
 
 PROBLEMS = {

@@ -14,7 +14,8 @@ from kda_kernels.emulator import RECIPES, EmulatorBackend, emulate, exact_recipe
 from kda_ref.norm import gated_rmsnorm
 from kda_ref.problem import ProblemError, validate
 from kda_ref.truth import truth
-from verification.running.cases import build_problem, get_case, get_suite
+from kda_ref.problems import generate
+from verification.running.cases import get_case, get_suite
 from verification.cli import main
 from verification.judging.metrics import compare
 
@@ -25,7 +26,7 @@ SMALL = dict(lens=[33, 20], H=2, state="kv", lb=-0.1, norm=True)
 
 @pytest.fixture(scope="module")
 def small():
-    return build_problem(SMALL, 7)
+    return generate(SMALL, seed=7)
 
 
 def _plain(p):

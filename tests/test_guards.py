@@ -11,7 +11,7 @@ import torch
 
 from kda_kernels.base import Outputs, Route
 from kda_ref import truth
-from verification.running.cases import build_problem
+from kda_ref.problems import generate
 from verification.running.guards import (GUARD_BYTES, GuardedBuffers, guarded_run, poison_, poison_mask)
 
 ROUTE = Route(name="oracle")
@@ -76,12 +76,12 @@ class OracleBackend:
 
 @pytest.fixture(scope="module")
 def paged():
-    return build_problem(dict(lens=[20, 47], H=1, state="paged", paged_new=[1], slot_pad=64, slots=5), seed=3)
+    return generate(dict(lens=[20, 47], H=1, state="paged", paged_new=[1], slot_pad=64, slots=5), seed=3)
 
 
 @pytest.fixture(scope="module")
 def dense():
-    return build_problem(dict(B=1, T=24, H=1, state="kv"), seed=4)
+    return generate(dict(B=1, T=24, H=1, state="kv"), seed=4)
 
 
 def test_band_layout_and_poison():

@@ -18,7 +18,7 @@ from kda_kernels.base import Outputs, Route  # noqa: E402
 from kda_kernels.triton.backend import TritonBackend  # noqa: E402
 from kda_ref import truth  # noqa: E402
 from verification.investigating import invariance as inv  # noqa: E402
-from verification.running.cases import build_problem  # noqa: E402
+from kda_ref.problems import generate  # noqa: E402
 from verification.running.guards import guarded_run  # noqa: E402
 
 warnings.filterwarnings("ignore", category=RuntimeWarning)
@@ -42,10 +42,10 @@ def backend():
 @pytest.fixture(scope="module")
 def problems():
     return dict(
-        varlen=build_problem(dict(lens=[40, 33], H=1, state="kv"), seed=1),
-        batch=build_problem(dict(B=2, T=40, H=2, state="vk"), seed=2),
-        one=build_problem(dict(B=1, T=80, H=1, state="kv"), seed=3),
-        paged=build_problem(dict(lens=[20, 47], H=1, state="paged", paged_new=[1], slot_pad=64, slots=5), seed=4),
+        varlen=generate(dict(lens=[40, 33], H=1, state="kv"), seed=1),
+        batch=generate(dict(B=2, T=40, H=2, state="vk"), seed=2),
+        one=generate(dict(B=1, T=80, H=1, state="kv"), seed=3),
+        paged=generate(dict(lens=[20, 47], H=1, state="paged", paged_new=[1], slot_pad=64, slots=5), seed=4),
     )
 
 

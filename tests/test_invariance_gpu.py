@@ -20,8 +20,8 @@ def _routes():
 
 
 def _build(params, seed):
-    from verification.running.cases import build_problem
-    return build_problem(params, seed, device="cuda")
+    from kda_ref.problems import generate
+    return generate(params, seed=seed, device="cuda")
 
 
 SHAPES = {

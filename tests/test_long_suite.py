@@ -2,7 +2,8 @@
 pack, and keys whose consecutive cosines are those of the key_cos range."""
 import torch
 
-from verification.running.cases import build_problem, get_case, get_suite
+from kda_ref.problems import generate
+from verification.running.cases import get_case, get_suite
 
 
 def test_long_suite_shapes_gates_and_gating():
@@ -28,14 +29,14 @@ def test_key_cos_keys_have_consecutive_cosines_in_range():
     raw keys of each head is within the drawn range, far above independent keys' (about 0)."""
     params = dict(get_case("long/key-cos-0.85-0.97-T131072-H12-lb-5").params)
     params.update(T=2048, H=3, long=False)
-    p = build_problem(params, seed=11)
+    p = generate(params, seed=11)
     k = p.k[0].float()                                                 # [T, H, K]
     cos = torch.nn.functional.cosine_similarity(k[1:], k[:-1], dim=-1).mean(0)
     assert bool(((cos > 0.83) & (cos < 0.98)).all()), cos
-    plain = build_problem(dict(params, key_cos=None), seed=11).k[0].float()
+    plain = generate(dict(params, key_cos=None), seed=11).k[0].float()
     assert float(torch.nn.functional.cosine_similarity(plain[1:], plain[:-1], dim=-1).mean().abs()) < 0.05
     # in a varlen pack each sequence walks on its own (empty and 1-token sequences included)
-    pv = build_problem(dict(params, lens=[5, 0, 1, 300]), seed=3)
+    pv = generate(dict(params, lens=[5, 0, 1, 300]), seed=3)
     kv = pv.k[0, 6:].float()
     assert pv.k.shape[1] == 306
     assert float(torch.nn.functional.cosine_similarity(kv[1:], kv[:-1], dim=-1).mean()) > 0.83

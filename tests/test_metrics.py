@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from verification.running.cases import build_problem
+from kda_ref.problems import generate
 from verification.judging.metrics import ZERO_TRUST, compare, max_ulp, rel_l2, tensor_metrics
 
 F64 = torch.float64
@@ -13,7 +13,7 @@ F64 = torch.float64
 @pytest.fixture(scope="module")
 def varlen():
     # two sequences, 40 and 70 tokens: chunk 32 gives chunks 0, 1 (both) and 2 (second only)
-    return build_problem(dict(lens=[40, 70], H=1, lb=-1.0, state="kv"), seed=1)
+    return generate(dict(lens=[40, 70], H=1, lb=-1.0, state="kv"), seed=1)
 
 
 def test_rel_l2_and_its_degenerate_cases():
@@ -69,7 +69,7 @@ def test_mostly_zero_output_is_mistrusted_unless_the_reference_is(varlen):
 
 
 def test_state_cache_is_compared_on_written_slots_and_untouched_ones_bitwise():
-    p = build_problem(dict(lens=[20, 30], H=1, state="paged", paged_new=[1]), seed=2)
+    p = generate(dict(lens=[20, 30], H=1, state="paged", paged_new=[1]), seed=2)
     ref = p.state_cache.double().clone()
     written = p.state_indices.long()
     ref[written] = 1.0
@@ -107,7 +107,7 @@ def test_host_reads_do_not_grow_with_the_sequence():
     from torch.overrides import TorchFunctionMode
 
     from kda_ref.truth import truth
-    from verification.running.cases import build_problem
+    from kda_ref.problems import generate
     from verification.judging.metrics import tensor_metrics
 
     reads = {"n": 0}
@@ -121,7 +121,7 @@ def test_host_reads_do_not_grow_with_the_sequence():
 
     counts = []
     for T in (96, 1300):                       # 3 and 41 chunk points
-        p = build_problem(dict(B=1, T=T, H=1, lb=-1.0), 5)
+        p = generate(dict(B=1, T=T, H=1, lb=-1.0), seed=5)
         tr = truth(p)
         x = (tr.o * (1 + 1e-3 * torch.randn_like(tr.o))).to(torch.bfloat16)
         reads["n"] = 0

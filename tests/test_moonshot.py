@@ -293,10 +293,10 @@ def test_gpu_invariances(state):
     between chunks the two paths differ by about the recipe's own error, so the 5e-3 bound of a
     moved segment boundary does not apply)."""
     from verification.investigating import invariance as inv
-    from verification.running.cases import build_problem
+    from kda_ref.problems import generate
     b, r = moon.MoonshotBackend(), _route(state)
     assert inv.chunk_size_of(r) == 16
-    pr = {n: build_problem(params, seed, device="cuda") for seed, (n, params) in enumerate(INVARIANCE_SHAPES.items())}
+    pr = {n: generate(params, seed=seed, device="cuda") for seed, (n, params) in enumerate(INVARIANCE_SHAPES.items())}
     results = [inv.determinism(b, r, pr["one"], repeats=3),
                inv.varlen_slice(b, r, pr["varlen"]),
                inv.batch_slice(b, r, pr["batch"]),

@@ -9,6 +9,7 @@ import kda_ref.chunked as ch
 from kda_ref import truth
 from kda_ref.preprocess import gate_activation, l2norm, prepare
 from kda_ref.problem import ProblemError, _finite, validate
+from kda_ref.problems import generate
 from kda_ref.workspace import BlockBuffers
 from verification.commands.oracle_bench import make_problem
 from verification.investigating.selfcheck import rel
@@ -36,14 +37,8 @@ def test_lone_sequence_blocks_match_the_chunked_form(C):
 
 def test_varlen_gva_blocks_match_the_chunked_form():
     """Blocks that hold several sequences (and pieces of them) take the general path."""
-    p = _problem(T=700, H=1, seed=1)
-    g = torch.Generator().manual_seed(2)
-    HV = 4
-    p = p.replace(v=torch.randn(1, 700, HV, 32, generator=g), g=torch.randn(1, 700, HV, 32, generator=g),
-                  beta=torch.randn(1, 700, HV, generator=g), A_log=torch.rand(HV, generator=g),
-                  dt_bias=0.1 * torch.randn(HV * 32, generator=g),
-                  cu_seqlens=torch.tensor([0, 5, 200, 200, 517, 700]),
-                  initial_state=torch.randn(5, HV, 32, 32, generator=g))
+    p = generate(dict(lens=[5, 195, 0, 317, 183], H=1, HV=4, K=32, V=32, g_scale=1.0, state="kv", state_scale=1.0,
+                      dtype=torch.float32), seed=2)
     ref = truth(p, method="chunked")
     for bt in (64, 256, None):
         assert _agree(truth(p, block_tokens=bt), ref) <= TOL, bt

@@ -12,7 +12,8 @@ from kda_kernels.base import Outputs
 from kda_kernels.emulator import RECIPES, emulate
 from kda_ref.truth import truth
 from verification.judging.baselines import baseline_metrics
-from verification.running.cases import build_problem, get_case
+from kda_ref.problems import generate
+from verification.running.cases import get_case
 from verification.cli import main
 from verification.reporting.problem_file import save_outputs, save_problem
 from planted import judge_plant
@@ -21,7 +22,7 @@ LENS = {"lens": [1, 64, 200], "H": 2, "lb": -0.5}
 
 
 def _scaled(params, v_scale, state_scale=None, seed=1):
-    p = build_problem(params, seed=seed)
+    p = generate(params, seed=seed)
     ch = {"v": (p.v.double() * v_scale).to(p.v.dtype)}
     if p.initial_state is not None and state_scale is not None:
         ch["initial_state"] = (p.initial_state.double() * state_scale).to(p.initial_state.dtype)

@@ -1,17 +1,16 @@
 import pytest
 import torch
 
-from kda_ref import Problem, ProblemError, truth
+from kda_ref import ProblemError, truth
+from kda_ref.problems import generate
 from kda_ref.recurrence import recurrence
 
 
 def _problem(seed=0, T=50, H=2, K=8, V=8, cu=(0, 10, 10, 50)):
-    g = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)
-    N = len(cu) - 1
-    return Problem(q=r(1, T, H, K), k=r(1, T, H, K), v=r(1, T, H, V), g=r(1, T, H, K), beta=r(1, T, H),
-                   A_log=torch.rand(H, generator=g, dtype=torch.float64), dt_bias=r(H * K), lower_bound=-5.0,
-                   cu_seqlens=torch.tensor(cu), initial_state=r(N, H, K, V))
+    """The generator's float64 varlen problem (g and the kv state N(0,1)); ``T`` must be cu[-1]."""
+    assert T == cu[-1]
+    return generate(dict(lens=[b - a for a, b in zip(cu[:-1], cu[1:])], H=H, K=K, V=V, g_scale=1.0, state="kv",
+                         state_scale=1.0, dtype=torch.float64, param_dtype=torch.float64), seed=seed)
 
 
 def test_chunk_boundary_states_end_in_the_final_state():

@@ -15,7 +15,8 @@ from kda_kernels.emulator import emulate
 from kda_kernels.references import RECIPE
 from kda_ref.truth import truth
 from verification.investigating import invariance as inv
-from verification.running.cases import build_problem, get_case
+from kda_ref.problems import generate
+from verification.running.cases import get_case
 from verification.judging.metrics import compare
 from verification.judging.tolerances import load_tolerances
 from verification.judging.baselines import baseline_metrics
@@ -59,11 +60,11 @@ def test_paged_caches_are_refused_in_their_own_terms(backend):
 
 def test_transformers_refuses_gva_and_another_scale_fla_takes_them():
     tf, fla = _backend("transformers"), _backend("fla-naive")
-    p = build_problem(dict(lens=[40], H=1, HV=2, lb=-1.0, state="kv"), seed=3)
+    p = generate(dict(lens=[40], H=1, HV=2, lb=-1.0, state="kv"), seed=3)
     ok, why = tf.accepts(p, tf.routes()[0])
     assert not ok and "one head count" in why and "H=1 HV=2" in why
     assert fla.accepts(p, fla.routes()[0]) == (True, "")
-    q = build_problem(dict(lens=[40], H=2, lb=-1.0), seed=3).replace(scale=0.3)
+    q = generate(dict(lens=[40], H=2, lb=-1.0), seed=3).replace(scale=0.3)
     ok, why = tf.accepts(q, tf.routes()[0])
     assert not ok and "fixes the scale" in why and "got 0.3" in why
 
@@ -149,8 +150,8 @@ def test_a_reference_with_a_hidden_bug_fails_where_the_reference_passes(name, co
 @pytest.mark.parametrize("device", DEVICES)
 def test_invariances_hold_bitwise(backend, device):
     dev = device
-    varlen = build_problem(dict(lens=[70, 0, 129, 5], H=2, state="kv", lb=-1.0), seed=11, device=dev)
-    batch = build_problem(dict(B=3, T=100, H=2, state="vk", lb=-0.3), seed=12, device=dev)
+    varlen = generate(dict(lens=[70, 0, 129, 5], H=2, state="kv", lb=-1.0), seed=11, device=dev)
+    batch = generate(dict(B=3, T=100, H=2, state="vk", lb=-0.3), seed=12, device=dev)
     for r in backend.routes():
         results = [inv.determinism(backend, r, varlen), inv.varlen_slice(backend, r, varlen),
                    inv.batch_slice(backend, r, batch), inv.split_carry(backend, r, varlen, split=64),

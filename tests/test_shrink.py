@@ -15,7 +15,8 @@ from kda_kernels import moonshot as moon
 from kda_ref.problem import validate
 from kda_ref.truth import truth
 from verification.reporting.bundle import checks_from_record, repro_source, write_bundle
-from verification.running.cases import build_problem, get_case
+from kda_ref.problems import generate
+from verification.running.cases import get_case
 from verification.cli import main
 from verification.running.runner import as_loaded, load, resolve_routes
 from verification.investigating.shrink import (CUT, Shrinker, Signature, chunk_states, head_errors, signature, size,
@@ -53,7 +54,7 @@ def _f64_states(p):
 def test_a_leading_cut_with_the_oracles_state_gives_the_same_outputs(params):
     """Dropping the first c*64 tokens of a sequence and starting it from kda_ref's chunk-boundary
     state S_c reproduces the original o on every kept token and the original final state."""
-    p = validate(_f64_states(build_problem(params, seed=7)))
+    p = validate(_f64_states(generate(params, seed=7)))
     st = chunk_states(p)
     t = truth(p)
     lens = [e - b for b, e in p.seq_bounds()]
@@ -87,7 +88,7 @@ def test_a_leading_cut_with_the_oracles_state_gives_the_same_outputs(params):
 
 def test_keeping_one_head_slices_every_per_head_tensor():
     """GVA (H=1, HV=2), softplus gate (A_log, dt_bias), a kv state: head 1 alone is head 1 of the whole."""
-    p = validate(build_problem(dict(B=1, T=40, H=2, HV=4, K=16, V=8, state="kv"), seed=3))
+    p = validate(generate(dict(B=1, T=40, H=2, HV=4, K=16, V=8, state="kv"), seed=3))
     p = p.replace(gate="softplus", lower_bound=None)
     t = truth(p)
     for h in range(p.HV):
@@ -99,7 +100,7 @@ def test_keeping_one_head_slices_every_per_head_tensor():
 
 
 def test_dropping_a_sequence_keeps_the_others_outputs():
-    p = validate(build_problem(dict(lens=[20, 0, 33, 50], H=1, K=16, V=8, state="kv"), seed=5))
+    p = validate(generate(dict(lens=[20, 0, 33, 50], H=1, K=16, V=8, state="kv"), seed=5))
     t = truth(p)
     q = validate(subproblem(p, [(0, 0, 20), (1, 0, 0), (3, 0, 50)]))
     tq = truth(q)
@@ -110,7 +111,7 @@ def test_dropping_a_sequence_keeps_the_others_outputs():
 
 
 def test_head_errors_rank_the_head_that_is_wrong():
-    p = validate(build_problem(dict(B=1, T=16, H=3, K=16, V=8), seed=1))
+    p = validate(generate(dict(B=1, T=16, H=3, K=16, V=8), seed=1))
     t = truth(p).tensors()
     x = {k: v.clone() for k, v in t.items()}
     x["o"][:, :, 2] *= 1.5

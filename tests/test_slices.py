@@ -12,7 +12,8 @@ import torch
 from kda_kernels.base import Outputs
 from kda_kernels.controls import BATCH_CONTROLS, negative_control
 from kda_ref.truth import truth
-from verification.running.cases import build_problem, get_case
+from kda_ref.problems import generate
+from verification.running.cases import get_case
 from verification.cli import main
 from verification.reporting.problem_file import save_outputs, save_problem
 from verification.judging.baselines import BaselineCache
@@ -107,7 +108,7 @@ def test_a_bug_caught_in_range_is_never_a_pass_at_any_scale_of_v(scale, bug):
 def test_a_nan_baseline_is_replaced_by_a_sound_recipe_and_none_sound_is_not_applicable(tmp_path, capsys):
     # lb -12: the flashkda recipe's pivot factors overflow (a NaN baseline); the fla recipe is sound
     for lb, want in ((-12.0, "pass"), (-60.0, "not-applicable")):
-        p = build_problem({"B": 1, "T": 40, "H": 1, "lb": lb}, seed=3)
+        p = generate({"B": 1, "T": 40, "H": 1, "lb": lb}, seed=3)
         tr = truth(p)
         v = judge_plant(p, _exact(p, tr), tr)
         assert v.status == want, (lb, v.reason)
@@ -120,7 +121,7 @@ def test_a_nan_baseline_is_replaced_by_a_sound_recipe_and_none_sound_is_not_appl
 
 def test_check_lifts_a_cap_that_no_recipe_meets_as_run_does(tmp_path, capsys):
     # one token whose normalised q.k is ~ -3e-4: every bf16 recipe errs ~0.7 on o
-    p = build_problem({"B": 1, "T": 1, "H": 1, "lb": -5.0}, seed=0)
+    p = generate({"B": 1, "T": 1, "H": 1, "lb": -5.0}, seed=0)
     q = p.q.double()
     k = p.k.double()
     k = k - (k * q).sum(-1, keepdim=True) / (q * q).sum(-1, keepdim=True) * q       # orthogonal to q

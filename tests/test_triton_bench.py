@@ -88,11 +88,11 @@ def test_host_bound_means_the_launches_set_the_measured_time(time_us, host_us, f
 
 
 def test_bench_marks_host_bound_rows_and_says_what_to_do(monkeypatch, capsys, tmp_path):
-    def fake(backend, route, shape, device, reps=50, warmup=5, graph=False, seed=0):
+    def fake(backend, route, shape, device, reps=50, warmup=5, graph=False, seed=0, name=None):
         B, T, H = shape
         host = 300.0 if T == 256 else 50.0
         t = 200.0 if T == 256 else 900.0
-        return bench.BenchResult(backend, route, B, T, H, time_us=t, p10_us=t, p90_us=t, reps=reps, graph=graph,
+        return bench.BenchResult(name, route, B, T, H, time_us=t, p10_us=t, p90_us=t, reps=reps, graph=graph,
                                  bytes=1, flops=1, bandwidth_gbs=1.0, tflops=1.0, floor_us=1.0, route_ran=route,
                                  host_us=host, host_bound=bench.is_host_bound(t, host, 55.0, graph))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -108,3 +108,61 @@ def test_bench_marks_host_bound_rows_and_says_what_to_do(monkeypatch, capsys, tm
     assert any(ln.startswith("host-bound:") and "--graph" in ln for ln in lines)
     rows = {r["T"]: r for r in json.loads(out.read_text())["results"]}
     assert rows[256]["host_bound"] is True and rows[16384]["host_bound"] is False and rows[256]["host_us"] == 300.0
+
+
+# ---------------------------------------------------------------------------- the timed call is the adapter's
+class CountingBackend:
+    """A test-local adapter whose run counts its invocations and records the problem it got."""
+    name = "counting"
+
+    def __init__(self):
+        self.calls = []
+
+    def available(self):
+        return True, ""
+
+    def version(self):
+        return "0"
+
+    def routes(self):
+        from kda_kernels.base import Route
+        return [Route("r1", recipe="fla")]
+
+    def accepts(self, p, route):
+        return True, ""
+
+    def run(self, p, route):
+        from kda_kernels.base import Outputs
+        self.calls.append((p, route.name))
+        return Outputs(o=torch.zeros(p.B, p.T, p.HV, p.V), final_state=None, info={"route_ran": f"counted {route.name}"})
+
+
+def test_bench_times_the_adapters_run_of_the_route_and_nothing_else(monkeypatch):
+    from kda_ref.problems import problem_digest
+    timed = []
+
+    def fake_time_call(fn, inputs, reps, warmup, graph, device, stats=None):   # time_call's calls, no clock
+        for i in range(warmup + reps):
+            timed.append(fn(inputs[i % len(inputs)]))
+        return [10.0] * reps
+
+    monkeypatch.setattr(bench, "time_call", fake_time_call)
+    b = CountingBackend()
+    r = bench.bench_one(b, "r1", (1, 64, 2), "cpu", reps=5, warmup=2, seed=3)
+    assert not r.error and r.backend == "counting" and r.time_us == 10.0
+    assert len(b.calls) == len(timed) == 7 and all(name == "r1" for _, name in b.calls)
+    assert r.route_ran == "counted r1"                                     # the adapter's own account
+    want = {problem_digest(bench.bench_problem(1, 64, 2, "cpu", 3 + i)) for i in range(bench.rotation_count(1, 64, 2))}
+    assert {problem_digest(p) for p, _ in b.calls} == want                  # the generator's problems, rotated
+    call = bench.route_call(b, "r1")
+    assert call.backend is b and call.route.name == "r1"
+    with pytest.raises(ValueError, match="--routes for counting: expected one of r1, got 'r2'"):
+        bench.route_call(b, "r2")
+
+
+def test_a_route_the_adapter_refuses_is_the_cells_error(monkeypatch):
+    b = CountingBackend()
+    b.accepts = lambda p, route: (False, "not applicable: planted")
+    monkeypatch.setattr(bench, "time_call", lambda *a, **k: [1.0])
+    r = bench.bench_one(b, "r1", (1, 16, 1), "cpu", reps=3, warmup=1)
+    assert r.error == "ValueError: not applicable: planted" and not b.calls

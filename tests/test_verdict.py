@@ -133,8 +133,8 @@ def _recipes(p, tr):
 
 
 def test_a_cap_no_recipe_can_meet_is_lifted_to_the_best_recipe():
-    from verification.running.cases import build_problem
-    p = build_problem(ONE_TOKEN, 1447717590)
+    from kda_ref.problems import generate
+    p = generate(ONE_TOKEN, seed=1447717590)
     tr = truth(p)
     base, db, recipes = baseline_metrics(p, "flashkda", tr), load_tolerances(), _recipes(p, tr)
     assert min(m["o"]["rel_l2"] for m in recipes.values()) > 0.05           # every recipe, > the 0.05 cap
@@ -169,8 +169,8 @@ def test_a_recipe_alone_over_the_cap_keeps_the_cap():
 
 def test_the_final_state_dtype_rule_fp32_or_the_given_one_unless_the_route_declares_one():
     # what fp32-state kernels return: a bf16 initial state in, an fp32 final state out
-    from verification.running.cases import build_problem
-    p = build_problem({"lens": [1, 17, 40], "H": 1, "lb": -0.5, "state": "kv"}, seed=2)
+    from kda_ref.problems import generate
+    p = generate({"lens": [1, 17, 40], "H": 1, "lb": -0.5, "state": "kv"}, seed=2)
     p = p.replace(initial_state=p.initial_state.bfloat16())
     tr = truth(p)
     base, db = baseline_metrics(p, "flashkda", tr), load_tolerances()

@@ -1,6 +1,6 @@
 """`kda-verify bench`: time routes side by side on a CUDA device (see verification/investigating/bench.py for
-the method: device events, median of many repetitions, L2 flushed, inputs rotated, optional
-CUDA-graph replay)."""
+the method: each backend's adapter's own run of the route timed, device events, median of many
+repetitions, L2 flushed, inputs rotated, optional CUDA-graph replay)."""
 from __future__ import annotations
 
 import json
@@ -18,8 +18,9 @@ kda-verify bench --suite default --json-out bench.json   # needs: cuda
 
 def add_arguments(p):
     p.add_argument("--backend", default="triton,fla", metavar="BACKENDS",
-                   help="comma-separated: triton, fla (autotuned), fla-pinned (configs pinned as the verdict runs "
-                        "fla), moonshot (flash_kda.fwd), aiter (through its adapter); default triton,fla")
+                   help="comma-separated backends (built-in names or package.module:factory), each timed through "
+                        "its adapter's run of the route, the call the verdict makes (fla with its autotuners "
+                        "pinned, as the verdict runs it); default triton,fla")
     p.add_argument("--suite", default="default", metavar="SUITE", help="case suite whose (B,T,H) shapes to time (default: default)")
     p.add_argument("--shapes", metavar="SHAPES", help="instead of a suite: semicolon-separated BxTxH, e.g. '1x16384x12;8x2048x16'")
     p.add_argument("--routes", default="seg,unseg", metavar="ROUTES",
@@ -94,13 +95,14 @@ def run(args) -> int:
 
     from kda_kernels.triton.routes import RouteError, parse_route
     from verification.investigating import bench
+    from kda_kernels.base import BUILTIN_BACKENDS, BackendError, load_backend
     from verification.errors import UsageError
 
     backends = [b.strip() for b in args.backend.split(",") if b.strip()]
-    bad = [b for b in backends if b not in bench.CALLABLES]
+    bad = [b for b in backends if b not in BUILTIN_BACKENDS and ":" not in b]
     if bad or not backends:
-        raise UsageError(f"--backend: expected a comma-separated list of {', '.join(bench.CALLABLES)}, "
-                         f"got {args.backend!r}")
+        raise UsageError(f"--backend: expected a comma-separated list of {', '.join(BUILTIN_BACKENDS)} "
+                         f"(or package.module:factory), got {args.backend!r}")
     routes = [r.strip() for r in args.routes.split(",") if r.strip()]
     for r in routes:
         try:
@@ -115,26 +117,28 @@ def run(args) -> int:
     shapes = _shapes(args)
     if not torch.cuda.is_available():
         raise UsageError("--device: bench needs a CUDA device (device-event timing); none is visible here")
-    from kda_kernels.base import load_backend
     from verification.running.devices import check_device
     device = torch.device(check_device(args.device or "cuda"))
-    cells = [("triton", r) for r in routes] if "triton" in backends else []
-    checks = {"fla": bench.fla_available, "fla-pinned": bench.fla_available, "moonshot": bench.moonshot_available,
-              "aiter": bench.aiter_available}
+    cells = []                   # (name, route, adapter): each adapter loaded once, its kernel library imported once
     for b in backends:
-        if b == "triton":
-            continue
-        ok, why = checks[b]() if b in checks else load_backend(b).available()
-        if ok:
-            cells.append((b, bench.DEFAULT_ROUTES[b]))
-        else:
+        try:
+            adapter = load_backend(b)
+            ok, why = adapter.available()
+        except BackendError as e:
+            raise UsageError(str(e)) from None
+        if not ok:
             print(f"kda-verify bench: skipping {b} ({why})", file=sys.stderr)
+        elif b == "triton":
+            cells += [(b, r, adapter) for r in routes]
+        else:
+            cells.append((b, bench.DEFAULT_ROUTES.get(b) or adapter.routes()[0].name, adapter))
     results = []
     print(f"{'backend':7} {'route':44} {'shape':>12} {'time us':>9} {'p10':>8} {'p90':>8} {'GB/s':>7} "
           f"{'TFLOP/s':>8} {'floor us':>8} {'x floor':>7}  ran")
     for shape in shapes:
-        for backend, route in cells:
-            r = bench.bench_one(backend, route, shape, device, reps=args.reps, warmup=args.warmup, graph=args.graph)
+        for backend, route, adapter in cells:
+            r = bench.bench_one(adapter, route, shape, device, reps=args.reps, warmup=args.warmup, graph=args.graph,
+                                name=backend)
             results.append(r)
             sh = "x".join(str(x) for x in shape)
             if r.error:

@@ -104,15 +104,14 @@ def matmul_tflops(dev, n: int = 8192, reps: int = 3) -> float:
 
 
 def make_problem(B, T, H, K, V, dev, seed=0):
-    """A production-like problem (lower-bound gate at -5, float32 inputs) built on the device."""
+    """A production-like problem built on the device: the generator's (kda_ref.problems) fp32
+    q, k, v, g = N(0,1) (g_scale 1), lower-bound gate at -5, a kv initial state 0.5 N(0,1), drawn
+    by the device's generator."""
     import torch
 
-    from kda_ref.problem import Problem
-    g = torch.Generator(device=dev).manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=g, device=dev, dtype=torch.float32)  # noqa: E731
-    return Problem(q=r(B, T, H, K), k=r(B, T, H, K), v=r(B, T, H, V), g=r(B, T, H, K), beta=r(B, T, H),
-                   A_log=0.5 * r(H).abs(), dt_bias=0.1 * r(H * K), lower_bound=-5.0,
-                   initial_state=0.5 * r(B, H, K, V))
+    from kda_ref.problems import ProblemSpec, generate
+    return generate(ProblemSpec(B=B, T=T, H=H, K=K, V=V, g_scale=1.0, dtype=torch.float32, state="kv", seed=seed,
+                                draw="device"), device=dev)
 
 
 def chunked_flops(tiles_heads: int, segs_heads: int, C: int, K: int, V: int) -> float:

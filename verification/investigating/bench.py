@@ -1,8 +1,13 @@
 """Timing of KDA forward routes side by side (``kda-verify bench``).
 
 Method, per (backend, route, shape):
-- inputs: bf16 q, k, v, g (g = 0.1 N(0,1)), fp32 beta, A_log = 0.5|N|, dt_bias = 0.1 N, lb -5,
-  made on the device; ``rotate`` copies are cycled so no repetition reads a warm copy;
+- the timed call is the backend adapter's own ``run`` of the route on a Problem (``route_call``),
+  the call a verdict's cell makes: bench imports no kernel library itself, and times what the
+  adapter does per call (its argument conversions, fla's pinned autotuners, the launches, its
+  output reshapes); loading the adapter, the route lookup and the inputs stay outside;
+- inputs: the generator's (kda_ref.problems) named shape BxTxH: bf16 q, k, v, g (g = 0.1 N(0,1)),
+  fp32 beta, A_log = 0.5|N|, dt_bias = 0.1 N, lb -5, drawn on the device (``bench_problem``);
+  ``rotate`` copies are cycled so no repetition reads a warm copy;
 - warm-up calls first (compilation, plan caches), then ``reps`` repetitions, each one preceded by
   a 256 MB buffer write that flushes the L2, timed by CUDA events around the call alone;
 - optional CUDA-graph replay (``graph=True``): the call is captured once per input copy and
@@ -22,7 +27,6 @@ the workspace's and the segment states' round trips through HBM (and v read by p
 from __future__ import annotations
 
 import math
-import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -81,10 +85,10 @@ def shapes_of_suite(suite: str) -> list:
         raise ValueError(f"--suite: only 'default' is known without verification.running.cases, got {suite!r}")
     out = []
     for c in get_suite(suite):
-        p = c.params
-        if "lens" in p:
+        s = c.spec                    # the generator's recipe of the case (kda_ref.problems.ProblemSpec)
+        if s.varlen:
             raise ValueError(f"--suite {suite}: bench times fixed-length shapes; case {c.id} is varlen")
-        out.append((int(p.get("B", 1)), int(p.get("T", 64)), int(p.get("H", 2))))
+        out.append((s.B, s.T, s.H))
     return out
 
 
@@ -102,7 +106,7 @@ def floor_us(B: int, T: int, H: int) -> float:
     return 1e6 * max(nbytes / H200_HBM_BYTES_S, flops / H200_BF16_FLOPS)
 
 
-INPUT_BYTES = {"q": 2, "k": 2, "v": 2, "g": 2, "beta": 4}    # element sizes of make_inputs' tensors
+INPUT_BYTES = {"q": 2, "k": 2, "v": 2, "g": 2, "beta": 4}    # element sizes of bench_problem's tensors
 PASS_KEYS = ("k1", "A", "B", "C")                           # pass_times' keys of the four passes
 PASS_A_WS = ("ws_kd", "ws_kr", "ws_inv", "ws_gt", "ws_beta")  # the workspace buffers pass A reads
 
@@ -157,181 +161,64 @@ def pass_floors(nbytes: dict) -> dict:
     return {k: 1e6 * b / H200_HBM_BYTES_S for k, b in nbytes.items()}
 
 
-def make_inputs(B: int, T: int, H: int, device, seed: int) -> dict:
-    gen = torch.Generator(device=device).manual_seed(seed)
-
-    def randn(*s):
-        return torch.randn(*s, generator=gen, device=device, dtype=torch.float32)
-
-    bf = torch.bfloat16
-    return dict(q=randn(B, T, H, K).to(bf), k=randn(B, T, H, K).to(bf), v=randn(B, T, H, V).to(bf),
-                g=(0.1 * randn(B, T, H, K)).to(bf), beta=randn(B, T, H), A_log=0.5 * randn(H).abs(),
-                dt_bias=0.1 * randn(H * K), scale=K ** -0.5, lower_bound=-5.0)
+def bench_problem(B: int, T: int, H: int, device, seed: int):
+    """The Problem bench times on: kda_ref.problems.generate of the named shape ``BxTxH`` (K = V =
+    128, lb -5, bf16 q k v g, fp32 beta, A_log, dt_bias; no initial state), drawn by ``device``'s
+    own generator (``draw="device"``: the inputs of a 16384 x 96 shape made where they are timed)."""
+    from kda_ref.problems import ProblemSpec, generate
+    return generate(ProblemSpec(B=B, T=T, H=H, K=K, V=V, seed=seed, draw="device"), device=device)
 
 
-# ----------------------------------------------------------------------------------- callables
-def triton_callable(route: str) -> Callable:
-    from kda_kernels.triton.forward import flashkda_forward
-    from kda_kernels.triton.routes import parse_route
-
-    spec = parse_route(route)
-    last = {}
-
-    def call(x):
-        res = flashkda_forward(x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], x["scale"],
-                               x["lower_bound"], output_final_state=True, route=spec)
-        last["route_ran"] = res.route
-        return res.o
-
-    call.info = last
-    return call
+def kernel_inputs(p) -> dict:
+    """The tensors of a bench Problem by name, as the per-pass timing (``pass_times``) launches them."""
+    return dict(q=p.q, k=p.k, v=p.v, g=p.g, beta=p.beta, A_log=p.A_log, dt_bias=p.dt_bias, scale=p.scale_value,
+                lower_bound=p.lower_bound)
 
 
-def fla_callable(route: str = "chunk:safe_gate") -> Callable:
-    os.environ["FLA_FLASH_KDA"] = "0"
-    from fla.ops.kda import chunk_kda
-
-    if route != "chunk:safe_gate":
-        raise ValueError(f"--routes for fla: only chunk:safe_gate is benched, got {route!r}")
-
-    def call(x):
-        o, _ = chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
-                         scale=x["scale"], use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                         use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=x["lower_bound"],
-                         initial_state=None, output_final_state=True)
-        return o
-
-    call.info = {"route_ran": route}
-    return call
+# ----------------------------------------------------------------------------------- the timed call
+DEFAULT_ROUTES = {"triton": "seg", "cudnn": "hopper_cuda", "fla": "chunk:safe_gate", "moonshot": "cutlass:state=fp32",
+                  "aiter": "triton:seg", "fla-naive": "naive:chunk", "transformers": "torch:chunk"}
 
 
-def fla_pinned_callable(route: str = "chunk:safe_gate") -> Callable:
-    """fla's chunk_kda with its autotuners pinned to one config each (kda_kernels.fla's rule), as
-    the verdict runs it: no tuning time, not fla's tuned speed."""
-    from kda_kernels.fla import pinned_autotuners
-
-    inner = fla_callable(route)
-
-    def call(x):
-        with pinned_autotuners("fla bench"):
-            return inner(x)
-
-    call.info = {"route_ran": f"{route} (configs pinned)"}
-    return call
+def find_route(b, name: str):
+    """The Route ``name`` of backend ``b``: one its ``routes()`` lists, else ``b.route(name)`` where
+    the adapter parses route names (kda_kernels.base.LooksUpRoutes: triton's "seg:BW=64")."""
+    from kda_kernels.base import LooksUpRoutes
+    r = next((x for x in b.routes() if x.name == name), None)
+    if r is None and isinstance(b, LooksUpRoutes):
+        r = b.route(name)
+    if r is None:
+        raise ValueError(f"--routes for {b.name}: expected one of {', '.join(x.name for x in b.routes())}, got {name!r}")
+    return r
 
 
-def moonshot_callable(route: str = "cutlass:state=fp32") -> Callable:
-    """Moonshot's flash_kda.fwd as fla's FlashKDA dispatch calls it: bf16 beta logits (converted
-    once per input copy, outside the timing), dt_bias [H, K], an fp32 final state [B, H, V, K]."""
-    import flash_kda
+def route_call(backend, route: str) -> Callable:
+    """The callable bench times: ``p -> backend.run(p, route).o``, the adapter's own run of the
+    route on a Problem, the very call a verdict's cell makes (verification.running.runner.run_cell).
+    ``backend``: a built-in name or package.module:factory (kda_kernels.base.load_backend), or
+    a Backend.  The adapter imports its kernel library once (its ``_load``); bench imports none.
 
-    from kda_kernels.moonshot import STATE_DTYPES
-
-    name = route.partition("state=")[2] or "fp32"
-    if not route.startswith("cutlass") or name not in STATE_DTYPES:
-        raise ValueError(f"--routes for moonshot: expected cutlass:state=fp32 or cutlass:state=bf16, got {route!r}")
-    sdt = STATE_DTYPES[name]
-    prepared = {}
-
-    def call(x):
-        kw = prepared.get(id(x))
-        if kw is None:
-            B, T, H, _ = x["q"].shape
-            kw = dict(q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["beta"].to(torch.bfloat16),
-                      scale=x["scale"], out=torch.empty_like(x["v"]), A_log=x["A_log"],
-                      dt_bias=x["dt_bias"].reshape(H, K), lower_bound=x["lower_bound"],
-                      final_state=torch.empty(B, H, V, K, dtype=sdt, device=x["q"].device))
-            prepared[id(x)] = kw
-        flash_kda.fwd(**kw)
-        return kw["out"]
-
-    call.info = {"route_ran": f"flash_kda.fwd {route}"}
-    return call
-
-
-def adapter_callable(backend: str, route: str) -> Callable:
-    """Any built-in backend through its adapter's ``run`` on a Problem made of the inputs (the
-    adapter's own conversions and launches included)."""
+    Inside the timed region: everything the adapter does per call, its argument conversions
+    (e.g. moonshot's bf16 beta logits and [H, K] dt_bias, cuDNN's THD views, fla's int64
+    cu_seqlens copy), its context (fla's autotuners pinned to one config each, as the verdict
+    runs fla), the kernel launches and its output reshapes.  Outside: loading the adapter, its
+    availability check, the route lookup and the inputs (``bench_problem``), which no adapter
+    makes per call.  ``call.info["route_ran"]`` is the adapter's own account of what ran."""
     from kda_kernels.base import load_backend
-    from kda_ref.problem import Problem
-
-    b = load_backend(backend)
+    b = load_backend(backend) if isinstance(backend, str) else backend
     ok, why = b.available()
     if not ok:
-        raise RuntimeError(f"{backend} unavailable: {why}")
-    r = next((x for x in b.routes() if x.name == route), None)
-    if r is None:
-        raise ValueError(f"--routes for {backend}: expected one of {', '.join(x.name for x in b.routes())}, got {route!r}")
-    problems = {}
-    last = {}
+        raise RuntimeError(f"{b.name} unavailable: {why}")
+    r = find_route(b, route)
+    last = {"route_ran": route}
 
-    def call(x):
-        p = problems.get(id(x))
-        if p is None:
-            p = problems[id(x)] = Problem(q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["beta"], A_log=x["A_log"],
-                                          dt_bias=x["dt_bias"], scale=x["scale"], lower_bound=x["lower_bound"])
+    def call(p):
         out = b.run(p, r)
         last["route_ran"] = str((out.info or {}).get("route_ran", route))
         return out.o
 
-    call.info = last
+    call.info, call.backend, call.route = last, b, r
     return call
-
-
-def cudnn_callable(route: str = "hopper_cuda") -> Callable:
-    """cuDNN's kimi_delta_attention with the adapter's arguments made once per input (THD views, fp32
-    beta logits, the safe gate's fp32 parameters): each call is the frontend's own call, its host
-    dispatch included (the frontend's op and graph layer, the engine's launch)."""
-    from kda_kernels.cudnn import CudnnBackend, call_arguments
-    from kda_ref.problem import Problem
-
-    b = CudnnBackend()
-    ok, why = b.available()
-    if not ok:
-        raise RuntimeError(f"cudnn unavailable: {why}")
-    r = next((x for x in b.routes() if x.name == route), None)
-    if r is None or r.flag("engine") != "hopper_cuda":
-        raise ValueError(f"--routes for cudnn: expected hopper_cuda or hopper_cuda:batch_invariant, got {route!r}")
-    prepared = {}
-
-    def call(x):
-        kw = prepared.get(id(x))
-        if kw is None:
-            p = Problem(q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["beta"], A_log=x["A_log"],
-                        dt_bias=x["dt_bias"], scale=x["scale"], lower_bound=x["lower_bound"])
-            kw = prepared[id(x)] = call_arguments(p, r)[0]
-        return b._fn(**kw)[0]
-
-    call.info = {"route_ran": f"cudnn.linear_attention.kimi_delta_attention plan_name={route}"}
-    return call
-
-
-CALLABLES = {"triton": triton_callable, "fla": fla_callable, "fla-pinned": fla_pinned_callable,
-             "moonshot": moonshot_callable, "aiter": lambda route: adapter_callable("aiter", route),
-             "fla-naive": lambda route: adapter_callable("fla-naive", route),
-             "transformers": lambda route: adapter_callable("transformers", route),
-             "cudnn": cudnn_callable}
-DEFAULT_ROUTES = {"cudnn": "hopper_cuda", "fla": "chunk:safe_gate", "fla-pinned": "chunk:safe_gate", "moonshot": "cutlass:state=fp32",
-                  "aiter": "triton:seg", "fla-naive": "naive:chunk", "transformers": "torch:chunk"}
-
-
-def moonshot_available() -> tuple[bool, str]:
-    from kda_kernels.moonshot import MoonshotBackend
-    return MoonshotBackend().available()
-
-
-def aiter_available() -> tuple[bool, str]:
-    from kda_kernels.aiter import AiterBackend
-    return AiterBackend().available()
-
-
-def fla_available() -> tuple[bool, str]:
-    try:
-        os.environ["FLA_FLASH_KDA"] = "0"
-        import fla.ops.kda  # noqa: F401
-        return True, ""
-    except Exception as e:  # noqa: BLE001
-        return False, f"fla not importable: {type(e).__name__}: {e}"
 
 
 # ----------------------------------------------------------------------------------- timing
@@ -405,15 +292,21 @@ def rotation_count(B: int, T: int, H: int, budget_bytes: int = 2 << 30) -> int:
     return int(max(1, min(4, budget_bytes // max(one, 1))))
 
 
-def bench_one(backend: str, route: str, shape: tuple, device, reps: int = 50, warmup: int = 5,
-              graph: bool = False, seed: int = 0) -> BenchResult:
+def bench_one(backend, route: str, shape: tuple, device, reps: int = 50, warmup: int = 5,
+              graph: bool = False, seed: int = 0, name: Optional[str] = None) -> BenchResult:
+    """One cell: ``route_call(backend, route)`` timed by ``time_call`` on ``rotation_count``
+    bench Problems of ``shape`` (B, T, H); a failure anywhere is the cell's ``error``.  ``backend``:
+    a name or a loaded Backend (``name``, else its own name, labels the result)."""
     B, T, H = shape
     nbytes, flops = traffic(B, T, H)
-    base = dict(backend=backend, route=route, B=B, T=T, H=H, reps=reps, graph=graph, bytes=nbytes, flops=flops,
+    base = dict(backend=name or (backend if isinstance(backend, str) else backend.name), route=route, B=B, T=T, H=H, reps=reps, graph=graph, bytes=nbytes, flops=flops,
                 floor_us=floor_us(B, T, H))
     try:
-        fn = CALLABLES[backend](route)
-        inputs = [make_inputs(B, T, H, device, seed + i) for i in range(rotation_count(B, T, H))]
+        fn = route_call(backend, route)
+        inputs = [bench_problem(B, T, H, device, seed + i) for i in range(rotation_count(B, T, H))]
+        ok, why = fn.backend.accepts(inputs[0], fn.route)
+        if not ok:
+            raise ValueError(why)
         stats: dict = {}
         times = time_call(fn, inputs, reps, warmup, graph, device, stats=stats)
     except Exception as e:  # noqa: BLE001 - one failing cell is a result, not the end of the bench
@@ -446,7 +339,8 @@ def pass_times(route: str, shape: tuple, device, reps: int = 20, warmup: int = 3
     from kda_kernels.triton.routes import parse_route
 
     B, T, H = shape
-    x = make_inputs(B, T, H, device, seed)
+    p = bench_problem(B, T, H, device, seed)
+    x = kernel_inputs(p)
     spec = parse_route(route)
     plan = fw.resolve_plan(spec, B, T, H, None, device)
     ws = fw.alloc_workspace(H, plan.total_tiles, device)
@@ -484,8 +378,8 @@ def pass_times(route: str, shape: tuple, device, reps: int = 20, warmup: int = 3
                                                  warps=spec.warps))
         else:
             out["C"] = med(lambda: fw.run_pass_c(ws, x["v"], o, plan, H, final=final, bw=spec.bw, warps=spec.warps))
-        call = triton_callable(route)
-        out["total"] = med(lambda: call(x))
+        call = route_call("triton", route)
+        out["total"] = med(lambda: call(p))
     return out
 
 

@@ -1,43 +1,20 @@
 """Cases and suites (docs/design.md, Vocabulary): a Case is a name, a seed and a recipe of parameters that
 builds one Problem deterministically.
 
-Inputs follow aiter's FlashKDA test generator (realistic Kimi ranges):
-
-    q, k, v ~ N(0,1) bf16 [B,T,H,128]      g = g_scale*N(0,1) + g_shift, bf16 [B,T,H,128]
-    beta_raw ~ N(0,1) fp32 (or a constant) A_log = 0.5|N(0,1)| fp32 [H]
-    dt_bias = 0.1 N(0,1) fp32 [H*128]      scale = 1/sqrt(128), lower_bound lb (default -5)
-
-Random numbers are drawn on the CPU from a generator seeded by the case's seed, then moved to
-the requested device, so a case builds the same Problem on every machine.
-
-Parameters (``Case.params``; every one optional):
-    B, T, H, HV, K, V   sizes (defaults 1, 64, 2, H, 128, 128); ``lens`` [..] makes a varlen
-                        problem (B = 1, T = sum(lens), empty sequences allowed)
-    lb                  lower bound of the gate (gate = lower_bound)
-    g_scale, g_shift    raw gate = g_scale*N(0,1) + g_shift (g_shift = 12 saturates the sigmoid)
-    beta_raw            a constant raw beta (4 -> beta ~ 0.982) instead of N(0,1)
-    rho                 correlated keys: k <- rho*k[first token] + (1-rho)*k
-    key_cos             (lo, hi): keys of each sequence follow k_t = c k_{t-1} + sqrt(1-c^2) n_t per
-                        key head (n_t the drawn keys, c uniform in [lo, hi] per head), so the cosine
-                        between consecutive keys is about c, as trained models show (0.85-0.97)
-    qk_scale            multiplies raw q and k (1e-4: row norms ~1e-3, where the l2norm's eps matters)
-    exact_keys          n: keys are +-1 on n of the first 8 channels (bf16-exact after l2norm)
-    state               none | kv | vk | paged;  state_scale (default 0.5) multiplies N(0,1)
-    converged           initial state S* and v_t = S*^T khat_t (+ bf16 rounding): S^T k ~ v
-    paged_new           indices of sequences that start fresh (has_initial_state False);
-                        their slots and every unused slot hold NaN; slot_pad adds a slot stride pad
-    fused_proj          q/k/v/g are strided bands of one [B,T,H*(3K+V)] projection
-    chunks_per_seg      a hint for segmented routes (stored in problem.meta)
-    norm                a fused output norm: out_gate ~ N(0,1) bf16 [B,T,HV,V], norm_weight =
-                        1 + 0.1 N(0,1) fp32 [V] (drawn after every other input, so the rest of the
-                        problem is the one the same parameters give without it); norm_eps (1e-5)
-    long                a case too long for CPU runs (get_suite(..., long=False) drops it)
+A case's Problem is made by the project's one problem generator, kda_ref.problems: the case's
+``params`` are the fields of a ``kda_ref.problems.ProblemSpec`` (sizes B, T, H, HV, K, V or varlen
+``lens``; the gate's lb, g_scale, g_shift; beta_raw; the key structure rho, key_cos, exact_keys;
+state none | kv | vk | paged with state_scale, converged, slots, slot_pad, paged_new; fused_proj;
+chunks_per_seg; the fused output norm, norm and norm_eps; dtypes; ``long``, a case too long for CPU
+runs, which get_suite(..., long=False) drops), and the case's seed is the spec's seed.  Random
+numbers are drawn on the CPU from a generator seeded by the case's seed, then moved to the
+requested device, so a case builds the same Problem on every machine (tests/test_case_digests.py
+holds every short case's digest).
 """
 from __future__ import annotations
 
 import copy
 import functools
-import math
 import random
 import re
 import zlib
@@ -45,10 +22,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kda_ref.problem import Problem, validate
+from kda_ref import problems
+from kda_ref.problem import Problem
 
 SUITES = ("smoke", "default", "k3-prefill", "stress", "fuzz", "long", "norm")
-# The numeric parameters of the module docstring: the ones a known failure in tolerances.yaml may
+# The numeric fields of kda_ref.problems.ProblemSpec: the ones a known failure in tolerances.yaml may
 # put conditions on (its ``params`` field; verification.judging.tolerances).
 NUMERIC_PARAMS = ("B", "T", "H", "HV", "K", "V", "lb", "g_scale", "g_shift", "beta_raw", "rho", "qk_scale",
                   "exact_keys", "state_scale", "slots", "slot_pad", "chunks_per_seg", "norm_eps")
@@ -85,19 +63,19 @@ class Case:
         return bool(self.params.get("long", False))
 
     @property
+    def spec(self) -> problems.ProblemSpec:
+        """The generator's recipe of this case: its params and its seed."""
+        return problems.ProblemSpec.from_params(self.params, self.seed)
+
+    @property
     def lens(self):
-        p = self.params
-        if "lens" in p:
-            return list(p["lens"])
-        return [p.get("T", 64)] * p.get("B", 1)
+        return self.spec.lengths
 
     @property
     def shape_key(self) -> tuple:
         """(B, T, H) for plots: T is the total token count of a varlen case."""
-        p = self.params
-        if "lens" in p:
-            return (1, sum(p["lens"]), p.get("H", 2))
-        return (p.get("B", 1), p.get("T", 64), p.get("H", 2))
+        s = self.spec
+        return (1, sum(s.lengths), s.H) if s.varlen else (s.B, s.T, s.H)
 
     def build(self, device="cpu") -> Problem:
         """The Problem of this case (deterministic from the seed), on ``device``."""
@@ -107,180 +85,10 @@ class Case:
         return f"Case({self.id!r}, seed={self.seed})"
 
 
-def _bf16(x):
-    return x.to(torch.bfloat16)
-
-
 def build_problem(params: dict, seed: int, device="cpu", meta=None) -> Problem:
-    """Realistic KDA inputs from ``params`` (see the module docstring) and ``seed``."""
-    p = dict(params)
-    gen = torch.Generator().manual_seed(int(seed))
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=gen, dtype=torch.float32)
-
-    H = int(p.get("H", 2))
-    HV = int(p.get("HV", H))
-    K, V = int(p.get("K", 128)), int(p.get("V", 128))
-    varlen = "lens" in p
-    if varlen:
-        lens = [int(n) for n in p["lens"]]
-        B, T = 1, sum(lens)
-    else:
-        B, T = int(p.get("B", 1)), int(p.get("T", 64))
-        lens = [T] * B
-    N = len(lens)
-    g_scale, g_shift = float(p.get("g_scale", 0.1)), float(p.get("g_shift", 0.0))
-    if p.get("fused_proj"):
-        # one projection [B,T,H*K | H*K | HV*V | HV*K]; q, k, v, g are strided views of it
-        pieces = [randn(B, T, H * K), randn(B, T, H * K), randn(B, T, HV * V), g_scale * randn(B, T, HV * K) + g_shift]
-        proj = _bf16(torch.cat(pieces, dim=-1))
-        o1, o2, o3 = H * K, 2 * H * K, 2 * H * K + HV * V
-        q = proj[..., :o1].unflatten(-1, (H, K))
-        k = proj[..., o1:o2].unflatten(-1, (H, K))
-        v = proj[..., o2:o3].unflatten(-1, (HV, V))
-        g = proj[..., o3:].unflatten(-1, (HV, K))
-    else:
-        qk_scale = float(p.get("qk_scale", 1.0))
-        q, k = _bf16(qk_scale * randn(B, T, H, K)), _bf16(qk_scale * randn(B, T, H, K))
-        v = _bf16(randn(B, T, HV, V))
-        g = _bf16(g_scale * randn(B, T, HV, K) + g_shift)
-    beta = randn(B, T, HV)
-    if "beta_raw" in p:
-        beta = torch.full((B, T, HV), float(p["beta_raw"]))
-    if p.get("exact_keys"):
-        # keys with +-1 on `exact_keys` of the first 8 channels: their l2norm is exact in bf16
-        # (1/sqrt(n)), so with the gate off (g_shift -200: sigmoid underflows, no decay) every
-        # tile is exact and the stored inverse dominates the error budget
-        nnz = int(p["exact_keys"])
-        pick = torch.stack([torch.randperm(8, generator=gen)[:nnz] for _ in range(B * T * H)])
-        sign = torch.randint(0, 2, (B * T * H, nnz), generator=gen).float() * 2 - 1
-        kk = torch.zeros(B * T * H, K)
-        kk.scatter_(1, pick, sign)
-        k = _bf16(kk.reshape(B, T, H, K))
-    rho = float(p.get("rho", 0.0))
-    if rho:
-        # correlated keys within each sequence: every key leans towards the sequence's first key
-        kf = k.float().clone()
-        for n, (bos, eos) in enumerate(_bounds(lens, B, T, varlen)):
-            b, t0, t1 = (0, bos, eos) if varlen else (n, 0, T)
-            if t1 > t0:
-                kf[b, t0:t1] = rho * kf[b, t0:t0 + 1] + (1.0 - rho) * kf[b, t0:t1]
-        k = _bf16(kf)
-    if p.get("key_cos"):
-        lo, hi = (float(x) for x in p["key_cos"])
-        c = lo + (hi - lo) * torch.rand(H, generator=gen)
-        k = _bf16(_ar1_keys(k.float(), c, _bounds(lens, B, T, varlen), varlen))
-    A_log = 0.5 * randn(HV).abs()
-    dt_bias = 0.1 * randn(HV * K)
-    lb = float(p.get("lb", -5.0))
-    state = p.get("state", "none")
-    scale_s = float(p.get("state_scale", 0.5))
-    init = None
-    cache = indices = has_init = None
-    if p.get("converged"):
-        # S* with S*^T khat ~ v: v is made from the keys the kernel will see
-        S_star = randn(N, HV, K, V) * scale_s
-        kh = k.double() / torch.sqrt((k.double() ** 2).sum(-1, keepdim=True) + 1e-6)
-        kh = kh.repeat_interleave(HV // H, dim=2)
-        vv = torch.zeros(B, T, HV, V, dtype=torch.float64)
-        for n, (bos, eos) in enumerate(_bounds(lens, B, T, varlen)):
-            b, t0, t1 = (0, bos, eos) if varlen else (n, 0, T)
-            vv[b, t0:t1] = torch.einsum("thk,hkv->thv", kh[b, t0:t1], S_star[n].double())
-        v = _bf16(vv)
-        init = S_star
-        state = "kv" if state == "none" else state
-    elif state in ("kv", "vk", "paged"):
-        init = randn(N, HV, K, V) * scale_s
-    if state == "vk" and init is not None:
-        init = init.transpose(-1, -2).contiguous()
-    if state == "paged":
-        slots = int(p.get("slots", 2 * N + 3))
-        new = set(int(i) for i in p.get("paged_new", []))
-        perm = torch.randperm(slots, generator=gen)[:N]
-        indices = perm.to(torch.int32)
-        has_init = torch.tensor([n not in new for n in range(N)], dtype=torch.bool)
-        pad = int(p.get("slot_pad", 0))
-        buf = torch.full((slots, HV * V * K + pad), math.nan, dtype=torch.float32)
-        cache = buf[:, :HV * V * K].unflatten(-1, (HV, V, K))
-        for n in range(N):
-            if has_init[n]:
-                cache[int(indices[n])] = init[n].transpose(-1, -2)
-        init = None
-    layout = state if state in ("kv", "vk", "paged") else "kv"
-    cu = torch.tensor([0] + list(_cumsum(lens)), dtype=torch.int64) if varlen else None
-    meta = dict(meta or {})
-    if "chunks_per_seg" in p:
-        meta["chunks_per_seg"] = int(p["chunks_per_seg"])
-    norm = {}
-    if p.get("norm"):
-        norm = dict(out_gate=_bf16(randn(B, T, HV, V)), norm_weight=1.0 + 0.1 * randn(V),
-                    norm_eps=float(p.get("norm_eps", 1e-5)))
-    prob = Problem(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, scale=K ** -0.5,
-                   lower_bound=lb, gate="lower_bound", beta_kind="sigmoid", qk_l2norm=True,
-                   cu_seqlens=cu, initial_state=init, state_layout=layout, state_cache=cache,
-                   state_indices=indices, has_initial_state=has_init, output_final_state=True, meta=meta,
-                   **norm)
-    if str(device) != "cpu":
-        prob = _to_device_keep_views(prob, device)
-    return validate(prob)
-
-
-def _ar1_keys(noise: torch.Tensor, c: torch.Tensor, bounds, varlen: bool, L: int = 32) -> torch.Tensor:
-    """Keys [B, T, H, K] with x_t = c x_{t-1} + sqrt(1 - c^2) n_t within each sequence (x at a
-    sequence start = n there; c [H] per key head), from the noise n [B, T, H, K] float32.  Blocks of
-    L tokens: inside a block x = P n (P_ij = s c^(i-j), j <= i) for all blocks at once, then the
-    block ends carried sequentially: x_i += c^(i+1) x_end(previous block)."""
-    B, T, H, K = noise.shape
-    out = noise.clone()
-    s = torch.sqrt(1.0 - c * c)                                               # [H]
-    e = torch.arange(L)
-    lag = (e[:, None] - e[None, :]).clamp(min=0).to(torch.float32)
-    P = torch.where(e[:, None] >= e[None, :], c[:, None, None] ** lag, torch.zeros(()))   # [H, L, L]
-    P = P * s[:, None, None]
-    pw = c[:, None] ** (e[None, :] + 1).to(torch.float32)                     # [H, L] c^(i+1)
-    for n, (bos, eos) in enumerate(bounds):
-        b, t0, t1 = (0, bos, eos) if varlen else (n, 0, T)
-        if t1 - t0 < 2:
-            continue
-        rest = noise[b, t0 + 1:t1]                                            # [n, H, K]
-        m = rest.shape[0]
-        nb = -(-m // L)
-        pad = torch.zeros(nb * L - m, H, K)
-        blocks = torch.cat([rest, pad]).reshape(nb, L, H, K).permute(2, 0, 1, 3)     # [H, nb, L, K]
-        local = torch.einsum("hij,hbjk->hbik", P, blocks)                    # [H, nb, L, K]
-        prev = noise[b, t0]                                                   # [H, K]
-        for j in range(nb):
-            local[:, j] += pw[:, :, None] * prev[:, None, :]
-            prev = local[:, j, -1]
-        out[b, t0 + 1:t1] = local.permute(1, 2, 0, 3).reshape(nb * L, H, K)[:m]
-    return out
-
-
-def _to_device_keep_views(prob: Problem, device) -> Problem:
-    """Move a Problem to ``device``; strided views stay strided views of one moved buffer."""
-    changes = {}
-    for name, t in prob.tensors().items():
-        if t.is_contiguous() or t._base is None:
-            changes[name] = t.to(device)
-        else:
-            base = t._base.to(device)
-            changes[name] = base.as_strided(t.shape, t.stride(), t.storage_offset() - t._base.storage_offset())
-    return prob.replace(**changes)
-
-
-def _cumsum(xs):
-    s = 0
-    for x in xs:
-        s += x
-        yield s
-
-
-def _bounds(lens, B, T, varlen):
-    if not varlen:
-        return [(b * T, (b + 1) * T) for b in range(B)]
-    c = [0] + list(_cumsum(lens))
-    return list(zip(c[:-1], c[1:]))
+    """The Problem of a case's ``params`` and ``seed``: kda_ref.problems.generate of
+    ``ProblemSpec.from_params(params, seed)`` (the one generator; its docstring has the math)."""
+    return problems.generate(problems.ProblemSpec.from_params(params, seed), device=device, meta=meta)
 
 
 # ----------------------------------------------------------------------------------- suites
