@@ -550,10 +550,10 @@ def report_md(d: dict, tr: Trace) -> str:
 
 
 def shrink_command(prefill_lb, decode_lb, rp, rd, case_id: str, out: str = ".") -> str:
-    argv = ["kda-verify", "shrink", "--suite", "serving", "--backend", prefill_lb.spec, "--route", rp.name]
+    argv = ["kda-verify", "shrink", "--backend", prefill_lb.spec, "--route", rp.name]
     if decode_lb.spec != prefill_lb.spec:
         argv += ["--decode-backend", decode_lb.spec]
-    argv += ["--decode-route", rd.name, "--case", case_id, "--out", out]
+    argv += ["--decode-route", rd.name, "--suite", "serving", "--case", case_id, "--out", out]
     return " ".join(shlex.quote(x) for x in argv)
 
 
