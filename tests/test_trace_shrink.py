@@ -73,3 +73,16 @@ def test_an_inconsistent_reduction_is_refused():
     first = r0.index(r0[0])
     assert subtrace(tr, [n for n in range(tr.rows) if n != first]) is None     # a decode without its prefill
     assert subtrace(tr, list(range(tr.rows))) is not None
+
+
+def test_a_serving_cell_shrinks_from_a_results_directory(tmp_path, capsys):
+    """shrink --from-results DIR --cell KEY takes a serving cell's key as it takes a dense one."""
+    runs = tmp_path / "runs"
+    assert main(["run", "--suite", "serving", "--backend", "emulator", "--route", "flashkda", "--decode-backend",
+                 "emulator-bad", "--decode-route", "pad-writes-slot0", "--case", "serving/empty-before-later",
+                 "--out", str(runs), "--no-report"]) == 1
+    key = "emulator+emulator-bad|flashkda+pad-writes-slot0|serving/empty-before-later"
+    capsys.readouterr()
+    assert main(["shrink", "--from-results", str(runs), "--cell", key, "--out", str(tmp_path / "b")]) == 0
+    out = capsys.readouterr().out
+    assert "-> 2 steps, 1 requests" in out and "REPRODUCED" in out, out

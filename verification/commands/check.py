@@ -368,5 +368,11 @@ def run_dump(args) -> int:
     else:
         print(verdict_line(rec))
         print(headline([rec]))
+        from verification.policy import FAILING
+        from verification.runner import clip_words
+        if rec.get("status") in FAILING:        # as run's summary names a failing cell
+            print(f"  {rec['status'].upper():<10} {rec['backend']} {rec['route']} {rec['case']}: "
+                  f"{clip_words(rec.get('reason', ''), 400)}")
+            print(f"             repro: {rec.get('repro', '')}")
     sys.stdout.flush()
     return exit_code([rec.get("status")])
