@@ -56,8 +56,8 @@ def add_arguments(p):
     p.add_argument("--taps", action="store_true", help="also save the ws_inv tap when the backend returns one")
     p.add_argument("--resume", action="store_true",
                    help="with a directory --inputs: skip problems whose outputs are already in --out")
-    p.add_argument("--suite", default=None, metavar="serving",
-                   help="serving: capture a serving trace as a trace dump directory (docs/traces.md, Dumps)")
+    p.add_argument("--suite", default=None, metavar="SUITE",
+                   help="serving (the only one): capture a serving trace as a trace dump directory (docs/traces.md, Dumps)")
     p.add_argument("--case", default=None, metavar="ID", help="with --suite serving: the serving case to run")
     p.add_argument("--decode-backend", default=None, metavar="BACKEND",
                    help="with --suite serving: the decode side's backend (default: --backend)")

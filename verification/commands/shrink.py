@@ -52,7 +52,7 @@ def add_arguments(p):
                    help="run each cell in a child process (as run --isolate): a kernel that kills it is a crash")
     p.add_argument("--timeout", default=None, metavar="SECONDS",
                    help="with --isolate: a cell running longer is killed and counts as crashed")
-    p.add_argument("--suite", default=None, metavar="serving", help="serving: shrink a serving cell (a trace)")
+    p.add_argument("--suite", default=None, metavar="SUITE", help="serving (the only one): shrink a serving cell (a trace)")
     p.add_argument("--decode-backend", default=None, metavar="BACKEND",
                    help="with --suite serving: the decode side's backend (default: --backend)")
     p.add_argument("--decode-route", default=None, metavar="ROUTE",
