@@ -86,3 +86,29 @@ def test_a_serving_cell_shrinks_from_a_results_directory(tmp_path, capsys):
     assert main(["shrink", "--from-results", str(runs), "--cell", key, "--out", str(tmp_path / "b")]) == 0
     out = capsys.readouterr().out
     assert "-> 2 steps, 1 requests" in out and "REPRODUCED" in out, out
+
+
+def test_a_slot_drift_shrinks_and_its_repro_holds_the_slot_to_the_recorded_threshold(tmp_path, capsys):
+    """handover-transposed (prefill writes the state K-first into a V-first cache) is slot drift: it
+    shrinks to one 1-token prefill, repro.py measures the slot as the judge did (1.41 against 0.0043)
+    and holds the honest flashkda route to the same threshold (NOT REPRODUCED)."""
+    import shutil
+    import subprocess
+    import sys
+    out = tmp_path / "b"
+    assert main(["shrink", "--backend", "emulator-bad", "--route", "handover-transposed", "--decode-backend",
+                 "emulator", "--decode-route", "fla-recurrent", "--suite", "serving", "--case", "serving/short-prompts",
+                 "--out", str(out)]) == 0
+    d = json.loads((out / "shrink.json").read_text())
+    assert d["final"]["failure"] == "slot drift (prefill)" and d["repro_check"]["last_line"] == "REPRODUCED"
+    assert (d["final"]["size"]["steps"], d["final"]["size"]["tokens"]) == (1, 1)
+    c, = [c for c in d["checks"] if c["kind"] == "state"]
+    r = subprocess.run([sys.executable, str(out / "repro.py")], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 1 and f"rel_l2 {c['observed']:.4g} vs threshold {c['threshold']:.4g} -> FAILS" in r.stdout
+    honest = tmp_path / "h"
+    shutil.copytree(out, honest)
+    src = (honest / "repro.py").read_text()
+    (honest / "repro.py").write_text(src.replace('"spec": "emulator-bad", "route": "handover-transposed"',
+                                                 '"spec": "emulator", "route": "flashkda"'))
+    r = subprocess.run([sys.executable, str(honest / "repro.py")], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "NOT REPRODUCED", r.stdout + r.stderr

@@ -352,7 +352,7 @@ def checks_and_truth(att: TraceAttempt) -> tuple:
                          floor_sq=NEGLIGIBLE_SLICE ** 2 * ms * truth[key].numel())
             elif it.kind == "state":
                 key = f"state.step{it.step}.slot{it.slot}"
-                truth[key] = st.expected(it.slot).clone()
+                truth[key] = st.expected(it.slot).contiguous().clone()     # the cache's layout
                 c.update(slot=it.slot, truth=key)
             else:
                 c.update(slot=it.slot, observed=it.err)
@@ -456,8 +456,7 @@ def main(argv):
                       f"{{'FAILS' if bad else 'holds'}}")
             else:
                 x = view[c["slot"]].double().cpu()
-                ref = truth[c["truth"]]
-                ref = ref.transpose(-1, -2) if spec.layout == "vk" else ref
+                ref = truth[c["truth"]]                      # in the cache's layout already
                 num = float(torch.linalg.vector_norm(x - ref)) if bool(torch.isfinite(x).all()) else math.inf
                 den = float(torch.linalg.vector_norm(ref))
                 err = 0.0 if num == 0 else (math.inf if den == 0 else num / den)
