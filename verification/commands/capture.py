@@ -295,7 +295,7 @@ def run_serving(args) -> int:
     if why:
         raise UsageError(f"--case: {la.name}:{rp.name} + {lb.name}:{rd.name} cannot run {case_id}: {why}")
     out = writable_dir(args.out, "--out")
-    man = write_dump(out, tr.to(device) if hasattr(tr, "to") else tr, la, lb, rp, rd, case_id, device=device,
+    man = write_dump(out, tr, la, lb, rp, rd, case_id, device=device,
                      params=params, log=print)
     print(f"saved a trace dump of {case_id} ({tr.describe()}) on prefill {la.name}:{rp.name}, decode "
           f"{lb.name}:{rd.name} ({device}): {man['steps']} steps to {out}/")
