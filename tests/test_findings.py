@@ -36,8 +36,13 @@ def test_every_shipped_finding_says_where_it_was_seen_and_how_to_shrink_it():
         argv = r["shrink"].split()
         opt = {argv[i]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--")}
         import fnmatch
-        assert opt["--backend"] == r["backend"], r
-        assert fnmatch.fnmatchcase(opt["--route"], r["route"]), r
+        if opt.get("--suite") == "serving":      # a serving cell: backend A or A+B, route prefill+decode
+            backend = opt["--backend"] + (f"+{opt['--decode-backend']}" if "--decode-backend" in opt else "")
+            assert fnmatch.fnmatchcase(backend, r["backend"]), r
+            assert fnmatch.fnmatchcase(f"{opt['--route']}+{opt['--decode-route']}", r["route"]), r
+        else:
+            assert opt["--backend"] == r["backend"], r
+            assert fnmatch.fnmatchcase(opt["--route"], r["route"]), r
         assert fnmatch.fnmatchcase(opt["--case"], r["case"]), r
 
 

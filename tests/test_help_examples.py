@@ -33,6 +33,8 @@ SEED = [
     ("runs/emu, a results directory", "run --backend emulator --suite smoke --case smoke/dense-T64-lb-5 --out runs/emu"),
     ("runs/bad, one failing cell", "run --backend emulator-bad --route wrong_L_sign --suite smoke "
                                    "--case smoke/initial-state-kv-lb-5 --out runs/bad"),
+    ("dump/, a serving trace dump", "capture --suite serving --backend emulator --route flashkda --decode-route "
+                                    "fla-recurrent --case serving/short-prompts --out dump/"),
 ]
 
 

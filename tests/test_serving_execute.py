@@ -214,5 +214,8 @@ def test_a_padding_row_that_reads_and_writes_the_null_block_is_seen(tmp_path, ca
                "--decode-route", "fla-recurrent", "--case", "serving/pad-null0", "--out", str(tmp_path / "r"),
                "--no-report"])
     out = capsys.readouterr().out
-    assert rc == 1, out
-    assert "pad slot (NULL block) slot 0 changed" in out and "padding row" in out, out
+    # a known failure since the register lists it (tolerances.yaml: emulator / *+fla-recurrent / serving/pad-null0)
+    from verification.judging.record import read_records
+    rec, = read_records(tmp_path / "r" / "results.jsonl")
+    assert rc == 0 and rec["status"] == "known-fail" and rec["known_failure"]["status"] == "fail", out
+    assert "pad slot (NULL block) slot 0 changed" in rec["reason"] and "padding row" in rec["reason"], rec["reason"]

@@ -16,6 +16,16 @@ is bracketed by OUT/NAME.running, so a kernel that kills the process leaves it b
 ``--resume`` finished problems are not run again and such a problem is marked OUT/NAME.crashed
 (not retried) instead.  Exit 0 when every problem was captured or skipped, 1 when a kernel
 raised or crashed, 2 on bad input (a bad problem file among them: one line naming it).
+
+    kda-verify capture --suite serving --backend A [--route R] [--decode-backend B] [--decode-route R2]
+                       (--case serving/ID | --inputs TRACE.safetensors) --out DIR [--device D]
+
+A serving trace (a case of the serving suite, or a recorded trace file, kda-verify-trace/1) run
+on one pairing (the first trace route of each side that fits, or the ones named) and saved as a
+trace dump (verification/serving/dump.py, docs/traces.md "Dumps"): the trace, the initial
+cache, per step and call o and the cache elements the call changed.  ``kda-verify check DIR``
+judges it.  Exit 0 when saved, 1 when a call raised (the dump ends there, its manifest names the
+call), 2 on bad input.
 """
 from __future__ import annotations
 
@@ -28,6 +38,8 @@ kda-verify capture --backend triton --route seg --inputs p.safetensors --out o.s
 kda-verify capture --backend triton --route unseg --inputs p.safetensors --out o.safetensors --taps
 kda-verify capture --backend emulator-bad --route carry_scaled --inputs problems/ --out outputs-bad/
 kda-verify capture --backend aiter --route gluon:seg --inputs problems/ --out outputs/ --resume   # needs: cuda, aiter
+kda-verify capture --suite serving --backend emulator --route flashkda --decode-route fla-recurrent --case serving/short-prompts --out dump/
+kda-verify capture --suite serving --backend triton --route seg --decode-backend fla --decode-route fused_recurrent --case serving/pad-null0 --out dump-fla/   # needs: cuda, fla
 """
 
 
@@ -35,14 +47,22 @@ def add_arguments(p):
     p.add_argument("--backend", required=True, metavar="BACKEND", help="built-in name or package.module:factory")
     p.add_argument("--route", default=None, metavar="ROUTE", help="route name, or a short name the backend looks up as run does (triton: seg, unseg, "
                         "seg:cps=4; default: the backend's first route)")
-    p.add_argument("--inputs", required=True, metavar="PATH",
-                   help="problem file (kda-verify-problem/1), or a directory of them")
+    p.add_argument("--inputs", default=None, metavar="PATH",
+                   help="problem file (kda-verify-problem/1), or a directory of them; with --suite serving a "
+                        "trace file (kda-verify-trace/1)")
     p.add_argument("--out", required=True, metavar="PATH",
                    help="output file to write (kda-verify-outputs/1), or a directory with a directory --inputs")
     p.add_argument("--device", default=None, metavar="DEVICE", help="device to run on (default: cuda if available, else cpu)")
     p.add_argument("--taps", action="store_true", help="also save the ws_inv tap when the backend returns one")
     p.add_argument("--resume", action="store_true",
                    help="with a directory --inputs: skip problems whose outputs are already in --out")
+    p.add_argument("--suite", default=None, metavar="SUITE",
+                   help="serving (the only one): capture a serving trace as a trace dump directory (docs/traces.md, Dumps)")
+    p.add_argument("--case", default=None, metavar="ID", help="with --suite serving: the serving case to run")
+    p.add_argument("--decode-backend", default=None, metavar="BACKEND",
+                   help="with --suite serving: the decode side's backend (default: --backend)")
+    p.add_argument("--decode-route", default=None, metavar="ROUTE",
+                   help="with --suite serving: the decode side's trace route (default: its first)")
 
 
 def backend_route_device(args):
@@ -91,6 +111,11 @@ def run(args) -> int:
     from verification.errors import writable_file
 
     from pathlib import Path
+    if args.suite is not None or args.case or args.decode_backend or args.decode_route:
+        return run_serving(args)
+    if not args.inputs:
+        raise UsageError("--inputs: expected a problem file or a directory of them (or --suite serving --case ID), "
+                         "got none")
     if Path(args.inputs).is_dir():
         return run_dir(args)
     if args.resume:
@@ -220,3 +245,60 @@ def run_dir(args) -> int:
     print(f"{backend.name}/{route.name} on {device}: " + ", ".join(f"{v} {k}" for k, v in counts.items() if v)
           + f" of {len(problems)} problems in {args.inputs}")
     return exit_code(failed=bool(counts["raised"] or counts["crashed"]))
+
+
+# ----------------------------------------------------------------------------------------
+# The serving form: a trace dump
+# ----------------------------------------------------------------------------------------
+def run_serving(args) -> int:
+    """capture of a serving trace on one pairing (module docstring)."""
+    from kda_ref.problem import ProblemError
+    from kda_ref.trace import load_trace
+    from verification.running.devices import check_device
+    from verification.errors import UsageError, writable_dir
+    from verification.judging.policy import exit_code
+    from verification.running.runner import load
+    from verification.serving.cells import pick_routes
+    from verification.serving.command import select_serving_cases
+    from verification.serving.dump import write_dump
+    from verification.serving.execute import Pairing, Side, pairing_refusal
+
+    if args.suite != "serving":
+        raise UsageError(f"--suite: expected serving (the only suite capture runs as a trace), got {args.suite!r}")
+    for name, val in (("--taps", args.taps), ("--resume", args.resume)):
+        if val:
+            raise UsageError(f"{name}: expected without --suite serving, got it")
+    if bool(args.case) == bool(args.inputs):
+        raise UsageError("--case: expected exactly one of --case serving/ID and --inputs TRACE.safetensors with "
+                         f"--suite serving, got {'both' if args.case else 'neither'}")
+    device = check_device(args.device)
+    la = load(args.backend)
+    lb = la if not args.decode_backend or args.decode_backend == args.backend else load(args.decode_backend)
+    for x, opt in ((la, "--backend"), (lb, "--decode-backend")):
+        if not x.available:
+            from kda_kernels.base import BackendError
+            raise BackendError(f"{opt}: {x.name} cannot run here: {x.reason}")
+    rp = pick_routes(la, [args.route] if args.route else None, ("prefill",), "--route")[0]
+    rd = pick_routes(lb, [args.decode_route] if args.decode_route else None, ("decode", "spec"), "--decode-route",
+                     "--decode-backend" if lb is not la else "--backend")[0]
+    if args.case:
+        case = select_serving_cases([args.case], long=True)[0]
+        tr, case_id, params = case.build(), case.id, dict(case.params)
+    else:
+        try:
+            tr = load_trace(args.inputs)
+        except ProblemError as e:
+            raise UsageError(f"--inputs: {e}") from None
+        from pathlib import Path
+        case_id, params = f"serving/{Path(args.inputs).stem}", {}
+    why = pairing_refusal(tr, Pairing(Side(la.backend, rp), Side(lb.backend, rd)))
+    if why:
+        raise UsageError(f"--case: {la.name}:{rp.name} + {lb.name}:{rd.name} cannot run {case_id}: {why}")
+    out = writable_dir(args.out, "--out")
+    man = write_dump(out, tr, la, lb, rp, rd, case_id, device=device,
+                     params=params, log=print)
+    print(f"saved a trace dump of {case_id} ({tr.describe()}) on prefill {la.name}:{rp.name}, decode "
+          f"{lb.name}:{rd.name} ({device}): {man['steps']} steps to {out}/")
+    if man["error"]:
+        print(f"the kernel raised: {man['error']['message']}")
+    return exit_code(failed=bool(man["error"]))

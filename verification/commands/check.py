@@ -25,6 +25,15 @@ form), is that case's ``bad-input`` cell naming the file, and the rest are judge
 ``--resume`` keeps the cells already in results.jsonl.
 Exit 0 when every judged cell passed (or is a known failure), 1 when one failed, else 2 when a
 file was bad input or none was judged (verification.judging.policy.exit_code).
+
+    kda-verify check DUMP [--tolerances FILE] [--device D] [--json]
+
+DUMP is a serving trace dump (verification/serving/dump.py: kda-verify capture --suite serving,
+or a serving engine's own dump in that format).  It is judged as ``run --suite serving`` judges
+the cell (the same oracle, emulator baseline, verification.serving.judge.judge_step, diagnosis,
+tolerances and known-failure register) and the same verdict line is printed, then the headline;
+exit codes from verification.judging.policy.  A bad or missing file of the dump: one line naming the
+file, what was expected and what came, exit 2.
 """
 from __future__ import annotations
 
@@ -39,13 +48,16 @@ kda-verify check --inputs p.safetensors --outputs o.safetensors --recipe flashkd
 kda-verify check --inputs p.safetensors --outputs o.safetensors --recipe fla --backend-name fla --route chunk:safe_gate
 kda-verify check --inputs p.safetensors --outputs o.safetensors --recipe moonshot --json
 kda-verify check --inputs problems/ --outputs outputs/ --out results/ --resume
+kda-verify check dump/
 """
 
 
 def add_arguments(p):
-    p.add_argument("--inputs", required=True, metavar="PATH",
+    p.add_argument("dump", nargs="?", default=None, metavar="DUMP",
+                   help="a serving trace dump directory (kda-verify capture --suite serving); instead of --inputs/--outputs")
+    p.add_argument("--inputs", default=None, metavar="PATH",
                    help="problem file (safetensors, kda-verify-problem/1), or a directory of them")
-    p.add_argument("--outputs", required=True, metavar="PATH",
+    p.add_argument("--outputs", default=None, metavar="PATH",
                    help="output file (safetensors, kda-verify-outputs/1), or a directory of them (kda-verify capture)")
     p.add_argument("--recipe", metavar="RECIPE", help="emulator recipe of the baseline: flashkda, fla, moonshot "
                    "(required for files; for directories the default is the one each outputs file records)")
@@ -91,6 +103,12 @@ def run(args) -> int:
     from verification.running.devices import check_device
     from verification.reporting.problem_file import load_outputs, load_problem
     from verification.judging.tolerances import load_tolerances
+    if args.dump is not None:
+        return run_dump(args)
+    for name, val in (("--inputs", args.inputs), ("--outputs", args.outputs)):
+        if not val:
+            raise UsageError(f"{name}: expected with {'--outputs' if name == '--inputs' else '--inputs'} (or a trace "
+                             f"dump directory: kda-verify check DUMP), got none")
     args.device = check_device(args.device)
     if Path(args.inputs).is_dir():
         return run_dir(args)
@@ -319,3 +337,42 @@ def run_dir(args) -> int:
     print(f"report: {paths['md']}")
     sys.stdout.flush()
     return exit_code([r.get("status") for r in records])
+
+
+# ----------------------------------------------------------------------------------------
+# A serving trace dump
+# ----------------------------------------------------------------------------------------
+def run_dump(args) -> int:
+    """check of a trace dump (module docstring)."""
+    from pathlib import Path
+
+    from verification.running.devices import check_device
+    from verification.errors import UsageError
+    from verification.judging.policy import exit_code, headline
+    from verification.serving.dump import MANIFEST, check_dump, verdict_line
+    from verification.judging.tolerances import load_tolerances
+    for name, val in (("--inputs", args.inputs), ("--outputs", args.outputs), ("--recipe", args.recipe),
+                      ("--out", args.out), ("--resume", args.resume), ("--route", args.route)):
+        if val:
+            raise UsageError(f"{name}: expected without a trace dump (DUMP {args.dump!r} names everything), got it")
+    if not Path(args.dump).is_dir():
+        raise UsageError(f"DUMP: expected a trace dump directory (kda-verify capture --suite serving --out DIR), got "
+                         f"{args.dump!r} ({'a file' if Path(args.dump).exists() else 'no such directory'})")
+    if not (Path(args.dump) / MANIFEST).is_file():
+        raise UsageError(f"{Path(args.dump) / MANIFEST}: expected a trace dump manifest (kda-verify capture --suite "
+                         f"serving --out DIR), got no such file")
+    device = check_device(args.device)
+    rec = check_dump(args.dump, load_tolerances(args.tolerances), device=device)
+    if args.json:
+        print(json.dumps(rec, indent=1, default=str))
+    else:
+        print(verdict_line(rec))
+        print(headline([rec]))
+        from verification.judging.policy import FAILING
+        from verification.running.runner import clip_words
+        if rec.get("status") in FAILING:        # as run's summary names a failing cell
+            print(f"  {rec['status'].upper():<10} {rec['backend']} {rec['route']} {rec['case']}: "
+                  f"{clip_words(rec.get('reason', ''), 400)}")
+            print(f"             repro: {rec.get('repro', '')}")
+    sys.stdout.flush()
+    return exit_code([rec.get("status")])

@@ -9,6 +9,16 @@ problem / truth / outputs safetensors, repro.py, REPORT.md, shrink.json; repro.p
 in a fresh process from another directory and the outcome printed (and stated in REPORT.md).
 Exit 0 with a shrunk failing problem written, 1 when the cell passes (nothing to shrink), 2 on bad input
 (an unknown case or route, a backend that cannot run, a cell that is skipped here).
+
+    kda-verify shrink --suite serving --backend A --route R [--decode-backend B] --decode-route R2
+                      --case serving/ID --out DIR [--max-runs N] [--device D]
+
+A serving cell (the run --suite serving repro line's options) is shrunk to the fewest steps,
+requests, rows, tokens and heads whose trace still fails the same way (a write outside the step's
+slots, o drift, slot drift, a raise: verification/serving/shrink.py); DIR receives a trace dump of
+the shrunk trace (kda-verify check DIR judges it), truth.safetensors, repro.py (REPRODUCED / NOT
+REPRODUCED, run once in a fresh process), REPORT.md and shrink.json.  --from-results takes a
+serving cell's key as well.
 """
 from __future__ import annotations
 
@@ -21,6 +31,7 @@ EXAMPLES = """\
 kda-verify shrink --backend emulator-bad --route wrong_L_sign --case smoke/initial-state-kv-lb-5 --out shrunk/wrong-L
 kda-verify shrink --backend aiter --route triton:seg --case stress/empty-seq-middle --out shrunk/aiter-empty --isolate   # needs: cuda, aiter
 kda-verify shrink --from-results runs/bad --cell 'emulator-bad|wrong_L_sign|smoke/initial-state-kv-lb-5' --out shrunk/a
+kda-verify shrink --suite serving --backend emulator --route flashkda --decode-backend emulator-bad --decode-route pad-writes-slot0 --case serving/pad-null0 --out shrunk/pad0
 """
 
 
@@ -41,6 +52,11 @@ def add_arguments(p):
                    help="run each cell in a child process (as run --isolate): a kernel that kills it is a crash")
     p.add_argument("--timeout", default=None, metavar="SECONDS",
                    help="with --isolate: a cell running longer is killed and counts as crashed")
+    p.add_argument("--suite", default=None, metavar="SUITE", help="serving (the only one): shrink a serving cell (a trace)")
+    p.add_argument("--decode-backend", default=None, metavar="BACKEND",
+                   help="with --suite serving: the decode side's backend (default: --backend)")
+    p.add_argument("--decode-route", default=None, metavar="ROUTE",
+                   help="with --suite serving: the decode side's trace route")
 
 
 def _from_results(args):
@@ -71,6 +87,20 @@ def run(args) -> int:
     from verification.errors import UsageError
     from verification.errors import writable_dir
 
+    if args.from_results and not args.suite:
+        from pathlib import Path
+
+        from verification.judging.record import RESULTS_FILE, read_records
+        path = Path(args.from_results) / RESULTS_FILE
+        if path.is_file() and args.cell and any(r.get("key") == args.cell and r.get("suite") == "serving"
+                                                for r in read_records(path)):
+            rec = [r for r in read_records(path) if r.get("key") == args.cell][-1]
+            parts = shlex.split(rec.get("repro", ""))
+            opt = {parts[i]: parts[i + 1] for i in range(len(parts) - 1) if parts[i].startswith("--")}
+            args.suite, args.backend, args.route, args.case = "serving", opt.get("--backend"), opt.get("--route"), rec["case"]
+            args.decode_backend, args.decode_route, args.from_results = opt.get("--decode-backend"), opt.get("--decode-route"), None
+    if args.suite is not None or args.decode_backend or args.decode_route:
+        return run_serving(args)
     if args.from_results:
         if args.backend or args.route or args.case:
             raise UsageError("--from-results: expected without --backend/--route/--case (the cell key names them), "
@@ -148,4 +178,70 @@ def run(args) -> int:
     print(f"repro.py in a fresh process: exit {rc['exit']}: " + (
           (rc["last_line"] if rc["last_line"].startswith("REPRODUCED") else "REPRODUCED") if rc["reproduced"]
           else f"did NOT reproduce ({rc['last_line']})"))
+    return 0
+
+
+def run_serving(args) -> int:
+    """shrink of a serving cell (module docstring)."""
+    from kda_kernels.base import BackendError
+    from verification.running.devices import check_device
+    from verification.errors import UsageError, writable_dir
+    from verification.running.runner import load
+    from verification.serving.cells import baseline_pairing, pick_routes
+    from verification.serving.command import select_serving_cases
+    from verification.serving.execute import Pairing, Side, pairing_refusal
+    from verification.serving.shrink import TraceShrinker, describe_size, shrink_command, write_trace_bundle
+    from verification.judging.tolerances import load_tolerances
+
+    if args.suite != "serving":
+        raise UsageError(f"--suite: expected serving (the only suite shrink takes by name), got {args.suite!r}")
+    for name, val in (("--backend", args.backend), ("--route", args.route), ("--decode-route", args.decode_route),
+                      ("--case", args.case)):
+        if not val:
+            raise UsageError(f"{name}: expected with --suite serving (the options of the cell's repro line), got none")
+    for name, val in (("--isolate", args.isolate), ("--fuzz-n", args.fuzz_n), ("--fuzz-seed", args.fuzz_seed)):
+        if val:
+            raise UsageError(f"{name}: expected without --suite serving, got it")
+    try:
+        max_runs = int(args.max_runs)
+    except ValueError:
+        max_runs = 0
+    if max_runs < 1:
+        raise UsageError(f"--max-runs: expected an integer >= 1, got {args.max_runs!r}")
+    case = select_serving_cases([args.case], long=True)[0]
+    device = check_device(args.device)
+    la = load(args.backend)
+    lb = la if not args.decode_backend or args.decode_backend == args.backend else load(args.decode_backend)
+    for x, opt in ((la, "--backend"), (lb, "--decode-backend")):
+        if not x.available:
+            raise BackendError(f"{opt}: {x.name} cannot run here: {x.reason}")
+    rp = pick_routes(la, [args.route], ("prefill",), "--route")[0]
+    rd = pick_routes(lb, [args.decode_route], ("decode", "spec"), "--decode-route",
+                     "--decode-backend" if lb is not la else "--backend")[0]
+    pairing = Pairing(Side(la.backend, rp), Side(lb.backend, rd))
+    tr = case.build()
+    why = pairing_refusal(tr, pairing)
+    base, why2 = baseline_pairing(rp, rd)
+    if why or why2:
+        raise UsageError(f"--case: {la.name}:{rp.name} + {lb.name}:{rd.name} on {case.id} is not applicable here, so "
+                         f"there is no failure to shrink: {why or why2}")
+    out = writable_dir(args.out, "--out")
+    db = load_tolerances(args.tolerances)
+    print(f"shrink prefill {la.name}:{rp.name}, decode {lb.name}:{rd.name} on {case.id} ({device}), at most "
+          f"{max_runs} runs")
+    sh = TraceShrinker(pairing, base, db, device=device, log=print)
+    res = sh.shrink(tr, max_runs=max_runs)
+    if not res.original.signature.failing:
+        print(f"{case.id}: {res.original.result.status}: {res.original.result.reason[:300]}")
+        print("the cell does not fail: nothing to shrink")
+        return 1
+    command = shrink_command(la, lb, rp, rd, case.id)
+    data = write_trace_bundle(out, res, la, lb, rp, rd, case.id, device, command)
+    print(f"{describe_size(res.original.trace)} -> {describe_size(res.final.trace)}, {len(res.trace)} steps, "
+          f"{res.runs} runs, {res.seconds:.1f} s ({res.stopped})")
+    print(f"still fails: {res.final.signature.describe()}: {res.final.result.reason[:300]}")
+    print(f"bundle: {out}/ (REPORT.md, repro.py, trace dump, truth.safetensors)")
+    rc = data["repro_check"]
+    print(f"repro.py in a fresh process: exit {rc['exit']}: " + (
+          rc["last_line"] if rc["reproduced"] else f"did NOT reproduce ({rc['last_line']})"))
     return 0
