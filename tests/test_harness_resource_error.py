@@ -105,13 +105,14 @@ def test_another_harness_exception_stays_an_error(monkeypatch):
 
 
 def test_a_run_with_a_resource_error_and_no_failure_exits_2():
+    from verification.record import Record
     from verification.runner import RunSummary
     s = RunSummary(out_dir=None)
-    s.records = [{"status": "pass"}, {"status": "resource-error"}]
+    s.records = [Record(status="pass"), Record(status="resource-error")]
     assert s.exit_code == 2
-    s.records = [{"status": "fail"}, {"status": "resource-error"}]
+    s.records = [Record(status="fail"), Record(status="resource-error")]
     assert s.exit_code == 1
-    s.records = [{"status": "pass"}]
+    s.records = [Record(status="pass")]
     assert s.exit_code == 0
 
 

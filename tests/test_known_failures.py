@@ -3,6 +3,7 @@ reason (and does not fail the run); an unlisted one still fails; the schema is e
 import pytest
 
 from verification.policy import FAILING
+from verification.record import Record
 from verification.runner import apply_known_failure
 from verification.tolerances import ToleranceError, load_tolerances, parse_tolerances
 
@@ -16,8 +17,8 @@ def _rec(status="fail", backend="emulator", route="moonshot", case="smoke/correl
     """A record as the runner writes it: with the case's parameters (a fuzz id gets them from _fuzz_rec)."""
     from verification.cases import get_case
     params = {} if case.startswith("fuzz/") else dict(get_case(case).params)
-    return {"backend": backend, "route": route, "case": case, "params": params, "status": status,
-            "reason": "o: rel_l2 3.4 > 0.05"}
+    return Record(backend=backend, route=route, case=case, params=params, status=status,
+                  reason="o: rel_l2 3.4 > 0.05")
 
 
 def test_listed_failure_becomes_known_fail_with_its_reason():
@@ -57,7 +58,9 @@ def _fuzz_rec(i: int, status="fail", route="moonshot", **change):
     from verification.cases import get_suite
     case = {c.name: c for c in get_suite("fuzz", n=300, seed=0)}[f"fuzz0-{i:03d}"]
     params = {**case.params, **change}
-    return {**_rec(status=status, route=route, case=case.id), "params": params}
+    rec = _rec(status=status, route=route, case=case.id)
+    rec.params = params
+    return rec
 
 
 def _moonshot_entry():
@@ -80,7 +83,7 @@ def test_fuzz_failures_outside_the_parameters_still_fail():
     del no_beta["params"]["beta_raw"]                      # unset: no default is filled in
     assert apply_known_failure(no_beta, db)["status"] == "fail"
     no_params = _fuzz_rec(148)
-    del no_params["params"]                                # a record without params matches no params entry
+    no_params.params = {}                                  # a record without params matches no params entry
     assert apply_known_failure(no_params, db)["status"] == "fail"
 
 

@@ -7,7 +7,7 @@ import pytest
 from verification.cases import get_suite
 from verification.cli import UsageError, main
 from verification.policy import FAILING
-from verification.record import RESULTS_FILE, read_records
+from verification.record import RESULTS_FILE, Record, read_records
 from verification.runner import run_matrix as _run_matrix
 from kda_test_backends import write_tolerances
 from kda_kernels.emulator import EmulatorBackend
@@ -183,7 +183,7 @@ def test_progress_bar_on_a_tty_redraws_one_line_with_an_eta():
     buf = _quiet()
     p = Progress(4, stream=buf, tty=True)
     for st in ("pass", "fail", "pass", "skipped"):
-        p.step({"status": st, "backend": "b", "route": "r", "case": "c", "reason": ""})
+        p.step(Record(status=st, backend="b", route="r", case="c"))
     out = buf.getvalue()
     assert out.count("\r[") == 4 and out.endswith("\n") and out.count("\n") == 1
     assert "[##########" in out and "4/4 100% ETA 0s" in out and "fail=1 pass=2 skipped=1" in out
@@ -196,13 +196,12 @@ def test_progress_cuts_a_long_reason_at_a_word_boundary():
     assert clip_words("x" * 30, 10) == "x" * 9 + "…"
     reason = "o: rel_l2 " + " ".join(f"word{i:03d}" for i in range(80))     # ~650 characters
     buf = _quiet()
-    Progress(1, stream=buf, tty=False).step({"status": "fail", "backend": "b", "route": "r", "case": "c",
-                                             "reason": reason})
+    Progress(1, stream=buf, tty=False).step(Record(status="fail", backend="b", route="r", case="c", reason=reason))
     line = buf.getvalue().strip()
     assert line.endswith("…") and line[:-1].split()[-1] in reason.split(), line     # a whole word, then "…"
     # the redrawn tty line too: a long case id is cut between words
     buf = _quiet()
-    Progress(1, stream=buf, tty=True).step({"status": "pass", "backend": "b", "route": "r", "reason": "",
-                                            "case": " ".join(f"part{i:03d}" for i in range(60))})
+    Progress(1, stream=buf, tty=True).step(Record(status="pass", backend="b", route="r",
+                                                  case=" ".join(f"part{i:03d}" for i in range(60))))
     line = buf.getvalue().strip()
     assert line.endswith("…") and line[:-1].split()[-1].startswith("part") and len(line[:-1].split()[-1]) == 7

@@ -177,6 +177,7 @@ def _run(a, mods) -> int:
     from kda_kernels.emulator import RECIPES
     from kda_ref.truth import truth
     from verification.cases import get_case
+    from verification.record import Record
     from verification.runner import apply_known_failure
     from verification.tolerances import load_tolerances
     from verification.verdict import baseline_metrics, judge
@@ -232,7 +233,7 @@ def _run(a, mods) -> int:
                 except Exception as e:  # noqa: BLE001 - a raising cell is a failure with its message
                     rec = dict(case=case.id, route=rname, status="error", reason=f"{type(e).__name__}: {e}"[:300])
                 rec.update(backend="aiter", params=dict(case.params))
-                apply_known_failure(rec, db)
+                rec = apply_known_failure(Record.from_dict(rec), db).to_dict()
             rec["seconds"] = round(time.perf_counter() - t0, 1)
             if rec["status"] in ("fail", "error", "mistrusted"):
                 bad += 1

@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from verification.record import load_records  # noqa: E402
+from verification.record import read_records  # noqa: E402
 from verification.tolerances import load_tolerances  # noqa: E402
 
 FAILED = ("fail", "known-fail", "mistrusted", "crashed")
@@ -62,7 +62,7 @@ def verdicts(dirs, db) -> dict:
         f = Path(d) / "results.jsonl"
         if not f.is_file():
             raise SystemExit(f"RESULTS_DIR: expected a kda-verify run directory with results.jsonl, got '{d}'")
-        records += load_records(f)
+        records += read_records(f)
     out = {}
     for kf in db.known_failures:
         seen = {}

@@ -332,20 +332,20 @@ class VerifyConfigError(pytest.Item):
 
 def _properties(rec: dict) -> list[tuple[str, str]]:
     from verification.record import decode_number as as_float
-    props = [("status", rec.get("status")), ("reason", rec.get("reason") or ""),
-             ("backend", rec.get("backend")), ("route", rec.get("route")), ("case", rec.get("case")),
-             ("seed", rec.get("seed")), ("device", rec.get("device")), ("margin", rec.get("margin"))]
-    for tname, t in (rec.get("tensors") or {}).items():
+    props = [("status", rec.status), ("reason", rec.reason or ""),
+             ("backend", rec.backend), ("route", rec.route), ("case", rec.case),
+             ("seed", rec.seed), ("device", rec.device), ("margin", rec.margin)]
+    for tname, t in (rec.tensors or {}).items():
         for k in ("err", "threshold", "baseline_err", "margin", "tolerance_key"):
             if k in t:
                 props.append((f"{tname}.{k}", t[k]))
-    for tname, m in (rec.get("metrics") or {}).items():
+    for tname, m in (rec.metrics or {}).items():
         for k in ("rel_l2", "tail_rel_l2", "max_abs", "max_ulp", "nan_frac", "zero_frac"):
             if k in m:
                 props.append((f"{tname}.{k}", m[k]))
-    for k, v in (rec.get("timings") or {}).items():
+    for k, v in (rec.timings or {}).items():
         props.append((f"time.{k}", v))
-    props.append(("repro", rec.get("repro", "")))
+    props.append(("repro", rec.repro))
     out = []
     for k, v in props:
         if isinstance(v, float):
@@ -376,30 +376,30 @@ class VerifyItem(pytest.Item):
         else:
             rec = note_self_judged(run_cell(lb, route, case, st.truth_cache, st.baseline_cache, st.db, st.device))
         self.record = rec
-        self.user_properties.append((CELL_PROPERTY, str(rec.get("status"))))
-        st.timings.append(dict(rec.get("timings") or {}))
+        self.user_properties.append((CELL_PROPERTY, str(rec.status)))
+        st.timings.append(dict(rec.timings or {}))
         self.user_properties.extend(_properties(rec))
         path = _results_path(self.config)
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             append_record(path, rec)
-        if rec["status"] in ("skipped", "out-of-contract"):   # out of contract: never a pass or a failure
-            pytest.skip(rec["reason"])
-        if rec["status"] == "known-fail":
-            pytest.xfail(rec["reason"])
-        if rec["status"] != "pass":
+        if rec.status in ("skipped", "out-of-contract"):   # out of contract: never a pass or a failure
+            pytest.skip(rec.reason)
+        if rec.status == "known-fail":
+            pytest.xfail(rec.reason)
+        if rec.status != "pass":
             raise VerifyFailure(rec)
 
     def repr_failure(self, excinfo, style=None):
         if isinstance(excinfo.value, VerifyFailure):
             r = excinfo.value.record
-            lines = [f"{r['status'].upper()}: {r.get('reason', '')}"]
-            for tname, t in (r.get("tensors") or {}).items():
+            lines = [f"{r.status.upper()}: {r.reason}"]
+            for tname, t in (r.tensors or {}).items():
                 lines.append(f"  {tname:<12} err {t.get('err')}  threshold {t.get('threshold')}  "
                              f"baseline {t.get('baseline_err')}  margin {t.get('margin')}  [{t.get('tolerance_key')}]")
-            if r.get("traceback"):
-                lines += ["  " + ln for ln in r["traceback"].strip().splitlines()[-15:]]
-            lines.append(f"  repro: {r.get('repro', '')}")
+            if r.traceback:
+                lines += ["  " + ln for ln in r.traceback.strip().splitlines()[-15:]]
+            lines.append(f"  repro: {r.repro}")
             return "\n".join(lines)
         return super().repr_failure(excinfo)
 

@@ -40,7 +40,7 @@ from typing import Optional
 
 from .policy import FAILING, JUDGED, STATUSES, UNJUDGED
 from .policy import headline as policy_headline
-from .record import RESULTS_FILE, RUN_FILE, read_records, read_runs
+from .record import RESULTS_FILE, RUN_FILE, Record, as_records, read_records, read_runs
 from .record import decode_number as as_float
 from .record import encode as jsonable
 
@@ -60,18 +60,18 @@ def results_files(out_dir) -> list[Path]:
     return files
 
 
-def load_results(*dirs) -> list[dict]:
+def load_results(*dirs) -> list[Record]:
     """Every cell of one or more results directories, merged over their per-worker files; one
     record per key, the latest by its ``time_utc`` (of two written in the same second, or without
     one, the last read: directories in the order given, each directory's files in
     ``results_files`` order), in first-seen order."""
-    merged: dict[str, dict] = {}
+    merged: dict[str, Record] = {}
     for d in dirs:
         for f in results_files(d):
             for rec in read_records(f):
-                old = merged.get(rec["key"])
-                if old is None or str(rec.get("time_utc") or "") >= str(old.get("time_utc") or ""):
-                    merged[rec["key"]] = rec
+                old = merged.get(rec.key)
+                if old is None or str(rec.time_utc or "") >= str(old.time_utc or ""):
+                    merged[rec.key] = rec
     return list(merged.values())
 
 
@@ -95,17 +95,17 @@ def load_provenance(out_dir) -> dict:
 # Summaries
 # ----------------------------------------------------------------------------------------
 def route_label(rec: dict) -> str:
-    return f"{rec.get('backend')}:{rec.get('route')}"
+    return f"{rec.backend}:{rec.route}"
 
 
 def _tensor_err(r: dict, name: str) -> tuple[float, float]:
     """(err, baseline err) of tensor ``name`` of a record: the verdict's, else the metrics' rel-L2
     (NaN where absent)."""
-    t = (r.get("tensors") or {}).get(name) or {}
-    e = as_float(t["err"]) if "err" in t else as_float(((r.get("metrics") or {}).get(name) or {}).get("rel_l2"))
+    t = (r.tensors or {}).get(name) or {}
+    e = as_float(t["err"]) if "err" in t else as_float(((r.metrics or {}).get(name) or {}).get("rel_l2"))
     b = as_float(t.get("baseline_err"))
     if not _finite_pos(b):
-        b = as_float(((r.get("baseline") or {}).get(name) or {}).get("rel_l2"))
+        b = as_float(((r.baseline or {}).get(name) or {}).get("rel_l2"))
     return e, b
 
 
@@ -125,36 +125,37 @@ def not_run_of(prov: dict, records: list) -> int:
     return int(stop.get("not_run") or 0)
 
 
-def summarize(records: list[dict], not_run: int = 0) -> dict:
+def summarize(records: list[Record], not_run: int = 0) -> dict:
     """Counts per status and per route (with the route's worst margin over its judged cells),
     the failing count, ``verified`` (cells judged: policy.JUDGED), ``not_run`` (selected cells an
     interrupted run left without a record), the ``headline`` and ``ok``: not interrupted, no
     cell failing and at least one verified."""
+    records = as_records(records)
     counts = {s: 0 for s in STATUSES}
     per_route: dict[str, dict] = {}
     for r in records:
-        st = r.get("status", "?")
+        st = r.status
         counts[st] = counts.get(st, 0) + 1
         pr = per_route.setdefault(route_label(r), {s: 0 for s in STATUSES} | {"worst_margin": None})
         pr[st] = pr.get(st, 0) + 1
-        m = as_float(r.get("margin"))
-        if st not in UNJUDGED and r.get("margin") is not None:
+        m = as_float(r.margin)
+        if st not in UNJUDGED and r.margin is not None:
             w = pr["worst_margin"]
             pr["worst_margin"] = m if w is None or (math.isnan(m) or m > as_float(w)) else w
-    failing = [r for r in records if r.get("status") in FAILING]
-    verified = sum(r.get("status") in JUDGED for r in records)
+    failing = [r for r in records if r.status in FAILING]
+    verified = sum(r.status in JUDGED for r in records)
     return {"cells": len(records), "counts": counts, "failing": len(failing), "per_route": per_route,
             "verified": verified, "not_run": not_run, "headline": headline(records, not_run),
             "ok": not failing and verified > 0 and not not_run}
 
 
-def _worst(records: list[dict], n: int) -> list[dict]:
+def _worst(records: list[Record], n: int) -> list[Record]:
     """The n cells with the largest margin of o that have a finite per-chunk curve, the worst cell
     of each route first (so one broken route does not fill the plot), NaN margins counted as worst."""
     scored = []
     for r in records:
-        curve = (((r.get("metrics") or {}).get("o") or {}).get("chunk_rel_l2")) or []
-        if r.get("status") in UNJUDGED or not any(_finite_pos(as_float(x)) for x in curve):
+        curve = (((r.metrics or {}).get("o") or {}).get("chunk_rel_l2")) or []
+        if r.status in UNJUDGED or not any(_finite_pos(as_float(x)) for x in curve):
             continue
         scored.append((_o_margin(r), r))
     scored.sort(key=lambda x: -x[0])
@@ -188,7 +189,7 @@ def _route_colours(plt, n: int) -> list:
 
 
 def _o_margin(r: dict) -> float:
-    m = as_float(((r.get("tensors") or {}).get("o") or {}).get("margin"))
+    m = as_float(((r.tensors or {}).get("o") or {}).get("margin"))
     return math.inf if math.isnan(m) else m
 
 
@@ -231,7 +232,7 @@ MAX_PANELS = 24
 BASE_BAND = dict(color="0.55", lw=7, alpha=0.35, solid_capstyle="round", zorder=1)
 
 
-def _error_series(records: list[dict]) -> tuple[dict, dict, dict, set]:
+def _error_series(records: list[Record]) -> tuple[dict, dict, dict, set]:
     """{route label: [(T, err, status)]}, {route label: [(T, baseline err)]} of o,
     {route label: recipe} and the route labels whose cells are judged against their own recipe
     (the emulator: err = baseline by construction)."""
@@ -240,15 +241,15 @@ def _error_series(records: list[dict]) -> tuple[dict, dict, dict, set]:
     recipes: dict[str, str] = {}
     self_judged: set = set()
     for r in records:
-        shape = r.get("shape") or {}
+        shape = r.shape or {}
         T = shape.get("T")
-        if not T or r.get("status") in UNJUDGED:
+        if not T or r.status in UNJUDGED:
             continue
         e, b = _tensor_err(r, "o")
         if _finite_pos(e):
-            series.setdefault(route_label(r), []).append((T, e, r.get("status")))
-            recipes[route_label(r)] = r.get("recipe")
-            if r.get("self_judged"):
+            series.setdefault(route_label(r), []).append((T, e, r.status))
+            recipes[route_label(r)] = r.recipe
+            if r.self_judged:
                 self_judged.add(route_label(r))
             if _finite_pos(b):
                 base.setdefault(route_label(r), []).append((T, b))
@@ -260,13 +261,14 @@ def _worst_line(pts) -> tuple[list, list]:
     return Ts, [max(p[1] for p in pts if p[0] == T) for T in Ts]
 
 
-def error_vs_T_figure(records: list[dict]):
+def error_vs_T_figure(records: list[Record]):
     """rel-L2 of o against T (tokens of the forward) per route, one evenly spaced slot per
     distinct T: every cell a dot, a line through the worst cell per T, the route's baseline (its
     emulated recipe, same metric) as a grey band under a dashed black line (visible where the
     route lies on it), failing cells marked by a red x.  Up to FACET_ABOVE routes share one
     panel; more get one panel each (the MAX_PANELS routes with the largest error; the heatmap
     shows every route)."""
+    records = as_records(records)
     plt = _plt()
     series, base, recipes, self_judged = _error_series(records)
     if not series:
@@ -363,7 +365,7 @@ def save_figure(fig, path: Path) -> Optional[Path]:
     return path
 
 
-def plot_error_vs_T(records: list[dict], path: Path) -> Optional[Path]:
+def plot_error_vs_T(records: list[Record], path: Path) -> Optional[Path]:
     """Save error_vs_T_figure to ``path`` (None, and nothing written, when there is nothing to plot)."""
     return save_figure(error_vs_T_figure(records), path)
 
@@ -372,19 +374,20 @@ def _cell_note(r: dict) -> str:
     """``cell fail (final_state 161)``: the cell's status and its tensors other than o over their
     threshold, with their margins."""
     over = []
-    for n, t in (r.get("tensors") or {}).items():
+    for n, t in (r.tensors or {}).items():
         if n == "o" or not isinstance(t, dict) or t.get("margin") is None:
             continue
         m = as_float(t.get("margin"))
         if math.isnan(m) or m > 1:
             over.append(f"{n} {m:.3g}")
-    return f"cell {r.get('status')}" + (f" ({', '.join(over)})" if over else "")
+    return f"cell {r.status}" + (f" ({', '.join(over)})" if over else "")
 
 
-def worst_chunks_figure(records: list[dict], n: int = 6):
+def worst_chunks_figure(records: list[Record], n: int = 6):
     """The per-chunk rel-L2 curve of o along T for the n cells with the largest o margin, each
     with its own marker and dashes (coinciding curves stay visible); each legend entry gives o's
     margin and the cell's status with the tensors over their threshold."""
+    records = as_records(records)
     worst = _worst(records, n)
     if not worst:
         return None
@@ -393,7 +396,7 @@ def worst_chunks_figure(records: list[dict], n: int = 6):
     fig, ax = plt.subplots(figsize=(11, 5.0 + 0.22 * len(worst)), dpi=110, layout="constrained")
     colours = _route_colours(plt, len(worst))
     for i, r in enumerate(worst):
-        curve = [as_float(x) for x in r["metrics"]["o"]["chunk_rel_l2"]]
+        curve = [as_float(x) for x in r.metrics["o"]["chunk_rel_l2"]]
         xs = [k for k, v in enumerate(curve) if _finite_pos(v)]
         ys = [curve[k] for k in xs]
         if not xs:
@@ -401,7 +404,7 @@ def worst_chunks_figure(records: list[dict], n: int = 6):
         # markers and dashes differ per curve, largest first, so curves that coincide stay visible
         ax.plot(xs, ys, marker="osD^vP"[i % 6] if len(xs) < 40 else None, ms=max(3.0, 9.0 - 1.2 * i),
                 mfc="none", mew=1.3, ls=("-", "--", "-.", ":", (0, (5, 1)), (0, (1, 2)))[i % 6], lw=1.3, color=colours[i],
-                label=f"{route_label(r)}  {r.get('case')}: o margin {_o_margin(r):.3g}, {_cell_note(r)}")
+                label=f"{route_label(r)}  {r.case}: o margin {_o_margin(r):.3g}, {_cell_note(r)}")
     ax.set_yscale("log")
     ax.set_xlabel("chunk index along T (32 tokens per chunk, all sequences and heads pooled)")
     ax.set_ylabel("rel-L2 of o within the chunk")
@@ -412,7 +415,7 @@ def worst_chunks_figure(records: list[dict], n: int = 6):
     return fig
 
 
-def plot_worst_chunks(records: list[dict], path: Path, n: int = 6) -> Optional[Path]:
+def plot_worst_chunks(records: list[Record], path: Path, n: int = 6) -> Optional[Path]:
     """Save worst_chunks_figure to ``path`` (None, and nothing written, when there is nothing to plot)."""
     return save_figure(worst_chunks_figure(records, n), path)
 
@@ -434,14 +437,15 @@ HEAT_KINDS = {   # status (or a non-finite margin) -> (fill, text, legend); colo
 }
 
 
-def margin_heatmap_figure(records: list[dict]):
+def margin_heatmap_figure(records: list[Record]):
     """route x case grid; colour = log10(margin) (green: headroom, red: over the tolerance),
     the margin written in the cell; a red frame marks a fail, an orange one mistrusted; cells
     with no margin to colour are filled in the HTML report's colour of their status (HEAT_KINDS,
     known-fail with its margin); "self": the emulator judged against its own recipe (margin 1
     by construction)."""
+    records = as_records(records)
     rows = sorted({route_label(r) for r in records})
-    cols = list(dict.fromkeys(r.get("case") for r in records))
+    cols = list(dict.fromkeys(r.case for r in records))
     if not rows or not cols:
         return None
     import numpy as np
@@ -452,10 +456,10 @@ def margin_heatmap_figure(records: list[dict]):
     grid = np.full((len(rows), len(cols)), np.nan)
     kind, framed, selfj, kf_margin = {}, [], set(), {}
     for r in records:
-        i, j = rows.index(route_label(r)), cols.index(r.get("case"))
-        st = r.get("status")
-        m = as_float(r.get("margin"))
-        if st in UNJUDGED or st == "known-fail" or r.get("margin") is None:
+        i, j = rows.index(route_label(r)), cols.index(r.case)
+        st = r.status
+        m = as_float(r.margin)
+        if st in UNJUDGED or st == "known-fail" or r.margin is None:
             kind[(i, j)] = st if st in HEAT_KINDS else "skipped"
             if st == "known-fail":
                 kf_margin[(i, j)] = m
@@ -469,7 +473,7 @@ def margin_heatmap_figure(records: list[dict]):
             grid[i, j] = math.log10(m)
         if st in ("fail", "mistrusted"):
             framed.append((i, j, "#b71c1c" if st == "fail" else STATUS_COLOURS["mistrusted"]))
-        if r.get("self_judged") and st == "pass":
+        if r.self_judged and st == "pass":
             selfj.add((i, j))
     cw = min(0.6, max(0.3, 14.0 / max(len(cols), 1)))
     label_in = 0.075 * max(len(c) for c in map(_short_case, cols))
@@ -527,7 +531,7 @@ def margin_heatmap_figure(records: list[dict]):
     return fig
 
 
-def plot_margin_heatmap(records: list[dict], path: Path) -> Optional[Path]:
+def plot_margin_heatmap(records: list[Record], path: Path) -> Optional[Path]:
     """Save margin_heatmap_figure to ``path`` (None, and nothing written, when there is nothing to plot)."""
     return save_figure(margin_heatmap_figure(records), path)
 
@@ -542,52 +546,52 @@ GATE_STYLES = ("-", "--", ":", "-.")                 # by gate, strongest (most 
 
 
 def _state_name(r: dict) -> Optional[str]:
-    have = set(r.get("tensors") or {}) | set(r.get("metrics") or {})
+    have = set(r.tensors or {}) | set(r.metrics or {})
     return next((n for n in STATE_TENSORS if n in have), None)
 
 
 def _record_T(r: dict) -> Optional[int]:
     """The problem's T (a varlen pack: all its tokens): shape, else shape_key, else the params."""
-    T = (r.get("shape") or {}).get("T")
-    if not T and r.get("shape_key"):
-        T = r["shape_key"][1]
-    p = r.get("params") or {}
+    T = (r.shape or {}).get("T")
+    if not T and r.shape_key:
+        T = r.shape_key[1]
+    p = r.params or {}
     if not T:
         T = sum(p["lens"]) if p.get("lens") else p.get("T")
     return int(T) if T else None
 
 
 def _long_gate(r: dict) -> float:
-    p = r.get("params") or {}
+    p = r.params or {}
     if "lb" in p:
         return as_float(p["lb"])
-    m = re.search(r"-lb(-?[0-9.]+)$", str(r.get("case")))
+    m = re.search(r"-lb(-?[0-9.]+)$", str(r.case))
     return float(m.group(1)) if m else -5.0
 
 
-def _long_points(records: list[dict]) -> list[dict]:
+def _long_points(records: list[Record]) -> list[Record]:
     """One point per judged cell of the long suite: route label, gate, kind (dense / varlen /
     key-cos), H, T and the o and state errors with their baselines."""
     pts = []
     for r in records:
-        case = str(r.get("case") or "")
-        if not case.startswith(LONG_PREFIX) or r.get("status") in UNJUDGED:
+        case = str(r.case or "")
+        if not case.startswith(LONG_PREFIX) or r.status in UNJUDGED:
             continue
         T = _record_T(r)
         if not T:
             continue
-        p = r.get("params") or {}
+        p = r.params or {}
         kind = ("varlen" if p.get("lens") or "/varlen" in case else
                 "key-cos" if p.get("key_cos") or "/key-cos" in case else "dense")
         state = _state_name(r)
         o, ob = _tensor_err(r, "o")
         s, sb = _tensor_err(r, state) if state else (math.nan, math.nan)
-        pts.append({"label": route_label(r), "gate": _long_gate(r), "kind": kind, "H": (r.get("shape") or {}).get("H"),
-                    "T": T, "status": r.get("status"), "o": o, "o_base": ob, "state": s, "state_base": sb})
+        pts.append({"label": route_label(r), "gate": _long_gate(r), "kind": kind, "H": (r.shape or {}).get("H"),
+                    "T": T, "status": r.status, "o": o, "o_base": ob, "state": s, "state_base": sb})
     return pts
 
 
-def _long_lines(pts: list[dict]) -> dict:
+def _long_lines(pts: list[Record]) -> dict:
     """{(route label, gate, H): {T: point}} over the dense points (the worst cell per T)."""
     lines: dict = {}
     for p in pts:
@@ -605,7 +609,7 @@ def _tokens(T: int) -> str:
     return f"{T / 1024:.0f}K" if T >= 1024 else str(T)
 
 
-def long_context_figure(records: list[dict]):
+def long_context_figure(records: list[Record]):
     """The long suite's errors against T, two panels: rel-L2 of o and of the final state
     (final_state, else state_cache) vs the float64 oracle, y log, x T tokens on a log2 axis
     (ticks at the T of the dense cases).  Per route a colour; per (route, gate, H) a line through
@@ -615,6 +619,7 @@ def long_context_figure(records: list[dict]):
     its tokens) and the key-cos cases are marker-only points (square, triangle; filled at the
     strongest gate, open at the others) with the baseline as a grey bar.  Failing cells get a
     red x, known-fail ones an amber ring.  None when no long-suite cell has a finite error of o."""
+    records = as_records(records)
     pts = [p for p in _long_points(records) if _finite_pos(p["o"])]
     if not pts:
         return None
@@ -697,7 +702,7 @@ def long_context_figure(records: list[dict]):
     return fig
 
 
-def plot_long_context(records: list[dict], path: Path) -> Optional[Path]:
+def plot_long_context(records: list[Record], path: Path) -> Optional[Path]:
     """Save long_context_figure to ``path`` (None, and nothing written, when there is nothing to plot)."""
     return save_figure(long_context_figure(records), path)
 
@@ -706,9 +711,10 @@ LONG_COLS = ("route", "gate", "H", "T small", "T large", "o err small", "o err l
              "state err small", "state err large", "state growth")
 
 
-def long_growth_rows(records: list[dict]) -> list[list[str]]:
+def long_growth_rows(records: list[Record]) -> list[list[str]]:
     """One row per line of long_context_figure with at least two T: the o and state errors at its
     smallest and its largest T and their ratio (large / small), "–" where a tensor is absent."""
+    records = as_records(records)
     rows = []
     for (lab, gate, H), by_T in sorted(_long_lines([p for p in _long_points(records) if _finite_pos(p["o"])]).items(),
                                        key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or 0)):
@@ -724,7 +730,7 @@ def long_growth_rows(records: list[dict]) -> list[list[str]]:
     return rows
 
 
-def plot_serving_drift(records: list[dict], path: Path) -> Optional[Path]:
+def plot_serving_drift(records: list[Record], path: Path) -> Optional[Path]:
     from verification.serving.report import plot_drift      # the serving cells' drift curve
     return plot_drift(records, path)
 
@@ -733,7 +739,8 @@ PLOT_FUNCS = {"error_vs_T": plot_error_vs_T, "worst_chunks": plot_worst_chunks, 
               "long_context": plot_long_context, "serving_drift": plot_serving_drift}
 
 
-def make_plots(records: list[dict], plots_dir: Path) -> dict[str, Path]:
+def make_plots(records: list[Record], plots_dir: Path) -> dict[str, Path]:
+    records = as_records(records)
     plots_dir.mkdir(parents=True, exist_ok=True)
     out = {}
     for name in PLOTS:
@@ -778,7 +785,7 @@ def clip(text: str, width: int) -> str:
 
 
 def _repro(rec: dict, out_dir: Path) -> str:
-    return re.sub(r"--out DIR\b", f"--out {out_dir}/repro", rec.get("repro", ""))
+    return re.sub(r"--out DIR\b", f"--out {out_dir}/repro", rec.repro)
 
 
 def _tensor_margin(t: dict) -> float:
@@ -791,20 +798,20 @@ def _tensor_margin(t: dict) -> float:
 def worst_tensor(rec: dict) -> tuple[Optional[str], dict]:
     """(name, record) of the tensor of a cell with the largest margin (NaN counted as worst)."""
     best, name = None, None
-    for n, t in (rec.get("tensors") or {}).items():
+    for n, t in (rec.tensors or {}).items():
         if not isinstance(t, dict) or t.get("margin") is None:
             continue
         m = as_float(t.get("margin"))
         m = math.inf if math.isnan(m) else m
         if best is None or m > best:
             best, name = m, n
-    return name, ((rec.get("tensors") or {}).get(name) or {}) if name else {}
+    return name, ((rec.tensors or {}).get(name) or {}) if name else {}
 
 
 def _dtypes(rec: dict) -> str:
     """``o bf16, final_state fp32``; a dtype other than expected as ``fp32 (expected bf16)``."""
     parts = []
-    for n, t in (rec.get("tensors") or {}).items():
+    for n, t in (rec.tensors or {}).items():
         if isinstance(t, dict) and t.get("dtype"):
             d = str(t["dtype"])
             want = t.get("expected_dtype")
@@ -812,23 +819,24 @@ def _dtypes(rec: dict) -> str:
     return ", ".join(parts) or "–"
 
 
-def cell_rows(records: list[dict]) -> list[dict]:
+def cell_rows(records: list[Record]) -> list[Record]:
     """One flat row per cell for the tables."""
+    records = as_records(records)
     rows = []
     for r in records:
-        t = (r.get("tensors") or {}).get("o") or {}
-        m = ((r.get("metrics") or {}).get("o") or {})
-        st_t = (r.get("tensors") or {}).get("final_state") or (r.get("tensors") or {}).get("state_cache") or {}
-        shape = r.get("shape") or {}
+        t = (r.tensors or {}).get("o") or {}
+        m = ((r.metrics or {}).get("o") or {})
+        st_t = (r.tensors or {}).get("final_state") or (r.tensors or {}).get("state_cache") or {}
+        shape = r.shape or {}
         rows.append({
-            "status": r.get("status"), "backend": r.get("backend"), "route": r.get("route"), "case": r.get("case"),
+            "status": r.status, "backend": r.backend, "route": r.route, "case": r.case,
             "shape": f"{shape.get('B')}x{shape.get('T')}x{shape.get('H')}" if shape else "–",
             "o_err": _g(t.get("err", m.get("rel_l2"))), "o_tail": _g(m.get("tail_rel_l2")),
             "o_threshold": _g(t.get("threshold")), "baseline": _g(t.get("baseline_err")),
-            "state_err": _g(st_t.get("err")), "margin": _g(r.get("margin")), "dtypes": _dtypes(r),
-            "kernel_ms": _g(as_float((r.get("timings") or {}).get("kernel_s")) * 1e3, ".3g")
-            if (r.get("timings") or {}).get("kernel_s") is not None else "–",
-            "reason": clip(r.get("reason") or "", REASON_CHARS),
+            "state_err": _g(st_t.get("err")), "margin": _g(r.margin), "dtypes": _dtypes(r),
+            "kernel_ms": _g(as_float((r.timings or {}).get("kernel_s")) * 1e3, ".3g")
+            if (r.timings or {}).get("kernel_s") is not None else "–",
+            "reason": clip(r.reason or "", REASON_CHARS),
         })
     return rows
 
@@ -850,32 +858,32 @@ def failing_row(rec: dict) -> list[str]:
     margin) and that tensor's worst slice (where, err, the baseline's err there, margin)."""
     name, t = worst_tensor(rec)
     sl = t.get("slice") if isinstance(t.get("slice"), dict) else {}
-    return [str(rec.get("status")), str(rec.get("backend")), str(rec.get("route")), str(rec.get("case")),
+    return [str(rec.status), str(rec.backend), str(rec.route), str(rec.case),
             name or "–", _g(t.get("err")) if t else "–", _g(t.get("threshold")) if t else "–",
             _g(_tensor_margin(t)) if t else "–", str(sl.get("where", "–")), _g(sl.get("err")) if sl else "–",
             _g(sl.get("baseline_err")) if sl else "–", _g(sl.get("margin")) if sl else "–"]
 
 
-def _skip_groups(records: list[dict]) -> list[tuple[int, str]]:
+def _skip_groups(records: list[Record]) -> list[tuple[int, str]]:
     groups: dict[str, int] = {}
     for r in records:
-        if r.get("status") == "skipped":
-            k = clip(r.get("reason") or "no reason given", REASON_CHARS)
+        if r.status == "skipped":
+            k = clip(r.reason or "no reason given", REASON_CHARS)
             groups[k] = groups.get(k, 0) + 1
     return sorted(((n, k) for k, n in groups.items()), key=lambda x: (-x[0], x[1]))
 
 
 def _cell_name(r: dict) -> str:
-    return f"{r.get('backend')} {r.get('route')} {r.get('case')}"
+    return f"{r.backend} {r.route} {r.case}"
 
 
 def _tail(r: dict, n: int) -> tuple[str, str]:
-    what = "stderr tail" if r.get("stderr_tail") else "traceback tail"
-    text = r.get("stderr_tail") or r.get("traceback") or ""
+    what = "stderr tail" if r.stderr_tail else "traceback tail"
+    text = r.stderr_tail or r.traceback or ""
     return what, "\n".join(text.strip().splitlines()[-n:])
 
 
-def headline(records: list[dict], not_run: int = 0) -> str:
+def headline(records: list[Record], not_run: int = 0) -> str:
     """The report's headline, the same line ``kda-verify run`` and ``pytest -m verify`` print
     (verification.policy.headline): ``VERIFIED n of N cells: ...`` when n cells were judged (pass,
     known-fail, fail, mistrusted), else ``NOTHING VERIFIED: ...``, after ``INTERRUPTED: ...`` when
@@ -883,37 +891,38 @@ def headline(records: list[dict], not_run: int = 0) -> str:
     return policy_headline(records, not_run)
 
 
-def sections(summary: dict, records: list[dict], prov: dict, plots: dict, out_dir: Path,
+def sections(summary: dict, records: list[Record], prov: dict, plots: dict, out_dir: Path,
              breakdown: Optional[dict] = None) -> list[tuple[str, list]]:
     """[(title, blocks)] in SECTIONS order, the sections with nothing to show left out.  A block
     is ("text", str), ("table", headers, rows), ("items", [(status, cell, text, [(label, code)],
     tail)]), ("code", str) or ("images", plots)."""
+    records = as_records(records)
     out: list[tuple[str, list]] = []
-    failing = [r for r in records if r.get("status") in FAILING]
+    failing = [r for r in records if r.status in FAILING]
     if failing:
         items = []
         for r in failing:
             subs = [("repro", _repro(r, out_dir))]
-            items.append((r["status"], _cell_name(r), r.get("reason", ""), subs,
-                          _tail(r, 12) if (r.get("stderr_tail") or r.get("traceback")) else None))
+            items.append((r.status, _cell_name(r), r.reason, subs,
+                          _tail(r, 12) if (r.stderr_tail or r.traceback) else None))
         out.append(("Failing cells", [
             ("text", "Each cell's worst tensor against its threshold, and that tensor's worst slice (the "
                      "(sequence, head), 16-token block or cache slot whose error is furthest over its "
                      "own threshold) against the baseline's error on the same slice."),
             ("table", list(FAIL_COLS), [failing_row(r) for r in failing]), ("items", items)]))
-    known = [r for r in records if r.get("status") == "known-fail"]
+    known = [r for r in records if r.status == "known-fail"]
     if known:
         out.append(("Known failures", [
             ("text", "Listed in tolerances.yaml with their reason and evidence; they do not fail the run."),
-            ("items", [("known-fail", _cell_name(r), r.get("reason", ""), [], None) for r in known])]))
-    ooc = [r for r in records if r.get("status") == "out-of-contract"]
+            ("items", [("known-fail", _cell_name(r), r.reason, [], None) for r in known])]))
+    ooc = [r for r in records if r.status == "out-of-contract"]
     if ooc:
         out.append((OUT_OF_CONTRACT, [
             ("text", "Cells whose inputs lie outside the range the kernel documents but does not check, or "
                      "outside its precision recipe's range (fp16 storage flushing or overflowing, where the "
                      "recipe itself errs as much as the kernel); each reason says what the kernel did, with "
                      "the numbers. Never counted as a pass or a failure."),
-            ("items", [("out-of-contract", _cell_name(r), r.get("reason", ""), [("repro", _repro(r, out_dir))],
+            ("items", [("out-of-contract", _cell_name(r), r.reason, [("repro", _repro(r, out_dir))],
                         None) for r in ooc])]))
     skipped = _skip_groups(records)
     if skipped:
@@ -935,7 +944,7 @@ def sections(summary: dict, records: list[dict], prov: dict, plots: dict, out_di
     out += serving_sections(records)
     rows = cell_rows(records)
     out.append(("Cells", [("table", [h for _, h in TABLE_COLS], [[str(row[k]) for k, _ in TABLE_COLS] for row in rows])]))
-    repro = [_repro(r, out_dir) for r in records if r.get("status") != "skipped" and r.get("repro")]
+    repro = [_repro(r, out_dir) for r in records if r.status != "skipped" and r.repro]
     if repro:
         out.append(("Repro", [("text", "One command per cell (the same --out may be reused with --resume):"),
                               ("code", "\n".join(repro))]))
@@ -959,8 +968,9 @@ def _md_escape(s) -> str:
     return str(s).replace("|", "\\|").replace("\n", " ")
 
 
-def render_markdown(summary: dict, records: list[dict], prov: dict, plots: dict, out_dir: Path,
+def render_markdown(summary: dict, records: list[Record], prov: dict, plots: dict, out_dir: Path,
                     breakdown: Optional[dict] = None) -> str:
+    records = as_records(records)
     L = ["# kda-verify report", "", f"**{summary['headline']}**"]
     for title, blocks in sections(summary, records, prov, plots, out_dir, breakdown):
         L += ["", f"## {title}", ""]
@@ -1022,8 +1032,9 @@ def headline_colour(summary: dict) -> str:
     return STATUS_COLOURS["pass"] if summary["verified"] and not summary.get("not_run") else STATUS_COLOURS["mistrusted"]
 
 
-def render_html(summary: dict, records: list[dict], prov: dict, plots: dict, out_dir: Path,
+def render_html(summary: dict, records: list[Record], prov: dict, plots: dict, out_dir: Path,
                 breakdown: Optional[dict] = None) -> str:
+    records = as_records(records)
     e = html.escape
 
     def badge(st):
@@ -1069,7 +1080,7 @@ def render_html(summary: dict, records: list[dict], prov: dict, plots: dict, out
     return "\n".join(H)
 
 
-def write_report(out_dir, records: Optional[list[dict]] = None, provenance: Optional[dict] = None,
+def write_report(out_dir, records: Optional[list[Record]] = None, provenance: Optional[dict] = None,
                  timing: Optional[dict] = None) -> dict:
     """Write report.md, report.html, report.json and plots/ into out_dir; return their paths and
     ``timing``, the run's time breakdown (verification/timing.py), or None.
@@ -1081,7 +1092,7 @@ def write_report(out_dir, records: Optional[list[dict]] = None, provenance: Opti
     t_report = time.perf_counter()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    records = load_results(out) if records is None else records
+    records = load_results(out) if records is None else as_records(records)
     prov = load_provenance(out) if provenance is None else provenance
     summary = summarize(records, not_run_of(prov, records))
     plots = make_plots(records, out / "plots")

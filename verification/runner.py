@@ -1,7 +1,7 @@
 """The runner: every (backend, route, case) cell of a matrix, judged and recorded.
 
-One cell = one route of one backend on one case.  Its record (``run_cell``) is the dict
-form of a ``verification.record.Record``: who ran (backend, route, recipe), on what (case id, suite, seed,
+One cell = one route of one backend on one case.  Its record (``run_cell``) is a
+``verification.record.Record``: who ran (backend, route, recipe), on what (case id, suite, seed,
 shape), the verdict (status in policy.STATUSES, a one-line reason, per-tensor err /
 threshold / margin from ``verification.verdict.judge``), the full metrics, the
 baseline's metrics, timings and a repro command.
@@ -40,12 +40,11 @@ from typing import Callable, Iterable, Optional
 import torch
 
 from verification.policy import DEFAULT_RECIPE, FAILING, JUDGED, RESOURCE_ERROR, exit_code
-from verification.record import (RESULTS_FILE, RUN_FILE, append_record, cell_key, read_records,  # noqa: F401
-                                 read_runs, repair_partial_line)
-from verification.baselines import BaselineCache, recipe_baselines  # noqa: F401 - BaselineCache: the old path
-from verification.devices import default_device  # noqa: F401 - the old path
-from verification.record import decode_number as as_float  # noqa: F401 - the old names
-from verification.record import encode as jsonable  # noqa: F401
+from verification.baselines import BaselineCache, recipe_baselines
+from verification.devices import default_device
+from verification.record import (RESULTS_FILE, RUN_FILE, Record, append_record, cell_key, new_record, read_records,
+                                 read_runs, repair_partial_line, scalar_metrics, set_judged, set_problem)
+from verification.record import encode as jsonable
 
 STDERR_TAIL_CHARS = 4000
 
@@ -281,17 +280,6 @@ def repro_command(backend_spec: str, route: str, case, out: str = "DIR", device:
     return " ".join(shlex.quote(p) for p in parts)
 
 
-def _shape(problem) -> dict:
-    return {"B": problem.B, "T": problem.T, "H": problem.H, "HV": problem.HV, "K": problem.K,
-            "V": problem.V, "N": problem.N}
-
-
-def _tol_dtype(problem) -> str:
-    """The dtype a cell's tolerance is keyed by (the verdict's: the input dtype, bf16 / fp16 / fp32)."""
-    from verification.metrics import dtype_name
-    return dtype_name(problem.v.dtype)
-
-
 def _fresh_state(problem):
     """A Problem whose state tensors (which a kernel may write in place: paged caches,
     donated initial states) are private copies, so the cached Problem stays pristine."""
@@ -315,30 +303,16 @@ def clone_keep_strides(t: torch.Tensor) -> torch.Tensor:
     return copy.as_strided(t.shape, t.stride(), t.storage_offset() - base.storage_offset())
 
 
-def scalar_metrics(metrics: Optional[dict]) -> dict:
-    """The scalar part of per-tensor metrics (baselines: no curves)."""
-    out = {}
-    for tname, m in (metrics or {}).items():
-        if isinstance(m, dict):
-            out[tname] = {k: v for k, v in m.items() if not isinstance(v, (list, tuple, dict, torch.Tensor))}
-    return out
+def _base_record(lb: LoadedBackend, route, case, device) -> Record:
+    """A fresh Record (verification.record.new_record) of this cell, not yet judged."""
+    return new_record(backend=lb.name, backend_spec=lb.spec, backend_version=lb.version, route=route.name,
+                      recipe=getattr(route, "recipe", None), case=case.id, suite=case.suite, seed=case.seed,
+                      params=dict(getattr(case, "params", {}) or {}), device=str(device),
+                      repro=repro_command(lb.spec, route.name, case, device=None))
 
 
-_summ = scalar_metrics      # the old name
-
-
-def _base_record(lb: LoadedBackend, route, case, device) -> dict:
-    """The dict form of a fresh Record (verification/record.py) of this cell, not yet judged."""
-    from verification.record import Record
-    return Record(
-        key=cell_key(lb.name, route.name, case.id),
-        backend=lb.name, backend_spec=lb.spec, backend_version=lb.version,
-        route=route.name, recipe=getattr(route, "recipe", None),
-        case=case.id, suite=case.suite, seed=case.seed,
-        params=jsonable(dict(getattr(case, "params", {}) or {})),
-        device=str(device), repro=repro_command(lb.spec, route.name, case, device=None),
-        time_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    ).to_dict()
+def _set_problem(rec: Record, case, problem) -> Record:
+    return set_problem(rec, problem, getattr(case, "shape_key", (problem.B, problem.T, problem.H)))
 
 
 def _error_reason(e: BaseException, where: str) -> tuple[str, str]:
@@ -348,9 +322,9 @@ def _error_reason(e: BaseException, where: str) -> tuple[str, str]:
     return f"{where} raised {type(e).__name__}: {msg}"[:500], tb[-STDERR_TAIL_CHARS:]
 
 
-def _errored(rec: dict, e: BaseException, where: str) -> dict:
-    rec["status"] = "error"
-    rec["reason"], rec["traceback"] = _error_reason(e, where)
+def _errored(rec: Record, e: BaseException, where: str) -> Record:
+    rec.status = "error"
+    rec.reason, rec.traceback = _error_reason(e, where)
     return rec
 
 
@@ -395,25 +369,15 @@ def harness_call(fn, device, before_retry=None):
     return fn()
 
 
-def _resource_errored(rec: dict, e: BaseException, where: str, device) -> dict:
+def _resource_errored(rec: Record, e: BaseException, where: str, device) -> Record:
     """A harness out-of-memory (after its retry): its own status, never a kernel failure or a pass."""
     msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    rec["status"] = RESOURCE_ERROR
-    rec["reason"] = (f"harness out of memory in {where} on {device} (retried once with the CUDA cache emptied; "
+    rec.status = RESOURCE_ERROR
+    rec.reason = (f"harness out of memory in {where} on {device} (retried once with the CUDA cache emptied; "
                      f"not a kernel result): {type(e).__name__}: {msg}")[:500]
-    rec["traceback"] = _error_reason(e, where)[1]
+    rec.traceback = _error_reason(e, where)[1]
     _free_memory(device)
     return rec
-
-
-def worst_margin(tensors: dict) -> Optional[float]:
-    """The largest margin over a verdict's tensors (margin = err / threshold: > 1 fails)."""
-    vals = [as_float(t.get("margin")) for t in (tensors or {}).values() if isinstance(t, dict)]
-    if not vals:
-        return None
-    if any(math.isnan(v) for v in vals):
-        return float("nan")
-    return max(vals)
 
 
 def guards_default(device) -> bool:
@@ -440,7 +404,7 @@ def add_disk_timings(timings: dict, before: tuple, truth_cache, baseline_cache) 
 
 
 def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: BaselineCache, db,
-             device: Optional[str] = None, guards: Optional[bool] = None) -> dict:
+             device: Optional[str] = None, guards: Optional[bool] = None) -> Record:
     """Run one route of one backend on one case and record it; never raises for a kernel's
     sake (a kernel exception is status "error" with the traceback's tail).  The final status
     is verification.verdict.decide's (the verdict, the guards, the contract, the register of
@@ -453,14 +417,14 @@ def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: Base
     backend = as_loaded(backend)
     device = device or truth_cache.device
     rec = _base_record(backend, route, case, device)
-    timings = rec["timings"]
+    timings = rec.timings
     if not backend.available:
-        rec.update(status="skipped", reason=f"backend unavailable: {backend.reason or 'no reason given'}")
+        rec.status, rec.reason = "skipped", f"backend unavailable: {backend.reason or 'no reason given'}"
         return rec
     from verification.room import no_room
     why = no_room(case, device)
     if why is not None:                  # decided from the case's size: nothing of it is built
-        rec.update(status="skipped", reason=why)
+        rec.status, rec.reason = "skipped", why
         return rec
     # the problem (cheap) decides applicability before any truth is computed
     try:
@@ -473,9 +437,7 @@ def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: Base
         return _errored(rec, e, f"case {case.id} build")
     if truth_cache.lock_wait_s.get(case.id):
         timings["lock_wait_s"] = truth_cache.lock_wait_s[case.id]
-    rec["shape"] = _shape(problem)
-    rec["shape_key"] = list(getattr(case, "shape_key", (problem.B, problem.T, problem.H)))
-    rec["dtype"] = _tol_dtype(problem)
+    _set_problem(rec, case, problem)
     try:
         from kda_kernels.base import applicable
         ok, why = applicable(backend.backend, problem, route)
@@ -486,7 +448,7 @@ def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: Base
         ok, why = False, f"accepts() raised {type(e).__name__}: {e}"
     if not ok:
         why = str(why or "not applicable")
-        rec.update(status="skipped", reason=why if why.startswith("not applicable") else f"not applicable: {why}")
+        rec.status, rec.reason = "skipped", why if why.startswith("not applicable") else f"not applicable: {why}"
         return rec
     # truth and baseline, shared (the memory caches, then the disk cache: verification/cache.py)
     disk0 = _disk_counts(truth_cache, baseline_cache)
@@ -497,7 +459,7 @@ def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: Base
         recipe = getattr(route, "recipe", None) or DEFAULT_RECIPE
         baseline, base_s, fresh_b = harness_call(lambda: baseline_cache.get(case, recipe, problem, truth), device)
         timings.update(baseline_s=base_s, baseline_cached=not fresh_b)
-        rec["baseline"] = scalar_metrics(baseline)
+        rec.baseline = scalar_metrics(baseline)
     except Exception as e:  # noqa: BLE001
         if is_out_of_memory(e):
             return _resource_errored(rec, e, "oracle/baseline", device)
@@ -547,7 +509,7 @@ def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: Base
         rec = _errored(rec, failure, where)
         return mark_out_of_contract(rec, contract) if contract else rec
     timings["kernel_s"] = max(0.0, kernel_s - timings["compile_s"])
-    rec["info"] = jsonable(getattr(outputs, "info", {}) or {})
+    rec.info = jsonable(getattr(outputs, "info", {}) or {})
     # metrics and verdict
     try:
         from verification.metrics import compare
@@ -570,14 +532,12 @@ def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: Base
         if is_out_of_memory(e):
             return _resource_errored(rec, e, "judging", device)
         return _errored(rec, e, "judging")
-    rec["tensors"] = jsonable(getattr(verdict, "tensors", {}) or {})
-    rec["metrics"] = jsonable(metrics)
-    rec["margin"] = jsonable(worst_margin(rec["tensors"]))
+    set_judged(rec, getattr(verdict, "tensors", {}) or {}, metrics)
     if guard is not None:
-        rec["guards"] = jsonable(guard.as_record())
+        rec.guards = jsonable(guard.as_record())
     # the final status: verification.verdict.decide, the one place that decides it
-    kf = None if contract else known_failure_entry(db, rec["backend"], rec["route"], rec["case"], rec.get("params"))
-    return decide(verdict, guard=guard, contract=contract, known_failure=kf, metrics=rec["metrics"]).apply_to(rec)
+    kf = None if contract else known_failure_entry(db, rec.backend, rec.route, rec.case, rec.params)
+    return decide(verdict, guard=guard, contract=contract, known_failure=kf, metrics=rec.metrics).apply_to(rec)
 
 
 @dataclass
@@ -587,23 +547,23 @@ class _Said:
     reason: str
 
 
-def mark_out_of_contract(rec: dict, contract: str) -> dict:
+def mark_out_of_contract(rec: Record, contract: str) -> Record:
     """Record a judged (or raised) cell as outside the kernel's documented-but-unchecked range:
     verification.verdict.decide with ``contract``; the verdict it would have had is kept in
     ``contract_verdict``."""
     from verification.verdict import decide
-    return decide(_Said(rec["status"], rec["reason"]), contract=contract, metrics=rec.get("metrics")).apply_to(rec)
+    return decide(_Said(rec.status, rec.reason), contract=contract, metrics=rec.metrics).apply_to(rec)
 
 
-def apply_known_failure(rec: dict, db) -> dict:
+def apply_known_failure(rec: Record, db) -> Record:
     """Mark a failing cell that tolerances.yaml lists as a known failure ``known-fail`` (with the
     entry's reason); note on a passing one that the entry may be stale (verification.verdict.decide
     with the register's entry)."""
     from verification.verdict import decide, known_failure_entry
-    kf = known_failure_entry(db, rec["backend"], rec["route"], rec["case"], rec.get("params"))
+    kf = known_failure_entry(db, rec.backend, rec.route, rec.case, rec.params)
     if kf is None:
         return rec
-    return decide(_Said(rec["status"], rec["reason"]), known_failure=kf).apply_to(rec)
+    return decide(_Said(rec.status, rec.reason), known_failure=kf).apply_to(rec)
 
 
 # ----------------------------------------------------------------------------------------
@@ -651,7 +611,7 @@ class IsolatedRunner:
             self._case_files[case.id] = path
         return path, oracle_s
 
-    def run(self, lb: LoadedBackend, route, case, device: str) -> dict:
+    def run(self, lb: LoadedBackend, route, case, device: str) -> Record:
         from verification.room import no_room
         rec0 = _base_record(lb, route, case, device)
         if not lb.available or no_room(case, device) is not None:
@@ -699,9 +659,9 @@ class IsolatedRunner:
             err = (e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or ""))
         wall = time.perf_counter() - t0
         if rc == 0 and out_path.exists():
-            rec = json.loads(out_path.read_text())
-            rec["timings"]["child_wall_s"] = wall
-            rec["timings"].update(fresh)
+            rec = Record.from_json(out_path.read_text())
+            rec.timings["child_wall_s"] = wall
+            rec.timings.update(fresh)
             return rec
         if rc is None:
             how = f"timed out after {self.timeout_s:g} s (killed)"
@@ -714,11 +674,12 @@ class IsolatedRunner:
             how = f"exited with code {rc} without a record"
         tail = (err or "").strip()[-STDERR_TAIL_CHARS:]
         last = next((ln for ln in reversed(tail.splitlines()) if ln.strip()), "")
-        rec0.update(status="crashed", reason=f"child process {how}" + (f": {last.strip()[:200]}" if last else ""),
-                    stderr_tail=tail, shape=_shape(problem),
-                    shape_key=list(getattr(case, "shape_key", (problem.B, problem.T, problem.H))),
-                    dtype=_tol_dtype(problem), baseline=scalar_metrics(baseline))
-        rec0["timings"] = dict(fresh, child_wall_s=wall)
+        rec0.status = "crashed"
+        rec0.reason = f"child process {how}" + (f": {last.strip()[:200]}" if last else "")
+        rec0.stderr_tail = tail
+        _set_problem(rec0, case, problem)
+        rec0.baseline = scalar_metrics(baseline)
+        rec0.timings = dict(fresh, child_wall_s=wall)
         return rec0
 
 
@@ -744,8 +705,8 @@ def _child_main(spec_path: str, out_path: str) -> int:
     lb = load(spec["backend_spec"])
     db = load_tolerances(spec["tolerances_path"])
     rec = run_cell(lb, spec["route"], case, tc, bc, db, device, guards=spec.get("guards"))
-    rec["isolated"] = True
-    Path(out_path).write_text(json.dumps(jsonable(rec), allow_nan=False))
+    rec.isolated = True
+    Path(out_path).write_text(rec.to_json())
     return 0
 
 
@@ -788,11 +749,11 @@ class Progress:
             return float("nan")
         return (time.perf_counter() - self.t0) / self.done * (self.total - self.done)
 
-    def step(self, rec: dict) -> None:
+    def step(self, rec: Record) -> None:
         self.done += 1
-        st = rec.get("status", "?")
+        st = rec.status or "?"
         self.counts[st] = self.counts.get(st, 0) + 1
-        label = f"{rec.get('backend')} {rec.get('route')} {rec.get('case')}"
+        label = f"{rec.backend} {rec.route} {rec.case}"
         frac = self.done / self.total if self.total else 1.0
         eta = _fmt_s(self.eta())
         if self.tty:
@@ -805,7 +766,7 @@ class Progress:
                 self.stream.write("\n")
         else:
             self.stream.write(f"[{self.done}/{self.total} {frac:4.0%} ETA {eta}] {st:<10} {label}"
-                              f"{(' - ' + clip_words(rec['reason'], 240)) if st != 'pass' and rec.get('reason') else ''}\n")
+                              f"{(' - ' + clip_words(rec.reason, 240)) if st != 'pass' and rec.reason else ''}\n")
         self.stream.flush()
 
 
@@ -815,8 +776,8 @@ class Progress:
 @dataclass
 class RunSummary:
     out_dir: Optional[Path]
-    records: list = field(default_factory=list)      # every record of the run (resumed ones included)
-    fresh: list = field(default_factory=list)        # the records of cells run by this invocation
+    records: list[Record] = field(default_factory=list)  # every record of the run (resumed ones included)
+    fresh: list[Record] = field(default_factory=list)    # the records of cells run by this invocation
     ran: int = 0                                      # cells executed by this invocation
     resumed: int = 0                                  # cells found finished and skipped
     stopped_early: bool = False                       # --max-cells reached
@@ -828,36 +789,36 @@ class RunSummary:
     def counts(self) -> dict:
         c: dict[str, int] = {}
         for r in self.records:
-            c[r.get("status", "?")] = c.get(r.get("status", "?"), 0) + 1
+            c[r.status or "?"] = c.get(r.status or "?", 0) + 1
         return c
 
     @property
-    def failed(self) -> list:
-        return [r for r in self.records if r.get("status") in FAILING]
+    def failed(self) -> list[Record]:
+        return [r for r in self.records if r.status in FAILING]
 
     @property
     def exit_code(self) -> int:
         """verification.policy.exit_code of the run's cells: 130 when interrupted, 1 when a cell
         failed, was mistrusted, crashed or errored, 2 when the harness ran out of memory on a
         cell or no cell was judged, else 0."""
-        return exit_code([r.get("status") for r in self.records], interrupted=self.not_run is not None)
+        return exit_code([r.status for r in self.records], interrupted=self.not_run is not None)
 
     @property
     def verified(self) -> int:
         """How many cells reached a verdict (pass, known-fail, fail, mistrusted)."""
-        return sum(r.get("status") in JUDGED for r in self.records)
+        return sum(r.status in JUDGED for r in self.records)
 
 
 SELF_JUDGED = "emulator judged against its own recipe (err = baseline, margin 1): only the cap judges"
 
 
-def note_self_judged(rec: dict) -> dict:
+def note_self_judged(rec: Record) -> Record:
     """Say so on a cell whose kernel is the emulator (backend ``emulator``): its route's recipe
     is the baseline's, so its error is the baseline's by construction, the margin is 1 and only
     the cap can fail it; such a row verifies the harness, not a kernel."""
-    if rec.get("backend") == "emulator" and rec.get("status") in JUDGED and SELF_JUDGED not in rec.get("reason", ""):
-        rec["reason"] = f"{SELF_JUDGED}; {rec['reason']}" if rec.get("reason") else SELF_JUDGED
-        rec["self_judged"] = True
+    if rec.backend == "emulator" and rec.status in JUDGED and SELF_JUDGED not in (rec.reason or ""):
+        rec.reason = f"{SELF_JUDGED}; {rec.reason}" if rec.reason else SELF_JUDGED
+        rec.self_judged = True
     return rec
 
 
@@ -919,7 +880,7 @@ def check_resume(out_dir, resume: bool, selection: Optional[dict] = None, wanted
             raise UsageError(f"--resume: expected the selection of the run in {out_dir} ({_selection_text(before)}), "
                              f"got {_selection_text(selection, differ)}; another selection needs another --out")
     elif wanted is not None:
-        other = [r["key"] for r in read_records(results) if r["key"] not in wanted]
+        other = [r.key for r in read_records(results) if r.key not in wanted]
         if other:
             raise UsageError(f"--resume: expected a selection holding the {len(read_records(results))} cells recorded "
                              f"in {out_dir}, got one without {len(other)} of them (e.g. {other[0]}); another "
@@ -947,7 +908,7 @@ def run_matrix(backends: Iterable, cases: list, out_dir=None, *, routes: Optiona
                resume: bool = False, isolate: bool = False, device: Optional[str] = None,
                max_cells: Optional[int] = None, db=None, tolerances_path: Optional[str] = None,
                progress_stream=None, tty: Optional[bool] = None, timeout_s: Optional[float] = None,
-               on_record: Optional[Callable[[dict], None]] = None, provenance: Optional[dict] = None,
+               on_record: Optional[Callable[[Record], None]] = None, provenance: Optional[dict] = None,
                guards: Optional[bool] = None, selection: Optional[dict] = None) -> RunSummary:
     """Run every (backend, route, case) cell; see the module docstring.
 
@@ -988,8 +949,8 @@ def run_matrix(backends: Iterable, cases: list, out_dir=None, *, routes: Optiona
         if results.exists() and results.stat().st_size > 0:
             repair_partial_line(results)
             previous = read_records(results)
-            done_keys = {r["key"] for r in previous}
-            summary.records.extend(r for r in previous if r["key"] in wanted)
+            done_keys = {r.key for r in previous}
+            summary.records.extend(r for r in previous if r.key in wanted)
         prov = dict(provenance or {})
         if selection is not None:
             prov["selection"] = selection
@@ -1029,7 +990,7 @@ def run_matrix(backends: Iterable, cases: list, out_dir=None, *, routes: Optiona
     except KeyboardInterrupt:
         summary.not_run = len(cells) - len(summary.records)
         if results is not None:            # what the file holds: a record written as Ctrl-C came counts
-            summary.not_run = len(cells) - len({r["key"] for r in read_records(results)} & wanted)
+            summary.not_run = len(cells) - len({r.key for r in read_records(results)} & wanted)
             _note_interrupted(out, len(cells), summary.not_run)
         raise Interrupted(f"interrupted: {summary.not_run} of {len(cells)} selected cells not run",
                           summary=summary) from None

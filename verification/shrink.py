@@ -86,7 +86,7 @@ class Signature:
 
 
 def _f(x) -> float:
-    from verification.runner import as_float
+    from verification.record import decode_number as as_float
     return as_float(x)
 
 
