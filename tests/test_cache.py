@@ -13,7 +13,7 @@ import torch
 from verification import cache
 from verification.baselines import BaselineCache
 from verification.cases import get_case
-from verification.runner import TruthCache
+from verification.run_cell import TruthCache
 
 CASE = "smoke/dense-T64-lb-5"
 PAGED = "smoke/paged-lb-5"
@@ -257,7 +257,7 @@ def test_the_breakdown_counts_loads_apart():
 WAITER = """
 import sys, time
 from verification.cases import get_case
-from verification.runner import TruthCache
+from verification.run_cell import TruthCache
 tc = TruthCache()
 case = get_case(sys.argv[1])
 print("ready", flush=True)

@@ -103,7 +103,9 @@ def test_check_judges_a_route_under_the_flags_run_gives_it(monkeypatch, tmp_path
     from kda_kernels.emulator import emulate
     from kda_kernels.moonshot import MoonshotBackend, state_dtype
     from kda_kernels.base import Outputs
-    from verification.runner import BaselineCache, TruthCache, load, run_cell
+    from verification.baselines import BaselineCache
+    from verification.run_cell import TruthCache, run_cell
+    from verification.run_select import load
     from verification.tolerances import load_tolerances
 
     def run(self, p, route):           # what flash_kda computes: the moonshot recipe, states in the route's dtype

@@ -19,7 +19,8 @@ from kda_kernels.emulator import REFERENCE_RECIPES, emulate
 from kda_ref.problem import Problem
 from verification.cases import get_case
 from verification.cli import main
-from verification.runner import BaselineCache, TruthCache, run_cell
+from verification.baselines import BaselineCache
+from verification.run_cell import TruthCache, run_cell
 from verification.tolerances import load_tolerances
 
 BF = torch.bfloat16

@@ -14,7 +14,7 @@ import torch
 from verification.cli import main
 from verification.policy import headline, nothing_verified_reason
 from verification.record import Record
-from verification.runner import SELF_JUDGED, note_self_judged
+from verification.run_cell import SELF_JUDGED, note_self_judged
 from kda_test_backends import write_tolerances
 
 pytest_plugins = ["pytester"]

@@ -8,7 +8,7 @@ import pytest
 from kda_test_backends import write_tolerances
 from verification.cases import _fuzz_draw, _fuzz_params, fuzz_suite, get_case, get_suite
 from verification.cli import UsageError, main
-from verification.runner import RESULTS_FILE, read_records
+from verification.record import RESULTS_FILE, read_records
 
 pytest_plugins = ["pytester"]
 PINNED_FUZZ0_000 = {"lens": [27, 130], "H": 2, "lb": -0.01, "g_scale": 4.0, "g_shift": 12.0, "rho": 0.0,

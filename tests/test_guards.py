@@ -159,7 +159,8 @@ def test_backend_without_buffers_checks_the_cache_it_returns(paged):
 
 def test_run_cell_records_guards_and_fails_a_violation():
     from verification.cases import Case
-    from verification.runner import BaselineCache, TruthCache, run_cell
+    from verification.baselines import BaselineCache
+    from verification.run_cell import TruthCache, run_cell
     from verification.tolerances import load_tolerances
 
     case = Case(name="paged-pad", suite="guards", seed=5,

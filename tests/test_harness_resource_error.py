@@ -6,10 +6,11 @@ import importlib
 import pytest
 import torch
 
-from verification import runner
+from verification import run_select
 from verification.cases import get_case
 from verification.policy import FAILING, JUDGED, RESOURCE_ERROR
-from verification.runner import BaselineCache, TruthCache, harness_call, is_out_of_memory, run_cell
+from verification.baselines import BaselineCache
+from verification.run_cell import TruthCache, harness_call, is_out_of_memory, run_cell
 from verification.tolerances import load_tolerances
 
 truth_mod = importlib.import_module("kda_ref.truth")     # the module (kda_ref.truth is also the function)
@@ -73,8 +74,8 @@ def _cell(monkeypatch, fail_times: int, where: str):
     elif where == "build":
         import verification.cases as cases
         monkeypatch.setattr(cases, "build_problem", planted(cases.build_problem))
-    lb = runner.load("emulator")
-    route = runner.resolve_routes(lb, ["flashkda"])[0]
+    lb = run_select.load("emulator")
+    route = run_select.resolve_routes(lb, ["flashkda"])[0]
     return run_cell(lb, route, get_case(CASE), TruthCache("cpu"), BaselineCache(), load_tolerances(), "cpu"), counter["n"]
 
 
@@ -98,15 +99,15 @@ def test_another_harness_exception_stays_an_error(monkeypatch):
         raise ValueError("oracle broke")
 
     monkeypatch.setattr(truth_mod, "truth", broken)
-    lb = runner.load("emulator")
-    route = runner.resolve_routes(lb, ["flashkda"])[0]
+    lb = run_select.load("emulator")
+    route = run_select.resolve_routes(lb, ["flashkda"])[0]
     rec = run_cell(lb, route, get_case(CASE), TruthCache("cpu"), BaselineCache(), load_tolerances(), "cpu")
     assert rec["status"] == "error" and "oracle/baseline raised ValueError" in rec["reason"]
 
 
 def test_a_run_with_a_resource_error_and_no_failure_exits_2():
     from verification.record import Record
-    from verification.runner import RunSummary
+    from verification.run_progress import RunSummary
     s = RunSummary(out_dir=None)
     s.records = [Record(status="pass"), Record(status="resource-error")]
     assert s.exit_code == 2
@@ -130,8 +131,8 @@ def _kernel_cell(monkeypatch, fail_times: int):
         return real(self, problem, route)
 
     monkeypatch.setattr(EmulatorBackend, "run", run)
-    lb = runner.load("emulator")
-    route = runner.resolve_routes(lb, ["flashkda"])[0]
+    lb = run_select.load("emulator")
+    route = run_select.resolve_routes(lb, ["flashkda"])[0]
     return run_cell(lb, route, get_case(CASE), TruthCache("cpu"), BaselineCache(), load_tolerances(), "cpu"), counter["n"]
 
 

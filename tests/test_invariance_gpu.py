@@ -79,7 +79,8 @@ def test_guards_production_shape(backend):
 
 def test_run_cell_on_cuda_records_guards(backend):
     from verification.cases import get_case
-    from verification.runner import BaselineCache, TruthCache, run_cell
+    from verification.baselines import BaselineCache
+    from verification.run_cell import TruthCache, run_cell
     from verification.tolerances import load_tolerances
     case = get_case("smoke/paged-lb-5")
     rec = run_cell(backend, backend.route("seg:cps=1"), case, TruthCache(device="cuda"), BaselineCache(),

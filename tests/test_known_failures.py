@@ -4,7 +4,7 @@ import pytest
 
 from verification.policy import FAILING
 from verification.record import Record
-from verification.runner import apply_known_failure
+from verification.run_cell import apply_known_failure
 from verification.tolerances import ToleranceError, load_tolerances, parse_tolerances
 
 HEAD = """schema: 1

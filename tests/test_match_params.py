@@ -4,7 +4,7 @@ a fuzz case's empty sequences and initial states live in lists and strings (``le
 import pytest
 
 from verification.record import Record
-from verification.runner import apply_known_failure
+from verification.run_cell import apply_known_failure
 from verification.tolerances import DERIVED_PARAMS, ToleranceError, match_params, parse_tolerances
 
 HEAD = """schema: 1

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from verification.report import load_results, summarize, write_report
-from verification.runner import append_record, cell_key
+from verification.record import append_record, cell_key
 
 
 def _rec(backend, route, case, status, err, base, T, margin=None, curve=None, reason=""):

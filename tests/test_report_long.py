@@ -2,7 +2,7 @@
 import pytest
 
 from verification.report import long_context_figure, long_growth_rows, write_report
-from verification.runner import cell_key
+from verification.record import cell_key
 
 LONG_T = (16384, 131072, 262144, 1048576)
 

@@ -8,7 +8,7 @@ import pytest
 
 from verification.cases import get_suite
 from verification.cli import main
-from verification.runner import read_records
+from verification.record import read_records
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
 

@@ -8,7 +8,7 @@ from verification.cases import get_suite
 from verification.cli import UsageError, main
 from verification.policy import FAILING
 from verification.record import RESULTS_FILE, Record, read_records
-from verification.runner import run_matrix as _run_matrix
+from verification.run_matrix import run_matrix as _run_matrix
 from kda_test_backends import write_tolerances
 from kda_kernels.emulator import EmulatorBackend
 
@@ -170,7 +170,7 @@ def test_cli_run_exit_codes_case_filter_and_report(tmp_path, capsys, run_matrix,
 
 
 def test_routes_across_several_backends():
-    from verification.runner import load, plan
+    from verification.run_select import load, plan
     emu, exact = load("emulator"), load("kda_test_backends:exact")
     cells = plan([emu, exact], ["flashkda", "r2"], [DENSE])
     assert [(lb.name, r.name) for lb, r, _ in cells] == [("emulator", "flashkda"), ("test-exact", "r2")]
@@ -179,7 +179,7 @@ def test_routes_across_several_backends():
 
 
 def test_progress_bar_on_a_tty_redraws_one_line_with_an_eta():
-    from verification.runner import Progress
+    from verification.run_progress import Progress
     buf = _quiet()
     p = Progress(4, stream=buf, tty=True)
     for st in ("pass", "fail", "pass", "skipped"):
@@ -190,7 +190,7 @@ def test_progress_bar_on_a_tty_redraws_one_line_with_an_eta():
 
 
 def test_progress_cuts_a_long_reason_at_a_word_boundary():
-    from verification.runner import Progress, clip_words
+    from verification.run_progress import Progress, clip_words
     assert clip_words("short", 10) == "short"
     assert clip_words("alpha beta gamma delta", 15) == "alpha beta…"
     assert clip_words("x" * 30, 10) == "x" * 9 + "…"

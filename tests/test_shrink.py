@@ -17,7 +17,7 @@ from kda_ref.truth import truth
 from verification.bundle import checks_from_record, repro_source, write_bundle
 from verification.cases import build_problem, get_case
 from verification.cli import main
-from verification.runner import as_loaded, load, resolve_routes
+from verification.run_select import as_loaded, load, resolve_routes
 from verification.shrink import (CUT, Shrinker, Signature, chunk_states, head_errors, signature, size,
                                  subproblem)
 from verification.tolerances import load_tolerances
@@ -252,7 +252,7 @@ def test_bad_input_is_one_line_and_exit_2(argv, fragment, tmp_path, capsys):
 
 def test_from_results_finds_the_cell_and_an_unknown_key_names_one(tmp_path, capsys):
     from verification.commands.shrink import _from_results
-    from verification.runner import append_record
+    from verification.record import append_record
     d = tmp_path / "run"
     d.mkdir()
     append_record(d / "results.jsonl", {"key": "emulator-bad|carry_scaled|fuzz/fuzz0-3", "backend": "emulator-bad",

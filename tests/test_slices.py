@@ -16,7 +16,8 @@ from verification.cases import build_problem, get_case
 from verification.cli import main
 from verification.planted import PLANTS, judge_plant, plant, pooled_margin
 from verification.problem_file import save_outputs, save_problem
-from verification.runner import BaselineCache, TruthCache, run_cell
+from verification.baselines import BaselineCache
+from verification.run_cell import TruthCache, run_cell
 from verification.tolerances import load_tolerances
 
 pytest_plugins = ["pytester"]
@@ -177,7 +178,7 @@ def test_check_run_and_pytest_give_the_same_verdict_on_the_same_outputs(tmp_path
     case = get_case(cid)
     p = case.build()
     spec = "kda_test_backends:leak"
-    from verification.runner import load
+    from verification.run_select import load
     lb = load(spec)
     route = lb.backend.routes()[0]
     leak = lb.backend.run(p, route)

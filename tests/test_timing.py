@@ -12,7 +12,7 @@ import pytest
 from kda_test_backends import write_tolerances
 from verification import compile_time, timing
 from verification.cli import main
-from verification.runner import RESULTS_FILE, read_records
+from verification.record import RESULTS_FILE, read_records
 from kda_kernels.emulator import EmulatorBackend
 
 EMULATOR_ROUTES = [r.name for r in EmulatorBackend().routes()]
@@ -147,7 +147,7 @@ def test_a_cell_records_compile_s_apart_from_kernel_s(hooks, tmp_path, monkeypat
         pytest.skip(f"cannot cross-compile for sm90 here: {type(e).__name__}")
     monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path / "cold"))     # the cell compiles afresh
     from verification.cases import get_case
-    from verification.runner import run_matrix
+    from verification.run_matrix import run_matrix
     s = run_matrix([_CompilingBackend(build)], [get_case(DENSE)], None, routes=["r1"], device="cpu",
                    tolerances_path=tol, progress_stream=open(os.devnull, "w"))
     (rec,) = s.records

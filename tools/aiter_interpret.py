@@ -178,7 +178,7 @@ def _run(a, mods) -> int:
     from kda_ref.truth import truth
     from verification.cases import get_case
     from verification.record import Record
-    from verification.runner import apply_known_failure
+    from verification.run_cell import apply_known_failure
     from verification.tolerances import load_tolerances
     from verification.verdict import baseline_metrics, judge
     warnings.filterwarnings("ignore", category=RuntimeWarning)

@@ -85,7 +85,9 @@ def recipe_cells(kf, recipes, device: str = "cpu", caches=None) -> dict:
     that recipe} (the case its shrink command names, with its --fuzz-n); ``caches``: a (TruthCache,
     BaselineCache) pair shared across calls (entries with one repro case compute its truth once)."""
     from verification.cases import get_case
-    from verification.runner import BaselineCache, TruthCache, as_loaded, run_cell
+    from verification.baselines import BaselineCache
+    from verification.run_cell import TruthCache, run_cell
+    from verification.run_select import as_loaded
     words = repro_args(kf.shrink)
     case_id = words[words.index("--case") + 1]
     n = int(words[words.index("--fuzz-n") + 1]) if "--fuzz-n" in words else None
@@ -177,7 +179,8 @@ def _recipes(a, db) -> int:
               file=sys.stderr)
         return 2
     recipes = [x for x in a.recipes.split(",") if x]
-    from verification.runner import BaselineCache, TruthCache
+    from verification.baselines import BaselineCache
+    from verification.run_cell import TruthCache
     caches = (TruthCache(device="cpu"), BaselineCache())
     text = TOL.read_text(encoding="utf-8")
     for kf in sorted(entries, key=lambda k: -k.line):        # bottom up: earlier line numbers stay valid

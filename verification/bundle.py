@@ -708,7 +708,7 @@ def write_bundle(out_dir, result, loaded, route, case, device: str, command: str
         "repro_command": "python repro.py",
     }
     data["repro_check"] = verify_repro(out, device, checks)
-    from verification.runner import jsonable
+    from verification.record import encode as jsonable
     (out / "shrink.json").write_text(json.dumps(jsonable(data), indent=1, allow_nan=False), encoding="utf-8")
     (out / "REPORT.md").write_text(report_md(data, p), encoding="utf-8")
     return data

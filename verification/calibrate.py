@@ -309,7 +309,7 @@ def measured_where(prov: dict, earlier, records: list[dict], out_dir) -> tuple[s
 def measure(backend: str, cases: list, routes: Optional[list], device: str) -> list:
     """The records of every cell of ``backend`` on ``cases``, judged against a catch-all entry:
     calibration needs every cell's numbers, whatever tolerances.yaml says."""
-    from verification.runner import run_matrix
+    from verification.run_matrix import run_matrix
     from verification.tolerances import Tolerance, ToleranceDB
     measure_db = ToleranceDB([(("*", "*", "*", "*"), Tolerance(m=math.inf, floor=math.inf, cap=math.inf,
                               reason="calibration: measure only", calibrated_on="-", key="*/*/*/*"))],

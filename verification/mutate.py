@@ -9,7 +9,7 @@ mutants never meet, and a mutant that kills its process is recorded as crashed.
 
 In the child, for each of the mutant's routes and each case of the suites (case order of
 the suites), one cell is run and judged exactly as ``kda-verify run`` judges it
-(``verification.runner.run_cell`` with tolerances.yaml).  The first failing cell is a kill
+(``verification.run_cell.run_cell`` with tolerances.yaml).  The first failing cell is a kill
 only when the shipped kernel passes that same cell (run once to confirm); a kernel that
 raises counts as killed (crashed).  On the killing case the per-pass debugger
 (``verification.debug.debug_passes``) runs the mutant's route; the mutant is *localized* when
@@ -263,7 +263,9 @@ def run_mutant(mutant: Mutant, suites=("smoke", "stress"), long: bool = False, d
     from kda_kernels.triton.backend import TritonBackend
     from verification.debug import debug_passes
     from verification.policy import FAILING
-    from verification.runner import BaselineCache, TruthCache, as_loaded, run_cell
+    from verification.baselines import BaselineCache
+    from verification.run_cell import TruthCache, run_cell
+    from verification.run_select import as_loaded
     from verification.tolerances import load_tolerances
 
     t_start = time.perf_counter()
@@ -336,7 +338,7 @@ def _child_main(spec_path: str, out_path: str) -> int:
     mutant = Mutant.from_dict(spec["mutant"])
     rec = run_mutant(mutant, suites=spec["suites"], long=spec["long"], device=spec["device"],
                      case_globs=spec.get("cases"), taps=spec.get("taps", True), workdir=Path(spec["workdir"]))
-    from verification.runner import jsonable
+    from verification.record import encode as jsonable
     Path(out_path).write_text(json.dumps(jsonable(rec), allow_nan=False))
     return 0
 

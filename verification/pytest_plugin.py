@@ -203,7 +203,7 @@ class _State:
 
     def __init__(self, config):
         from verification.baselines import BaselineCache
-        from verification.runner import TruthCache, use_device
+        from verification.run_cell import TruthCache, use_device
         self.config = config
         self.device = pick_device(config)
         use_device(self.device)
@@ -231,7 +231,7 @@ def _state(config) -> _State:
 
 def _backends(config) -> list:
     from kda_kernels.base import BUILTIN_BACKENDS
-    from verification.runner import load, module_exists
+    from verification.run_select import load, module_exists
     specs = _split(config.getoption("--kda-backend"))
     if specs:
         return [load(s) for s in specs]
@@ -259,7 +259,7 @@ def _cells(config) -> list:
 
     from verification.selection import fuzz_args, select_cases
     from verification.devices import check_device
-    from verification.runner import plan
+    from verification.run_select import plan
     check_device(config.getoption("--kda-device"))     # a bad device or tolerance file: the options item says so
     _state(config).db
     suites = _split(config.getoption("--kda-suite")) or ["smoke"]
@@ -364,7 +364,7 @@ class VerifyItem(pytest.Item):
 
     def runtest(self):
         from verification.record import append_record
-        from verification.runner import note_self_judged, run_cell
+        from verification.run_cell import note_self_judged, run_cell
         lb, route, case = self.cell
         st = _state(self.config)
         if not lb.available:

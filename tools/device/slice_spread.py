@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     from kda_ref.truth import truth
     from verification.baselines import _tensors, baseline_metrics
     from verification.metrics import compare
-    from verification.runner import load, resolve_routes
+    from verification.run_select import load, resolve_routes
     from verification.verdict import slice_errors
     loaded = {}
     for name in a.backends.split(","):

@@ -146,14 +146,14 @@ def check_route(backend_name: str, route_name, recipe: str):
     """(backend name, Route) that check judges under, taken where run takes them: when
     ``backend_name`` is a backend kda-verify loads (a built-in name or package.module:factory) and
     a route is named, the backend's own Route object with its flags (moonshot's
-    ``cutlass:state=bf16`` declares state_dtype bf16), found by verification.runner.resolve_routes
+    ``cutlass:state=bf16`` declares state_dtype bf16), found by verification.run_select.resolve_routes
     as run finds --route (a name the backend lacks is a UsageError naming --route and the
     choices), claiming ``recipe``; any other backend name (the default ``external``), or no
     route named, gives a plain Route of that name (default: the recipe's) claiming ``recipe``."""
     import dataclasses
 
     from kda_kernels.base import BackendError, Route
-    from verification.runner import load, resolve_routes
+    from verification.run_select import load, resolve_routes
     if not route_name:
         return backend_name, Route(name=recipe, recipe=recipe)
     try:

@@ -96,7 +96,9 @@ def run(args) -> int:
     from verification.cases import FUZZ_N, FUZZ_SEED
     from verification.errors import Interrupted, UsageError, writable_dir
     from verification.devices import check_device
-    from verification.runner import cell_key, check_resume, load, plan, run_matrix
+    from verification.record import cell_key
+    from verification.run_matrix import run_matrix
+    from verification.run_select import check_resume, load, plan
 
     started = time.perf_counter()
     from verification.serving.command import SUITE, check_serving_args, run_serving
@@ -170,7 +172,7 @@ def finish(args, summary, started: float, reason_chars: int = 240, breakdown_lin
 
     from verification.errors import Interrupted
     from verification.policy import exit_code, headline, nothing_verified_reason
-    from verification.runner import clip_words
+    from verification.run_progress import clip_words
     print(f"{summary.ran} cells run, {summary.resumed} already done")
     print(headline(summary.records, summary.not_run or 0))
     if summary.stopped_early:

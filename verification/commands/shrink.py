@@ -101,7 +101,8 @@ def run(args) -> int:
     case = get_case(case_id, n=fuzz_n, seed=fuzz_seed)
     from verification.selection import setup_interpreter
     from verification.devices import check_device
-    from verification.runner import load, resolve_routes, use_device
+    from verification.run_cell import use_device
+    from verification.run_select import load, resolve_routes
     device = check_device(args.device)
     out = writable_dir(args.out, "--out")
     note = setup_interpreter([spec], device)

@@ -160,7 +160,7 @@ def run_serving_cell(prefill_lb, decode_lb, rp, rd, case, db, cache: TraceCache,
     stream that a long trace (LONG_STEPS steps or more) writes a line to every LONG_STEPS steps."""
     from verification.metrics import dtype_name
     from verification.record import encode, new_record
-    from verification.runner import _errored, _Said
+    from verification.run_cell import _errored, _Said
     from verification.verdict import decide, known_failure_entry
     backend, route, recipe = cell_names(prefill_lb, decode_lb, rp, rd)
     rec = new_record(backend=backend,
@@ -222,7 +222,7 @@ def run_serving_cell(prefill_lb, decode_lb, rp, rd, case, db, cache: TraceCache,
     rec["serving"] = encode(srv)
     status = {"not-applicable": "not-applicable"}.get(res.status, res.status)
     kf = known_failure_entry(db, rec["backend"], rec["route"], rec["case"], rec.get("params"))
-    from verification.runner import note_self_judged
+    from verification.run_cell import note_self_judged
     return note_self_judged(decide(_Said(status, res.reason), known_failure=kf).apply_to(rec))
 
 

@@ -67,7 +67,7 @@ def select_serving_cases(patterns: list, long: bool) -> list:
 
 def plan_cells(args, device: str):
     """(prefill LoadedBackend, decode LoadedBackend, [(rp, rd)], cases, selection)."""
-    from verification.runner import load
+    from verification.run_select import load
     from verification.selection import split_list
     from verification.serving.cells import pairings
     spec_a = split_list(args.backend)[0]
@@ -99,7 +99,9 @@ def run_serving(args) -> int:
     from verification.errors import UsageError, writable_dir
     from verification.record import RESULTS_FILE, append_record, read_records, repair_partial_line
     from verification.record import encode as jsonable
-    from verification.runner import Progress, RunSummary, check_resume, _note_interrupted
+    from verification.run_progress import Progress, RunSummary
+    from verification.run_select import check_resume
+    from verification.run_store import note_interrupted as _note_interrupted
     from verification.serving.cells import TraceCache, cell_names, run_serving_cell
     from verification.record import cell_key
     from verification.selection import split_list
