@@ -542,7 +542,8 @@ def pytest_sessionfinish(session, exitstatus):
     if not out or _worker_id(config) is not None:
         return
     from verification import provenance
-    from verification.report import load_results, write_report
+    from verification.report_load import load_results
+    from verification.report_render import write_report
     import json
     d = Path(out)
     if not load_results(d):

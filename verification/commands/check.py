@@ -213,7 +213,7 @@ def run_dir(args) -> int:
     from verification.policy import BAD_INPUT, DEFAULT_RECIPE, exit_code, headline
     from verification.record import (RESULTS_FILE, append_record, cell_key, new_record, read_records, set_judged,
                                      set_problem)
-    from verification.report import write_report
+    from verification.report_render import write_report
     from verification.verdict import decide, known_failure_entry
     from verification.tolerances import load_tolerances
 

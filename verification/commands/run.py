@@ -189,7 +189,7 @@ def finish(args, summary, started: float, reason_chars: int = 240, breakdown_lin
     if args.no_report:
         bd = timing.breakdown(sums, wall_s=time.perf_counter() - started)
     else:
-        from verification.report import write_report
+        from verification.report_render import write_report
         paths = write_report(args.out, timing={"started": started, "sums": sums})
         bd = paths["timing"]
         print(f"report: {paths['md']} {paths['html']}")
