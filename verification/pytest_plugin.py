@@ -53,8 +53,12 @@ author's own tests: ``def test_my_kernel(kda_close): kda_close(my_kernel(problem
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from verification.record import Record
 
 MARKER = "verify"
 _STATE_KEY = "_kda_verify_state"
@@ -330,7 +334,7 @@ class VerifyConfigError(pytest.Item):
         return self.path, None, self.name
 
 
-def _properties(rec: dict) -> list[tuple[str, str]]:
+def _properties(rec: Record) -> list[tuple[str, str]]:
     from verification.record import decode_number as as_float
     props = [("status", rec.status), ("reason", rec.reason or ""),
              ("backend", rec.backend), ("route", rec.route), ("case", rec.case),

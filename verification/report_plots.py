@@ -227,7 +227,7 @@ def plot_error_vs_T(records: list[Record], path: Path) -> Optional[Path]:
     return save_figure(error_vs_T_figure(records), path)
 
 
-def _cell_note(r: dict) -> str:
+def _cell_note(r: Record) -> str:
     """``cell fail (final_state 161)``: the cell's status and its tensors other than o over their
     threshold, with their margins."""
     over = []

@@ -37,7 +37,7 @@ SECTIONS = ("Failing cells", "Known failures", OUT_OF_CONTRACT, "Skipped (not ve
             "Serving traces", "Cells", "Repro", "Where the time went", "Provenance")
 
 
-def _repro(rec: dict, out_dir: Path) -> str:
+def _repro(rec: Record, out_dir: Path) -> str:
     return re.sub(r"--out DIR\b", f"--out {out_dir}/repro", rec.repro)
 
 

@@ -20,11 +20,11 @@ from verification.record import Record, as_records
 from verification.record import decode_number as as_float
 
 
-def route_label(rec: dict) -> str:
+def route_label(rec: Record) -> str:
     return f"{rec.backend}:{rec.route}"
 
 
-def tensor_err(r: dict, name: str) -> tuple[float, float]:
+def tensor_err(r: Record, name: str) -> tuple[float, float]:
     """(err, baseline err) of tensor ``name`` of a record: the verdict's, else the metrics' rel-L2
     (NaN where absent)."""
     t = (r.tensors or {}).get(name) or {}
@@ -35,7 +35,7 @@ def tensor_err(r: dict, name: str) -> tuple[float, float]:
     return e, b
 
 
-def o_err(rec: dict) -> float:
+def o_err(rec: Record) -> float:
     return tensor_err(rec, "o")[0]
 
 
@@ -84,7 +84,7 @@ def finite_pos(x: float) -> bool:
     return math.isfinite(x) and x > 0
 
 
-def o_margin(r: dict) -> float:
+def o_margin(r: Record) -> float:
     m = as_float(((r.tensors or {}).get("o") or {}).get("margin"))
     return math.inf if math.isnan(m) else m
 
@@ -96,12 +96,12 @@ LONG_PREFIX = "long/"
 STATE_TENSORS = ("final_state", "state_cache")       # the first of these a record has is its state
 
 
-def _state_name(r: dict) -> Optional[str]:
+def _state_name(r: Record) -> Optional[str]:
     have = set(r.tensors or {}) | set(r.metrics or {})
     return next((n for n in STATE_TENSORS if n in have), None)
 
 
-def _record_T(r: dict) -> Optional[int]:
+def _record_T(r: Record) -> Optional[int]:
     """The problem's T (a varlen pack: all its tokens): shape, else shape_key, else the params."""
     T = (r.shape or {}).get("T")
     if not T and r.shape_key:
@@ -112,7 +112,7 @@ def _record_T(r: dict) -> Optional[int]:
     return int(T) if T else None
 
 
-def _long_gate(r: dict) -> float:
+def _long_gate(r: Record) -> float:
     p = r.params or {}
     if "lb" in p:
         return as_float(p["lb"])
@@ -216,7 +216,7 @@ def _tensor_margin(t: dict) -> float:
     return math.inf if math.isnan(m) else m
 
 
-def worst_tensor(rec: dict) -> tuple[Optional[str], dict]:
+def worst_tensor(rec: Record) -> tuple[Optional[str], dict]:
     """(name, record) of the tensor of a cell with the largest margin (NaN counted as worst)."""
     best, name = None, None
     for n, t in (rec.tensors or {}).items():
@@ -229,7 +229,7 @@ def worst_tensor(rec: dict) -> tuple[Optional[str], dict]:
     return name, ((rec.tensors or {}).get(name) or {}) if name else {}
 
 
-def _dtypes(rec: dict) -> str:
+def _dtypes(rec: Record) -> str:
     """``o bf16, final_state fp32``; a dtype other than expected as ``fp32 (expected bf16)``."""
     parts = []
     for n, t in (rec.tensors or {}).items():
@@ -278,7 +278,7 @@ FAIL_COLS = ("status", "backend", "route", "case", "tensor", "err", "threshold",
              "slice err", "slice baseline", "slice margin")
 
 
-def failing_row(rec: dict) -> list[str]:
+def failing_row(rec: Record) -> list[str]:
     """The failing-cells table's row of one cell: its worst tensor (whole-tensor err, threshold,
     margin) and that tensor's worst slice (where, err, the baseline's err there, margin)."""
     name, t = worst_tensor(rec)
@@ -298,11 +298,11 @@ def skip_groups(records: list[Record]) -> list[tuple[int, str]]:
     return sorted(((n, k) for k, n in groups.items()), key=lambda x: (-x[0], x[1]))
 
 
-def cell_name(r: dict) -> str:
+def cell_name(r: Record) -> str:
     return f"{r.backend} {r.route} {r.case}"
 
 
-def reason_tail(r: dict, n: int) -> tuple[str, str]:
+def reason_tail(r: Record, n: int) -> tuple[str, str]:
     what = "stderr tail" if r.stderr_tail else "traceback tail"
     text = r.stderr_tail or r.traceback or ""
     return what, "\n".join(text.strip().splitlines()[-n:])
