@@ -156,7 +156,7 @@ def test_a_batch_goes_in_as_thd_with_equal_segments(fake, one_thread):
 def test_a_cell_passes_through_run_cell(fake, one_thread):
     rec = run_cell(cd.CudnnBackend(), _route(), get_case("smoke/initial-state-kv-lb-5"), TruthCache(device="cpu"),
                    BaselineCache(), load_tolerances(), "cpu")
-    assert rec["status"] == "pass", rec["reason"]
+    assert rec.status == "pass", rec.reason
 
 
 # ---------------------------------------------------------------------------- this machine

@@ -82,16 +82,16 @@ def _cell(monkeypatch, fail_times: int, where: str):
 @pytest.mark.parametrize("where", ["oracle", "baseline", "judging", "build"])
 def test_an_out_of_memory_that_persists_is_a_resource_error(monkeypatch, where):
     rec, calls = _cell(monkeypatch, 10 ** 6, where)
-    assert rec["status"] == RESOURCE_ERROR and calls == 2
-    assert RESOURCE_ERROR not in FAILING and RESOURCE_ERROR not in JUDGED and rec["status"] != "pass"
-    assert rec["reason"].startswith("harness out of memory in ") and "not a kernel result" in rec["reason"]
-    assert "OutOfMemoryError" in rec["reason"]
+    assert rec.status == RESOURCE_ERROR and calls == 2
+    assert RESOURCE_ERROR not in FAILING and RESOURCE_ERROR not in JUDGED and rec.status != "pass"
+    assert rec.reason.startswith("harness out of memory in ") and "not a kernel result" in rec.reason
+    assert "OutOfMemoryError" in rec.reason
 
 
 @pytest.mark.parametrize("where", ["oracle", "baseline", "judging", "build"])
 def test_one_out_of_memory_is_retried_and_the_cell_judged(monkeypatch, where):
     rec, calls = _cell(monkeypatch, 1, where)
-    assert rec["status"] in JUDGED and rec["status"] != RESOURCE_ERROR, rec.get("reason")
+    assert rec.status in JUDGED and rec.status != RESOURCE_ERROR, rec.reason
 
 
 def test_another_harness_exception_stays_an_error(monkeypatch):
@@ -102,7 +102,7 @@ def test_another_harness_exception_stays_an_error(monkeypatch):
     lb = run_select.load("emulator")
     route = run_select.resolve_routes(lb, ["flashkda"])[0]
     rec = run_cell(lb, route, get_case(CASE), TruthCache("cpu"), BaselineCache(), load_tolerances(), "cpu")
-    assert rec["status"] == "error" and "oracle/baseline raised ValueError" in rec["reason"]
+    assert rec.status == "error" and "oracle/baseline raised ValueError" in rec.reason
 
 
 def test_a_run_with_a_resource_error_and_no_failure_exits_2():
@@ -138,9 +138,9 @@ def _kernel_cell(monkeypatch, fail_times: int):
 
 def test_a_kernel_out_of_memory_is_retried_once_and_then_an_error_naming_it(monkeypatch):
     rec, _ = _kernel_cell(monkeypatch, 1)
-    assert rec["status"] in JUDGED and rec["timings"]["kernel_oom_retried"] == 1, rec.get("reason")
+    assert rec.status in JUDGED and rec.timings["kernel_oom_retried"] == 1, rec.reason
     rec, calls = _kernel_cell(monkeypatch, 10 ** 6)
-    assert calls == 2 and rec["status"] == "error"
-    assert "out of memory twice" in rec["reason"] and "OutOfMemoryError" in rec["reason"]
+    assert calls == 2 and rec.status == "error"
+    assert "out of memory twice" in rec.reason and "OutOfMemoryError" in rec.reason
     rec, _ = _kernel_cell(monkeypatch, 0)
-    assert rec["status"] in JUDGED and "kernel_oom_retried" not in rec["timings"]
+    assert rec.status in JUDGED and "kernel_oom_retried" not in rec.timings

@@ -85,8 +85,8 @@ def test_run_cell_on_cuda_records_guards(backend):
     case = get_case("smoke/paged-lb-5")
     rec = run_cell(backend, backend.route("seg:cps=1"), case, TruthCache(device="cuda"), BaselineCache(),
                    load_tolerances(), "cuda")          # guards default on for CUDA
-    assert rec["guards"]["ok"], rec["guards"]
-    assert rec["status"] == "pass", rec["reason"]
+    assert rec.guards["ok"], rec.guards
+    assert rec.status == "pass", rec.reason
 
 
 def _planted(name, edits, what, tmp_path):

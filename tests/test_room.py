@@ -33,7 +33,7 @@ def test_a_case_larger_than_the_device_is_skipped_before_it_is_built(monkeypatch
     lb = as_loaded("emulator")
     route = resolve_routes(lb, ["flashkda"])[0]
     rec = run_cell(lb, route, c, TruthCache("cpu"), BaselineCache(), None, device="cpu")
-    assert rec["status"] == "skipped" and rec["reason"] == why and built == []
+    assert rec.status == "skipped" and rec.reason == why and built == []
     monkeypatch.setattr(room, "_total", lambda device: 141 * 2 ** 30)
     assert room.no_room(c, "cpu") is None
 

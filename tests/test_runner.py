@@ -66,7 +66,7 @@ def test_an_interrupted_run_resumes_without_losing_or_repeating_a_cell(tmp_path,
     seen = []
 
     def interrupt_after_three(rec):
-        seen.append(rec["key"])
+        seen.append(rec.key)
         if len(seen) == 3:
             raise KeyboardInterrupt
 

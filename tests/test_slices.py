@@ -195,10 +195,10 @@ def test_check_run_and_pytest_give_the_same_verdict_on_the_same_outputs(tmp_path
                                        "--kda-case", cid, "--kda-device", "cpu", "--kda-report", str(rep))
     plugged = [r for f in rep.glob("results*.jsonl") for r in map(json.loads, f.read_text().splitlines())]
     assert len(plugged) == 1, "\n".join(res.outlines)
-    assert rec["status"] == checked["status"] == plugged[0]["status"] == "fail"
-    assert rec["reason"] == checked["reason"] == plugged[0]["reason"]
+    assert rec.status == checked["status"] == plugged[0]["status"] == "fail"
+    assert rec.reason == checked["reason"] == plugged[0]["reason"]
     for name in ("o", "final_state"):
-        margins = (rec["tensors"][name]["margin"], checked["tensors"][name]["margin"], plugged[0]["tensors"][name]["margin"])
+        margins = (rec.tensors[name]["margin"], checked["tensors"][name]["margin"], plugged[0]["tensors"][name]["margin"])
         assert max(margins) - min(margins) <= 1e-12 * max(margins), margins
 
 

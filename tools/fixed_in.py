@@ -108,8 +108,8 @@ def recipe_verdicts(records: dict) -> dict:
     """{"fixed": [builds], "fails": [builds]} from recipe_cells' records, in RECIPE_BUILDS' names."""
     res = {"fixed": [], "fails": []}
     for name, rec in records.items():
-        if rec["status"] in ("pass",) + FAILED + ("error",):
-            res["fixed" if rec["status"] == "pass" else "fails"].append(RECIPE_BUILDS.get(name, f"recipe {name}"))
+        if rec.status in ("pass",) + FAILED + ("error",):
+            res["fixed" if rec.status == "pass" else "fails"].append(RECIPE_BUILDS.get(name, f"recipe {name}"))
     return res
 
 

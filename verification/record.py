@@ -151,6 +151,7 @@ class Record:
     contract_verdict = _extra("contract_verdict", "the verdict an out-of-contract cell would have had")
     self_judged = _extra("self_judged", "True on an emulator cell judged against its own recipe")
     isolated = _extra("isolated", "True when the cell ran in a child process (--isolate)")
+    serving = _extra("serving", "a serving-trace cell's pairing, steps, diagnosis, failures and drift")
 
     # ---- the dict form's reads and writes, for code that still indexes records by name ------
     def __getitem__(self, name: str):
