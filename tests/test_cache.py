@@ -13,7 +13,7 @@ import torch
 from verification.running import cache
 from verification.judging.baselines import BaselineCache
 from verification.running.cases import get_case
-from verification.running.runner import TruthCache
+from verification.running.run_cell import TruthCache
 
 CASE = "smoke/dense-T64-lb-5"
 PAGED = "smoke/paged-lb-5"
@@ -270,7 +270,7 @@ def test_the_breakdown_counts_loads_apart():
 WAITER = """
 import sys, time
 from verification.running.cases import get_case
-from verification.running.runner import TruthCache
+from verification.running.run_cell import TruthCache
 tc = TruthCache()
 case = get_case(sys.argv[1])
 print("ready", flush=True)

@@ -104,7 +104,8 @@ def test_check_judges_a_route_under_the_flags_run_gives_it(monkeypatch, tmp_path
     from kda_kernels.moonshot import MoonshotBackend, state_dtype
     from kda_kernels.base import Outputs
     from verification.judging.baselines import BaselineCache
-    from verification.running.runner import TruthCache, load, run_cell
+    from verification.running.run_cell import TruthCache, run_cell
+    from verification.running.run_select import load
     from verification.judging.tolerances import load_tolerances
 
     def run(self, p, route):           # what flash_kda computes: the moonshot recipe, states in the route's dtype
@@ -117,7 +118,7 @@ def test_check_judges_a_route_under_the_flags_run_gives_it(monkeypatch, tmp_path
     lb = load("moonshot")
     route = next(r for r in lb.backend.routes() if r.name == "cutlass:state=bf16")
     rec = run_cell(lb, route, case, TruthCache("cpu"), BaselineCache(), load_tolerances(), device="cpu", guards=False)
-    assert rec["status"] == "pass", rec["reason"]
+    assert rec.status == "pass", rec.reason
     p = case.build()
     out = lb.backend.run(p, route)
     assert out.final_state.dtype == torch.bfloat16
@@ -127,7 +128,7 @@ def test_check_judges_a_route_under_the_flags_run_gives_it(monkeypatch, tmp_path
     args = ["check", "--inputs", inputs, "--outputs", outputs, "--recipe", "moonshot", "--backend-name", "moonshot"]
     assert main(args + ["--route", route.name, "--json"]) == 0
     checked = json.loads(capsys.readouterr().out)
-    assert (checked["status"], checked["reason"]) == (rec["status"], rec["reason"])
+    assert (checked["status"], checked["reason"]) == (rec.status, rec.reason)
     assert checked["tensors"]["final_state"]["expected_dtype"] == "bf16"
     # the fp32 route declares fp32 states: the same bf16 state is the wrong dtype there
     assert main(args + ["--route", "cutlass:state=fp32", "--json"]) == 1

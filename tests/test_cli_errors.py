@@ -112,11 +112,11 @@ def test_debug_of_a_backend_without_passes_is_one_line(capsys):
 
 
 def test_ctrl_c_during_run_prints_interrupted_once(tmp_path, monkeypatch, capsys):
-    import verification.running.runner as runner
+    import verification.running.run_matrix as matrix_module
 
     def interrupted(*a, **kw):
         raise KeyboardInterrupt
-    monkeypatch.setattr(runner, "run_matrix", interrupted)
+    monkeypatch.setattr(matrix_module, "run_matrix", interrupted)
     rc = main(["run", "--backend", "emulator", "--suite", "smoke", "--case", DENSE, "--out", str(tmp_path / "r")])
     line = _one_line(capsys, rc, 130, "kda-verify run: interrupted", "--resume")
     assert line.count("interrupted") == 1

@@ -20,7 +20,7 @@ from kda_ref.problem import Problem
 from verification.running.cases import get_case
 from verification.cli import main
 from verification.judging.baselines import BaselineCache
-from verification.running.runner import TruthCache, run_cell
+from verification.running.run_cell import TruthCache, run_cell
 from verification.judging.tolerances import load_tolerances
 
 BF = torch.bfloat16
@@ -156,7 +156,7 @@ def test_a_batch_goes_in_as_thd_with_equal_segments(fake, one_thread):
 def test_a_cell_passes_through_run_cell(fake, one_thread):
     rec = run_cell(cd.CudnnBackend(), _route(), get_case("smoke/initial-state-kv-lb-5"), TruthCache(device="cpu"),
                    BaselineCache(), load_tolerances(), "cpu")
-    assert rec["status"] == "pass", rec["reason"]
+    assert rec.status == "pass", rec.reason
 
 
 # ---------------------------------------------------------------------------- this machine

@@ -13,7 +13,8 @@ import torch
 
 from verification.cli import main
 from verification.judging.policy import headline, nothing_verified_reason
-from verification.running.runner import SELF_JUDGED, note_self_judged
+from verification.judging.record import Record
+from verification.running.run_cell import SELF_JUDGED, note_self_judged
 from kda_test_backends import write_tolerances
 
 pytest_plugins = ["pytester"]
@@ -53,11 +54,11 @@ def test_headline_forms():
 
 
 def test_emulator_rows_say_they_judge_the_emulator_against_itself():
-    rec = note_self_judged({"backend": "emulator", "status": "pass", "reason": ""})
-    assert rec["reason"] == SELF_JUDGED and rec["self_judged"] and "only the cap judges" in SELF_JUDGED
-    assert note_self_judged(dict(rec))["reason"] == SELF_JUDGED                 # said once
-    assert note_self_judged({"backend": "triton", "status": "pass", "reason": ""})["reason"] == ""
-    assert note_self_judged({"backend": "emulator", "status": "skipped", "reason": "r"})["reason"] == "r"
+    rec = note_self_judged(Record(backend="emulator", status="pass"))
+    assert rec.reason == SELF_JUDGED and rec.self_judged and "only the cap judges" in SELF_JUDGED
+    assert note_self_judged(rec).reason == SELF_JUDGED                          # said once
+    assert note_self_judged(Record(backend="triton", status="pass")).reason == ""
+    assert note_self_judged(Record(backend="emulator", status="skipped", reason="r")).reason == "r"
 
 
 def _nothing(capsys, rc, backend_words):

@@ -78,14 +78,14 @@ def test_run_draws_n_cases_and_each_repro_line_reruns_its_cell_alone(tmp_path, c
     recs = read_records(out / RESULTS_FILE, strict=True)
     assert [r["case"] for r in recs] == ["fuzz/fuzz0-025", "fuzz/fuzz0-026"]
     rec = recs[0]
-    assert "--fuzz-n 30 --fuzz-seed 0" in rec["repro"], rec["repro"]
-    argv = shlex.split(rec["repro"].replace("--out DIR", f"--out {tmp_path / 'again'}"))
+    assert "--fuzz-n 30 --fuzz-seed 0" in rec.repro, rec.repro
+    argv = shlex.split(rec.repro.replace("--out DIR", f"--out {tmp_path / 'again'}"))
     assert argv[:2] == ["kda-verify", "run"]
     assert main([*argv[1:], "--no-report", "--tolerances", tol]) == 0
     again = read_records(tmp_path / "again" / RESULTS_FILE, strict=True)
-    assert len(again) == 1 and again[0]["key"] == rec["key"]
-    assert again[0]["params"] == rec["params"] and again[0]["seed"] == rec["seed"]
-    assert again[0]["tensors"]["o"]["err"] == rec["tensors"]["o"]["err"]
+    assert len(again) == 1 and again[0]["key"] == rec.key
+    assert again[0]["params"] == rec.params and again[0]["seed"] == rec.seed
+    assert again[0]["tensors"]["o"]["err"] == rec.tensors["o"]["err"]
     # without the draw's n the id is not in the (default) draw, and the error says why
     rc, cap = _run(tmp_path, capsys, "--suite", "fuzz", "--case", "fuzz/fuzz0-025", "--out", str(tmp_path / "x"))
     assert rc == 2 and "(fuzz ids depend on the draw: this one is --fuzz-n 20 --fuzz-seed 0)" in cap.err

@@ -160,7 +160,7 @@ def test_backend_without_buffers_checks_the_cache_it_returns(paged):
 def test_run_cell_records_guards_and_fails_a_violation():
     from verification.running.cases import Case
     from verification.judging.baselines import BaselineCache
-    from verification.running.runner import TruthCache, run_cell
+    from verification.running.run_cell import TruthCache, run_cell
     from verification.judging.tolerances import load_tolerances
 
     case = Case(name="paged-pad", suite="guards", seed=5,

@@ -6,11 +6,11 @@ import importlib
 import pytest
 import torch
 
-from verification.running import runner
+from verification.running import run_select
 from verification.running.cases import get_case
 from verification.judging.policy import FAILING, JUDGED, RESOURCE_ERROR
 from verification.judging.baselines import BaselineCache
-from verification.running.runner import TruthCache, harness_call, is_out_of_memory, run_cell
+from verification.running.run_cell import TruthCache, harness_call, is_out_of_memory, run_cell
 from verification.judging.tolerances import load_tolerances
 
 truth_mod = importlib.import_module("kda_ref.truth")     # the module (kda_ref.truth is also the function)
@@ -74,24 +74,24 @@ def _cell(monkeypatch, fail_times: int, where: str):
     elif where == "build":
         import verification.running.cases as cases
         monkeypatch.setattr(cases, "build_problem", planted(cases.build_problem))
-    lb = runner.load("emulator")
-    route = runner.resolve_routes(lb, ["flashkda"])[0]
+    lb = run_select.load("emulator")
+    route = run_select.resolve_routes(lb, ["flashkda"])[0]
     return run_cell(lb, route, get_case(CASE), TruthCache("cpu"), BaselineCache(), load_tolerances(), "cpu"), counter["n"]
 
 
 @pytest.mark.parametrize("where", ["oracle", "baseline", "judging", "build"])
 def test_an_out_of_memory_that_persists_is_a_resource_error(monkeypatch, where):
     rec, calls = _cell(monkeypatch, 10 ** 6, where)
-    assert rec["status"] == RESOURCE_ERROR and calls == 2
-    assert RESOURCE_ERROR not in FAILING and RESOURCE_ERROR not in JUDGED and rec["status"] != "pass"
-    assert rec["reason"].startswith("harness out of memory in ") and "not a kernel result" in rec["reason"]
-    assert "OutOfMemoryError" in rec["reason"]
+    assert rec.status == RESOURCE_ERROR and calls == 2
+    assert RESOURCE_ERROR not in FAILING and RESOURCE_ERROR not in JUDGED and rec.status != "pass"
+    assert rec.reason.startswith("harness out of memory in ") and "not a kernel result" in rec.reason
+    assert "OutOfMemoryError" in rec.reason
 
 
 @pytest.mark.parametrize("where", ["oracle", "baseline", "judging", "build"])
 def test_one_out_of_memory_is_retried_and_the_cell_judged(monkeypatch, where):
     rec, calls = _cell(monkeypatch, 1, where)
-    assert rec["status"] in JUDGED and rec["status"] != RESOURCE_ERROR, rec.get("reason")
+    assert rec.status in JUDGED and rec.status != RESOURCE_ERROR, rec.reason
 
 
 def test_another_harness_exception_stays_an_error(monkeypatch):
@@ -99,20 +99,21 @@ def test_another_harness_exception_stays_an_error(monkeypatch):
         raise ValueError("oracle broke")
 
     monkeypatch.setattr(truth_mod, "truth", broken)
-    lb = runner.load("emulator")
-    route = runner.resolve_routes(lb, ["flashkda"])[0]
+    lb = run_select.load("emulator")
+    route = run_select.resolve_routes(lb, ["flashkda"])[0]
     rec = run_cell(lb, route, get_case(CASE), TruthCache("cpu"), BaselineCache(), load_tolerances(), "cpu")
-    assert rec["status"] == "error" and "oracle/baseline raised ValueError" in rec["reason"]
+    assert rec.status == "error" and "oracle/baseline raised ValueError" in rec.reason
 
 
 def test_a_run_with_a_resource_error_and_no_failure_exits_2():
-    from verification.running.runner import RunSummary
+    from verification.judging.record import Record
+    from verification.running.run_progress import RunSummary
     s = RunSummary(out_dir=None)
-    s.records = [{"status": "pass"}, {"status": "resource-error"}]
+    s.records = [Record(status="pass"), Record(status="resource-error")]
     assert s.exit_code == 2
-    s.records = [{"status": "fail"}, {"status": "resource-error"}]
+    s.records = [Record(status="fail"), Record(status="resource-error")]
     assert s.exit_code == 1
-    s.records = [{"status": "pass"}]
+    s.records = [Record(status="pass")]
     assert s.exit_code == 0
 
 
@@ -130,16 +131,16 @@ def _kernel_cell(monkeypatch, fail_times: int):
         return real(self, problem, route)
 
     monkeypatch.setattr(EmulatorBackend, "run", run)
-    lb = runner.load("emulator")
-    route = runner.resolve_routes(lb, ["flashkda"])[0]
+    lb = run_select.load("emulator")
+    route = run_select.resolve_routes(lb, ["flashkda"])[0]
     return run_cell(lb, route, get_case(CASE), TruthCache("cpu"), BaselineCache(), load_tolerances(), "cpu"), counter["n"]
 
 
 def test_a_kernel_out_of_memory_is_retried_once_and_then_an_error_naming_it(monkeypatch):
     rec, _ = _kernel_cell(monkeypatch, 1)
-    assert rec["status"] in JUDGED and rec["timings"]["kernel_oom_retried"] == 1, rec.get("reason")
+    assert rec.status in JUDGED and rec.timings["kernel_oom_retried"] == 1, rec.reason
     rec, calls = _kernel_cell(monkeypatch, 10 ** 6)
-    assert calls == 2 and rec["status"] == "error"
-    assert "out of memory twice" in rec["reason"] and "OutOfMemoryError" in rec["reason"]
+    assert calls == 2 and rec.status == "error"
+    assert "out of memory twice" in rec.reason and "OutOfMemoryError" in rec.reason
     rec, _ = _kernel_cell(monkeypatch, 0)
-    assert rec["status"] in JUDGED and "kernel_oom_retried" not in rec["timings"]
+    assert rec.status in JUDGED and "kernel_oom_retried" not in rec.timings

@@ -46,10 +46,7 @@ def test_no_module_re_exports_what_it_imports():
     assert not bad, "imported but unused (a re-export: import it from its home instead):\n" + "\n".join(bad)
 
 
-# importers that still take a name through a module that only imports it: the rewrite of
-# verification/investigating/shrink.py and runner.py (as_float, BaselineCache) removes these
-THROUGH_EXCEPTIONS = {"verification/investigating/shrink.py": {("verification.running.runner", "as_float"),
-                                                 ("verification.running.runner", "BaselineCache")}}
+THROUGH_EXCEPTIONS: dict = {}      # none left
 
 
 def _module_name(path: Path) -> str:
@@ -59,8 +56,7 @@ def _module_name(path: Path) -> str:
 
 def test_importers_name_the_home_of_what_they_import():
     """No module, test or tool imports a name from a module of the packages that itself only
-    imports it (``from verification.running.runner import jsonable`` where verification.judging.record defines
-    it as ``encode``): the importer names the module that defines it.  A package's __init__ and
+    imports it (e.g. ``encode`` of verification.judging.record taken through another module that imports it): the importer names the module that defines it.  A package's __init__ and
     the facades in EXCEPTIONS are homes by design."""
     borrowed = {}
     for pkg in PACKAGES:

@@ -80,13 +80,13 @@ def test_guards_production_shape(backend):
 def test_run_cell_on_cuda_records_guards(backend):
     from verification.running.cases import get_case
     from verification.judging.baselines import BaselineCache
-    from verification.running.runner import TruthCache, run_cell
+    from verification.running.run_cell import TruthCache, run_cell
     from verification.judging.tolerances import load_tolerances
     case = get_case("smoke/paged-lb-5")
     rec = run_cell(backend, backend.route("seg:cps=1"), case, TruthCache(device="cuda"), BaselineCache(),
                    load_tolerances(), "cuda")          # guards default on for CUDA
-    assert rec["guards"]["ok"], rec["guards"]
-    assert rec["status"] == "pass", rec["reason"]
+    assert rec.guards["ok"], rec.guards
+    assert rec.status == "pass", rec.reason
 
 
 def _planted(name, edits, what, tmp_path):

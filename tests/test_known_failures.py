@@ -3,7 +3,8 @@ reason (and does not fail the run); an unlisted one still fails; the schema is e
 import pytest
 
 from verification.judging.policy import FAILING
-from verification.running.runner import apply_known_failure
+from verification.judging.record import Record
+from verification.running.run_cell import apply_known_failure
 from verification.errors import ToleranceError
 from verification.judging.tolerances import load_tolerances, parse_tolerances
 
@@ -17,15 +18,15 @@ def _rec(status="fail", backend="emulator", route="moonshot", case="smoke/correl
     """A record as the runner writes it: with the case's parameters (a fuzz id gets them from _fuzz_rec)."""
     from verification.running.cases import get_case
     params = {} if case.startswith("fuzz/") else dict(get_case(case).params)
-    return {"backend": backend, "route": route, "case": case, "params": params, "status": status,
-            "reason": "o: rel_l2 3.4 > 0.05"}
+    return Record(backend=backend, route=route, case=case, params=params, status=status,
+                  reason="o: rel_l2 3.4 > 0.05")
 
 
 def test_listed_failure_becomes_known_fail_with_its_reason():
     db = load_tolerances()
     rec = apply_known_failure(_rec(), db)
-    assert rec["status"] == "known-fail" and "known-fail" not in FAILING
-    assert "fp16 accumulation" in rec["reason"] and rec["known_failure"]["status"] == "fail"
+    assert rec.status == "known-fail" and "known-fail" not in FAILING
+    assert "fp16 accumulation" in rec.reason and rec.known_failure["status"] == "fail"
 
 
 def test_unlisted_failure_still_fails():
@@ -36,7 +37,7 @@ def test_unlisted_failure_still_fails():
 
 def test_a_listed_cell_that_passes_is_flagged_as_stale():
     rec = apply_known_failure(_rec(status="pass"), load_tolerances())
-    assert rec["status"] == "pass" and "remove the entry" in rec["reason"]
+    assert rec.status == "pass" and "remove the entry" in rec.reason
 
 
 def test_known_failure_schema_errors_name_the_field():
@@ -58,7 +59,9 @@ def _fuzz_rec(i: int, status="fail", route="moonshot", **change):
     from verification.running.cases import get_suite
     case = {c.name: c for c in get_suite("fuzz", n=300, seed=0)}[f"fuzz0-{i:03d}"]
     params = {**case.params, **change}
-    return {**_rec(status=status, route=route, case=case.id), "params": params}
+    rec = _rec(status=status, route=route, case=case.id)
+    rec.params = params
+    return rec
 
 
 def _moonshot_entry():
@@ -67,21 +70,21 @@ def _moonshot_entry():
 
 def test_fuzz_case_with_the_known_parameters_is_known_fail():
     rec = apply_known_failure(_fuzz_rec(148), load_tolerances())        # rho 0.9, beta_raw 4, lb -0.3
-    assert rec["status"] == "known-fail" and "fp16 accumulation" in rec["reason"]
-    assert rec["known_failure"]["params"] == "rho>=0.9, beta_raw>=4, lb>=-0.3"
-    assert "parameters rho>=0.9, beta_raw>=4, lb>=-0.3" in rec["reason"]
+    assert rec.status == "known-fail" and "fp16 accumulation" in rec.reason
+    assert rec.known_failure["params"] == "rho>=0.9, beta_raw>=4, lb>=-0.3"
+    assert "parameters rho>=0.9, beta_raw>=4, lb>=-0.3" in rec.reason
 
 
 def test_fuzz_failures_outside_the_parameters_still_fail():
     db = load_tolerances()
     for rec in (_fuzz_rec(148, rho=0.5), _fuzz_rec(148, lb=-1.0), _fuzz_rec(148, beta_raw=0.0),
                 _fuzz_rec(148, route="flashkda"), _fuzz_rec(0)):
-        assert apply_known_failure(rec, db)["status"] == "fail", rec["params"]
+        assert apply_known_failure(rec, db)["status"] == "fail", rec.params
     no_beta = _fuzz_rec(148)
     del no_beta["params"]["beta_raw"]                      # unset: no default is filled in
     assert apply_known_failure(no_beta, db)["status"] == "fail"
     no_params = _fuzz_rec(148)
-    del no_params["params"]                                # a record without params matches no params entry
+    no_params.params = {}                                  # a record without params matches no params entry
     assert apply_known_failure(no_params, db)["status"] == "fail"
 
 
@@ -108,8 +111,8 @@ def test_the_moonshot_entry_still_matches_exactly_the_named_correlated_cases():
 
 def test_a_passing_case_in_the_region_is_noted_but_not_called_stale():
     rec = apply_known_failure(_fuzz_rec(125, status="pass"), load_tolerances())
-    assert rec["status"] == "pass" and "match the known failure at tolerances.yaml line" in rec["reason"]
-    assert "once no case of that region fails, remove the entry" in rec["reason"]
+    assert rec.status == "pass" and "match the known failure at tolerances.yaml line" in rec.reason
+    assert "once no case of that region fails, remove the entry" in rec.reason
 
 
 KF = "known_failures:\n  - {backend: emulator, route: moonshot, case: '*', reason: d, evidence: e, params: %s}\n"
@@ -154,23 +157,24 @@ def test_bad_params_name_the_entry_the_field_what_was_expected_and_what_came(val
 def test_calibrate_leaves_a_params_matched_fuzz_failure_out():
     from verification.investigating.calibrate import collect_groups
     db = load_tolerances()
-    rec = {**_fuzz_rec(148), "dtype": "bf16", "metrics": {"o": {"rel_l2": 0.065, "tail_rel_l2": 0.065}}}
+    rec, other = _fuzz_rec(148), _fuzz_rec(148, rho=0.5)
+    for r in (rec, other):
+        r.dtype, r.metrics = "bf16", {"o": {"rel_l2": 0.065, "tail_rel_l2": 0.065}}
     assert collect_groups([rec], db) == {}
-    assert collect_groups([{**rec, "params": {**rec["params"], "rho": 0.5}}], db) != {}
+    assert collect_groups([other], db) != {}
 
 
 @pytest.mark.slow
 def test_run_reports_a_fuzz_case_in_the_region_as_known_fail(tmp_path, capsys):
-    import json
-
     from verification.cli import main
+    from verification.judging.record import read_records
     out = tmp_path / "fz"
     assert main(["run", "--backend", "emulator", "--route", "moonshot", "--suite", "fuzz", "--case",
                  "fuzz/fuzz0-148", "--fuzz-n", "300", "--out", str(out), "--device", "cpu"]) == 0
     capsys.readouterr()
-    (rec,) = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    assert rec["status"] == "known-fail" and rec["known_failure"]["status"] == "fail"
-    assert rec["known_failure"]["params"] == "rho>=0.9, beta_raw>=4, lb>=-0.3"
+    (rec,) = read_records(out / "results.jsonl")
+    assert rec.status == "known-fail" and rec.known_failure["status"] == "fail"
+    assert rec.known_failure["params"] == "rho>=0.9, beta_raw>=4, lb>=-0.3"
 
 
 def test_every_numeric_parameter_a_suite_sets_can_be_conditioned_on():

@@ -3,7 +3,8 @@ a fuzz case's empty sequences and initial states live in lists and strings (``le
 ``paged_new``) that no ``params`` condition can name, so the matcher sees numbers derived from them."""
 import pytest
 
-from verification.running.runner import apply_known_failure
+from verification.judging.record import Record
+from verification.running.run_cell import apply_known_failure
 from verification.errors import ToleranceError
 from verification.judging.tolerances import DERIVED_PARAMS, match_params, parse_tolerances
 
@@ -82,8 +83,8 @@ def _db(params: str):
 
 
 def _rec(params, status="fail"):
-    return {"backend": "aiter", "route": "triton:unseg", "case": "fuzz/fuzz0-022", "params": params,
-            "status": status, "reason": "o: 66.7% NaN"}
+    return Record(backend="aiter", route="triton:unseg", case="fuzz/fuzz0-022", params=params,
+                  status=status, reason="o: 66.7% NaN")
 
 
 def test_a_known_failure_matches_an_empty_sequence_before_the_last():
@@ -107,7 +108,8 @@ def test_the_real_fuzz_case_is_matched_from_its_id_and_draw():
     from verification.running.cases import get_case
     case = get_case("fuzz/fuzz0-022", n=300)          # lens [0, 96]: aiter returns NaN on H200
     assert case.params["lens"][0] == 0
-    rec = {**_rec(dict(case.params)), "case": case.id}
+    rec = _rec(dict(case.params))
+    rec.case = case.id
     assert apply_known_failure(rec, _db('{empty_seqs_before_last: ">=1"}'))["status"] == "known-fail"
 
 

@@ -20,7 +20,7 @@ from kda_ref.problem import Problem
 from verification.running.cases import get_case
 from verification.cli import main
 from verification.judging.baselines import BaselineCache
-from verification.running.runner import TruthCache, run_cell
+from verification.running.run_cell import TruthCache, run_cell
 from verification.judging.tolerances import load_tolerances
 
 BF = torch.bfloat16
@@ -204,17 +204,17 @@ def _cell(case_id, route, backend=None):
 @pytest.mark.parametrize("state", ["fp32", "bf16"])
 def test_a_cell_in_contract_passes_through_run_cell(fake, state, one_thread):
     rec = _cell("smoke/initial-state-kv-lb-5", _route(state))
-    assert rec["status"] == "pass", rec["reason"]
-    assert rec["info"]["route_ran"].startswith("flash_kda.fwd launch_fwd<HasStateIn=True")
+    assert rec.status == "pass", rec.reason
+    assert rec.info["route_ran"].startswith("flash_kda.fwd launch_fwd<HasStateIn=True")
 
 
 def test_an_out_of_contract_cell_says_what_the_kernel_returned(fake, one_thread):
     rec = _cell("stress/saturated-gate-lb-5.5", _route())
-    assert rec["status"] == "out-of-contract"
-    assert rec["reason"].startswith("out of contract (lower_bound -5.5 outside the [-5, 0] flash_kda documents; "
+    assert rec.status == "out-of-contract"
+    assert rec.reason.startswith("out of contract (lower_bound -5.5 outside the [-5, 0] flash_kda documents; "
                                     "flash_kda.fwd does not check it); the kernel returned finite values: o rel_l2 ")
-    assert "% exact zeros (oracle " in rec["reason"] and "final_state rel_l2" in rec["reason"]
-    assert rec["contract_verdict"]["status"] in ("pass", "fail", "mistrusted")
+    assert "% exact zeros (oracle " in rec.reason and "final_state rel_l2" in rec.reason
+    assert rec.contract_verdict["status"] in ("pass", "fail", "mistrusted")
     assert "known_failure" not in rec
 
 
@@ -223,8 +223,8 @@ def test_an_out_of_contract_cell_that_raises_says_so(fake, one_thread):
         raise RuntimeError("illegal memory access")
     fake.fwd = boom
     rec = _cell("stress/saturated-gate-lb-5.5", _route())
-    assert rec["status"] == "out-of-contract" and rec["contract_verdict"]["status"] == "error"
-    assert rec["reason"].endswith("moonshot cutlass:state=fp32 run raised RuntimeError: illegal memory access")
+    assert rec.status == "out-of-contract" and rec.contract_verdict["status"] == "error"
+    assert rec.reason.endswith("moonshot cutlass:state=fp32 run raised RuntimeError: illegal memory access")
 
 
 # ---------------------------------------------------------------------------- this machine

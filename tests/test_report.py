@@ -6,7 +6,9 @@ import re
 
 import pytest
 
-from verification.reporting.report import load_results, summarize, write_report
+from verification.reporting.report_load import load_results
+from verification.reporting.report_render import write_report
+from verification.reporting.report_summary import summarize
 from verification.judging.record import append_record, cell_key
 
 
@@ -194,7 +196,7 @@ def test_out_of_contract_cells_have_their_own_section_and_never_count_as_pass_or
     assert s["per_route"]["moonshot:cutlass:state=fp32"]["worst_margin"] == pytest.approx(3e-3 / (2 * 2.5e-3 + 1e-6))
     paths = write_report(tmp_path, records=recs, provenance={})
     md, page = paths["md"].read_text(), paths["html"].read_text()
-    from verification.reporting.report import OUT_OF_CONTRACT as title
+    from verification.reporting.report_render import OUT_OF_CONTRACT as title
     section = md.split(f"## {title}", 1)[1].split("\n## ", 1)[0]
     assert "stress/lb-6" in section and "the kernel returned finite values" in section
     assert f"<h2>{title}</h2>" in page and "## Failing cells" not in md
@@ -202,7 +204,7 @@ def test_out_of_contract_cells_have_their_own_section_and_never_count_as_pass_or
 
 
 def test_markdown_and_html_have_the_same_sections_in_the_same_order(tmp_path, records):
-    from verification.reporting.report import OUT_OF_CONTRACT, SECTIONS
+    from verification.reporting.report_render import OUT_OF_CONTRACT, SECTIONS
     extra = [{**_rec("emulator", "moonshot", "smoke/c", "known-fail", 3.4, 5e-3, 64), "reason": "known failure: x"},
              {**_rec("moonshot", "cutlass", "smoke/d", "out-of-contract", 0.3, 3e-3, 64), "reason": "out of contract"}]
     paths = write_report(tmp_path, records=records + extra, provenance={"git": {"commit": "abc"}},
@@ -219,7 +221,7 @@ def test_markdown_and_html_have_the_same_sections_in_the_same_order(tmp_path, re
 def test_clip_never_cuts_mid_word(seed):
     import random
 
-    from verification.reporting.report import clip
+    from verification.reporting.report_summary import clip
     rnd = random.Random(seed)
     words = ["o:", "rel_l2", "0.0103", ">", "threshold", "sequence", "2", "head", "0;", "final_state:", "(tolerance",
              "*/*/bf16/o)", "x" * 30]
@@ -260,7 +262,7 @@ def _overlap(a, b) -> bool:
 
 @pytest.mark.parametrize("n_routes", [3, 24])
 def test_error_vs_T_labels_every_T_and_keeps_titles_whole_and_apart(n_routes):
-    from verification.reporting.report import error_vs_T_figure
+    from verification.reporting.report_plots import error_vs_T_figure
     fig = error_vs_T_figure(_varlen_records(n_routes))
     fig.canvas.draw()
     r = fig.canvas.get_renderer()
@@ -297,7 +299,7 @@ def _pixels(path):
 def test_margin_heatmap_draws_known_fail_in_the_html_colour_and_its_title_fits(tmp_path):
     import numpy as np
 
-    from verification.reporting.report import STATUS_COLOURS, margin_heatmap_figure, plot_margin_heatmap
+    from verification.reporting.report_plots import STATUS_COLOURS, margin_heatmap_figure, plot_margin_heatmap
     recs = [_rec("emulator", "moonshot", "smoke/correlated-weak-lb-0.01", "known-fail", 3.4, 5e-3, 64, margin=264.0),
             _rec("emulator", "flashkda", "smoke/correlated-weak-lb-0.01", "pass", 3e-3, 3e-3, 64)]
     p = plot_margin_heatmap(recs, tmp_path / "h.png")
@@ -316,7 +318,7 @@ def test_margin_heatmap_draws_known_fail_in_the_html_colour_and_its_title_fits(t
 
 
 def test_worst_chunks_legend_gives_o_margin_and_names_the_other_failing_tensor():
-    from verification.reporting.report import worst_chunks_figure
+    from verification.reporting.report_plots import worst_chunks_figure
     r = _rec("emulator-bad", "carry_scaled", "smoke/a", "fail", 3e-3, 2.5e-3, 64, curve=[3e-3, 3e-3])
     r["tensors"]["o"]["margin"] = 0.6
     r["tensors"]["final_state"] = {"err": 1e-2, "threshold": 5e-3, "margin": 2.15}

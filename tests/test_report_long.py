@@ -1,7 +1,9 @@
 """The report's long-context plot (plots/long_context.png) and its growth table."""
 import pytest
 
-from verification.reporting.report import long_context_figure, long_growth_rows, write_report
+from verification.reporting.report_plots import long_context_figure
+from verification.reporting.report_render import write_report
+from verification.reporting.report_summary import long_growth_rows
 from verification.judging.record import cell_key
 
 LONG_T = (16384, 131072, 262144, 1048576)

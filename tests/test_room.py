@@ -21,7 +21,7 @@ def test_cell_bytes_counts_tokens_heads_and_channels():
 
 def test_a_case_larger_than_the_device_is_skipped_before_it_is_built(monkeypatch):
     from verification.judging.baselines import BaselineCache
-    from verification.running.runner import TruthCache, run_cell
+    from verification.running.run_cell import TruthCache, run_cell
     c = get_case("long/T1048576-H12-lb-5")
     monkeypatch.setattr(room, "_total", lambda device: 24 * 2 ** 30)
     built = []
@@ -29,11 +29,11 @@ def test_a_case_larger_than_the_device_is_skipped_before_it_is_built(monkeypatch
     why = room.no_room(c, "cpu")
     need = room.CELL_BYTES_PER_ELEMENT * 1048576 * 12 * 256 / 2 ** 30
     assert why.startswith(f"device too small: one cell of this case needs about {need:.0f} GiB") and "has 24 GiB" in why
-    from verification.running.runner import as_loaded, resolve_routes
+    from verification.running.run_select import as_loaded, resolve_routes
     lb = as_loaded("emulator")
     route = resolve_routes(lb, ["flashkda"])[0]
     rec = run_cell(lb, route, c, TruthCache("cpu"), BaselineCache(), None, device="cpu")
-    assert rec["status"] == "skipped" and rec["reason"] == why and built == []
+    assert rec.status == "skipped" and rec.reason == why and built == []
     monkeypatch.setattr(room, "_total", lambda device: 141 * 2 ** 30)
     assert room.no_room(c, "cpu") is None
 
@@ -71,7 +71,7 @@ def test_two_processes_never_hold_the_lock_at_once(tmp_path):
 
 
 def test_truth_cache_takes_the_lock_for_a_big_case_and_lets_go_on_the_next(monkeypatch, tmp_path):
-    from verification.running.runner import TruthCache
+    from verification.running.run_cell import TruthCache
     monkeypatch.setenv(room.LOCK_DIR_ENV, str(tmp_path))
     big, small = get_case("long/T1048576-H12-lb-5"), get_case("smoke/dense-T64-lb-5")
     monkeypatch.setattr(room, "is_big", lambda case, device, workers=None: case.id == big.id)

@@ -60,9 +60,9 @@ def test_round_trip_export_capture_check(problems, tmp_path, capsys):
                  "--backend-name", "emulator", "--route", "flashkda", "--json"]) == 0
     single = json.loads(capsys.readouterr().out)
     rec = recs["smoke/paged-lb-5"]
-    assert single["status"] == rec["status"]
+    assert single["status"] == rec.status
     for t, v in single["tensors"].items():
-        assert v["margin"] == pytest.approx(rec["tensors"][t]["margin"], rel=1e-12), t
+        assert v["margin"] == pytest.approx(rec.tensors[t]["margin"], rel=1e-12), t
 
 
 def test_a_planted_failure_a_known_failure_and_a_skip_read_as_such(problems, tmp_path, capsys):

@@ -8,8 +8,8 @@ from verification.running.cases import get_suite
 from verification.cli import main
 from verification.errors import UsageError
 from verification.judging.policy import FAILING
-from verification.judging.record import RESULTS_FILE, read_records
-from verification.running.runner import run_matrix as _run_matrix
+from verification.judging.record import RESULTS_FILE, Record, read_records
+from verification.running.run_matrix import run_matrix as _run_matrix
 from kda_test_backends import write_tolerances
 from kda_kernels.emulator import EmulatorBackend
 
@@ -67,7 +67,7 @@ def test_an_interrupted_run_resumes_without_losing_or_repeating_a_cell(tmp_path,
     seen = []
 
     def interrupt_after_three(rec):
-        seen.append(rec["key"])
+        seen.append(rec.key)
         if len(seen) == 3:
             raise KeyboardInterrupt
 
@@ -171,7 +171,7 @@ def test_cli_run_exit_codes_case_filter_and_report(tmp_path, capsys, run_matrix,
 
 
 def test_routes_across_several_backends():
-    from verification.running.runner import load, plan
+    from verification.running.run_select import load, plan
     emu, exact = load("emulator"), load("kda_test_backends:exact")
     cells = plan([emu, exact], ["flashkda", "r2"], [DENSE])
     assert [(lb.name, r.name) for lb, r, _ in cells] == [("emulator", "flashkda"), ("test-exact", "r2")]
@@ -180,30 +180,29 @@ def test_routes_across_several_backends():
 
 
 def test_progress_bar_on_a_tty_redraws_one_line_with_an_eta():
-    from verification.running.runner import Progress
+    from verification.running.run_progress import Progress
     buf = _quiet()
     p = Progress(4, stream=buf, tty=True)
     for st in ("pass", "fail", "pass", "skipped"):
-        p.step({"status": st, "backend": "b", "route": "r", "case": "c", "reason": ""})
+        p.step(Record(status=st, backend="b", route="r", case="c"))
     out = buf.getvalue()
     assert out.count("\r[") == 4 and out.endswith("\n") and out.count("\n") == 1
     assert "[##########" in out and "4/4 100% ETA 0s" in out and "fail=1 pass=2 skipped=1" in out
 
 
 def test_progress_cuts_a_long_reason_at_a_word_boundary():
-    from verification.running.runner import Progress, clip_words
+    from verification.running.run_progress import Progress, clip_words
     assert clip_words("short", 10) == "short"
     assert clip_words("alpha beta gamma delta", 15) == "alpha beta…"
     assert clip_words("x" * 30, 10) == "x" * 9 + "…"
     reason = "o: rel_l2 " + " ".join(f"word{i:03d}" for i in range(80))     # ~650 characters
     buf = _quiet()
-    Progress(1, stream=buf, tty=False).step({"status": "fail", "backend": "b", "route": "r", "case": "c",
-                                             "reason": reason})
+    Progress(1, stream=buf, tty=False).step(Record(status="fail", backend="b", route="r", case="c", reason=reason))
     line = buf.getvalue().strip()
     assert line.endswith("…") and line[:-1].split()[-1] in reason.split(), line     # a whole word, then "…"
     # the redrawn tty line too: a long case id is cut between words
     buf = _quiet()
-    Progress(1, stream=buf, tty=True).step({"status": "pass", "backend": "b", "route": "r", "reason": "",
-                                            "case": " ".join(f"part{i:03d}" for i in range(60))})
+    Progress(1, stream=buf, tty=True).step(Record(status="pass", backend="b", route="r",
+                                                  case=" ".join(f"part{i:03d}" for i in range(60))))
     line = buf.getvalue().strip()
     assert line.endswith("…") and line[:-1].split()[-1].startswith("part") and len(line[:-1].split()[-1]) == 7

@@ -76,8 +76,8 @@ def test_run_pass_and_fail(baseline, capsys, tmp_path):
     cap = capsys.readouterr()
     assert rc == 1, cap
     rec = read_records(bad / "results.jsonl")[0]
-    assert rec["backend"] == "serving-transposed+serving-exact" and rec["status"] == "fail"
-    assert rec["serving"]["diagnosis"].startswith("layout disagreement: prefill serving-transposed:exact-prefill "
+    assert rec.backend == "serving-transposed+serving-exact" and rec.status == "fail"
+    assert rec.serving["diagnosis"].startswith("layout disagreement: prefill serving-transposed:exact-prefill "
                                                   "wrote slot")
     assert "layout disagreement" in (bad / "report.md").read_text()
 
@@ -99,8 +99,8 @@ def test_no_baseline_is_not_applicable(monkeypatch, capsys, tmp_path):
     cap = capsys.readouterr()
     assert rc == 2, cap
     rec = read_records(tmp_path / "n" / "results.jsonl")[0]
-    assert rec["status"] == "skipped"
-    assert "runs no serving-trace calls yet (no RunsTraces), so no baseline exists" in rec["reason"]
+    assert rec.status == "skipped"
+    assert "runs no serving-trace calls yet (no RunsTraces), so no baseline exists" in rec.reason
 
 
 def test_ctrl_c_exits_130_interrupted(baseline, capsys, tmp_path):
@@ -148,7 +148,7 @@ def test_report_shows_serving_cells_and_the_drift_curve(baseline, capsys, tmp_pa
     capsys.readouterr()
     assert rc == 0
     rec = read_records(out / "results.jsonl")[0]
-    d = rec["serving"]["drift"]
+    d = rec.serving["drift"]
     assert d["decode_steps"] == 120 and d["cache_dtype"] == "bfloat16" and len(d["o_err"]) == len(d["step"])
     md = (out / "report.md").read_text()
     assert "## Serving traces" in md and "state err last 10%" in md
@@ -179,7 +179,7 @@ def test_emulator_runs_the_suite_on_the_cpu(capsys, tmp_path, monkeypatch):
     capsys.readouterr()
     assert rc == 0
     rec = read_records(tmp_path / "e" / "results.jsonl")[0]
-    assert rec["status"] == "pass" and rec["self_judged"] and rec["recipe"] == "flashkda+fla-recurrent"
+    assert rec.status == "pass" and rec.self_judged and rec.recipe == "flashkda+fla-recurrent"
 
 
 def test_emulator_bad_handover_named_against_the_emulator(capsys, tmp_path, monkeypatch):
@@ -190,8 +190,8 @@ def test_emulator_bad_handover_named_against_the_emulator(capsys, tmp_path, monk
     capsys.readouterr()
     assert rc == 1
     rec = read_records(tmp_path / "b" / "results.jsonl")[0]
-    assert rec["status"] == "fail"
-    assert rec["reason"].startswith("layout disagreement: prefill emulator-bad:handover-transposed wrote slot 1 "
+    assert rec.status == "fail"
+    assert rec.reason.startswith("layout disagreement: prefill emulator-bad:handover-transposed wrote slot 1 "
                                     "K-first where the trace's cache is V-first (step 0, request 0)")
 
 
@@ -205,6 +205,6 @@ def test_padding_write_over_a_slot_read_later_in_the_step_is_named(capsys, tmp_p
     capsys.readouterr()
     assert rc == 1
     rec = read_records(tmp_path / "c" / "results.jsonl")[0]
-    assert rec["reason"].startswith("slot overwritten before it was read: call decode emulator-bad:pad-writes-last-slot "
+    assert rec.reason.startswith("slot overwritten before it was read: call decode emulator-bad:pad-writes-last-slot "
                                     "(no row of it names slot 6; its padding row(s) [15]")
-    assert "changed slot 6 in step 4 before spec emulator-bad:pad-writes-last-slot read it for request 3" in rec["reason"]
+    assert "changed slot 6 in step 4 before spec emulator-bad:pad-writes-last-slot read it for request 3" in rec.reason

@@ -18,7 +18,7 @@ from verification.reporting.bundle import checks_from_record, repro_source, writ
 from kda_ref.problems import generate
 from verification.running.cases import get_case
 from verification.cli import main
-from verification.running.runner import as_loaded, load, resolve_routes
+from verification.running.run_select import as_loaded, load, resolve_routes
 from verification.investigating.shrink import (CUT, Shrinker, Signature, chunk_states, head_errors, signature, size,
                                  subproblem)
 from verification.judging.tolerances import load_tolerances

@@ -17,7 +17,7 @@ from verification.running.cases import get_case
 from verification.cli import main
 from verification.reporting.problem_file import save_outputs, save_problem
 from verification.judging.baselines import BaselineCache
-from verification.running.runner import TruthCache, run_cell
+from verification.running.run_cell import TruthCache, run_cell
 from verification.judging.tolerances import load_tolerances
 from planted import PLANTS, judge_plant, plant, pooled_margin
 
@@ -179,7 +179,7 @@ def test_check_run_and_pytest_give_the_same_verdict_on_the_same_outputs(tmp_path
     case = get_case(cid)
     p = case.build()
     spec = "kda_test_backends:leak"
-    from verification.running.runner import load
+    from verification.running.run_select import load
     lb = load(spec)
     route = lb.backend.routes()[0]
     leak = lb.backend.run(p, route)
@@ -196,10 +196,10 @@ def test_check_run_and_pytest_give_the_same_verdict_on_the_same_outputs(tmp_path
                                        "--kda-case", cid, "--kda-device", "cpu", "--kda-report", str(rep))
     plugged = [r for f in rep.glob("results*.jsonl") for r in map(json.loads, f.read_text().splitlines())]
     assert len(plugged) == 1, "\n".join(res.outlines)
-    assert rec["status"] == checked["status"] == plugged[0]["status"] == "fail"
-    assert rec["reason"] == checked["reason"] == plugged[0]["reason"]
+    assert rec.status == checked["status"] == plugged[0]["status"] == "fail"
+    assert rec.reason == checked["reason"] == plugged[0]["reason"]
     for name in ("o", "final_state"):
-        margins = (rec["tensors"][name]["margin"], checked["tensors"][name]["margin"], plugged[0]["tensors"][name]["margin"])
+        margins = (rec.tensors[name]["margin"], checked["tensors"][name]["margin"], plugged[0]["tensors"][name]["margin"])
         assert max(margins) - min(margins) <= 1e-12 * max(margins), margins
 
 

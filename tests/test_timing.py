@@ -147,12 +147,12 @@ def test_a_cell_records_compile_s_apart_from_kernel_s(hooks, tmp_path, monkeypat
         pytest.skip(f"cannot cross-compile for sm90 here: {type(e).__name__}")
     monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path / "cold"))     # the cell compiles afresh
     from verification.running.cases import get_case
-    from verification.running.runner import run_matrix
+    from verification.running.run_matrix import run_matrix
     s = run_matrix([_CompilingBackend(build)], [get_case(DENSE)], None, routes=["r1"], device="cpu",
                    tolerances_path=tol, progress_stream=open(os.devnull, "w"))
     (rec,) = s.records
-    t = rec["timings"]
-    assert rec["status"] == "pass" and t["compiles"] == 1 and t["compile_s"] > 0 and t["compile_how"] == "measured"
+    t = rec.timings
+    assert rec.status == "pass" and t["compiles"] == 1 and t["compile_s"] > 0 and t["compile_how"] == "measured"
     assert t["compile_cache_hits"] == 0
     assert t["kernel_s"] >= 0
     sums = timing.cell_sums([t])

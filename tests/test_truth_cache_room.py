@@ -1,12 +1,12 @@
 """TruthCache never computes a new truth while `keep` old ones are held, and the out-of-memory
 retry of the oracle drops the other cases' cached problems and truths first."""
-import verification.running.runner as runner
+import verification.running.run_cell as run_cell
 from verification.running.cases import get_suite
 
 
 def test_room_is_made_before_a_new_truth_is_computed(monkeypatch):
     cases = list(get_suite("smoke"))[:3]
-    tc = runner.TruthCache(device="cpu", keep=2)
+    tc = run_cell.TruthCache(device="cpu", keep=2)
     held = []
     import sys
     kt = sys.modules["kda_ref.truth"]
@@ -33,5 +33,5 @@ def test_the_oracle_retry_drops_the_other_cases_first():
         if len(calls) == 1:
             raise RuntimeError("CUDA out of memory. Tried to allocate 12.00 GiB")
         return 7
-    assert runner.harness_call(fn, "cpu", before_retry=lambda: calls.append("drop")) == 7
+    assert run_cell.harness_call(fn, "cpu", before_retry=lambda: calls.append("drop")) == 7
     assert calls == ["fn", "drop", "fn"]

@@ -169,7 +169,8 @@ def _run(a, mods) -> int:
     from kda_kernels.emulator import RECIPES
     from kda_ref.truth import truth
     from verification.running.cases import get_case
-    from verification.running.runner import apply_known_failure
+    from verification.judging.record import Record
+    from verification.running.run_cell import apply_known_failure
     from verification.judging.tolerances import load_tolerances
     from verification.judging.baselines import baseline_metrics
     from verification.judging.verdict import judge
@@ -225,7 +226,7 @@ def _run(a, mods) -> int:
                 except Exception as e:  # noqa: BLE001 - a raising cell is a failure with its message
                     rec = dict(case=case.id, route=rname, status="error", reason=f"{type(e).__name__}: {e}"[:300])
                 rec.update(backend="aiter", params=dict(case.params))
-                apply_known_failure(rec, db)
+                rec = apply_known_failure(Record.from_dict(rec), db).to_dict()
             rec["seconds"] = round(time.perf_counter() - t0, 1)
             if rec["status"] in ("fail", "error", "mistrusted"):
                 bad += 1

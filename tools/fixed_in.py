@@ -29,11 +29,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from verification.judging.record import load_records  # noqa: E402
+from verification.judging.record import read_records  # noqa: E402
 from verification.judging.tolerances import load_tolerances  # noqa: E402
 
 FAILED = ("fail", "known-fail", "mistrusted", "crashed")
-TOL = ROOT / "verification" / "tolerances.yaml"
+TOL = ROOT / "verification" / "judging" / "tolerances.yaml"
 # an emulator recipe, named as a build of the kernel it predicts
 RECIPE_BUILDS = {"moonshot": "recipe moonshot (1ce47ea's fp16 Neumann inverse)",
                  "moonshot-fwdsub": "recipe moonshot-fwdsub (7afb9f45's inverse)"}
@@ -62,7 +62,7 @@ def verdicts(dirs, db) -> dict:
         f = Path(d) / "results.jsonl"
         if not f.is_file():
             raise SystemExit(f"RESULTS_DIR: expected a kda-verify run directory with results.jsonl, got '{d}'")
-        records += load_records(f)
+        records += read_records(f)
     out = {}
     for kf in db.known_failures:
         seen = {}
@@ -86,7 +86,8 @@ def recipe_cells(kf, recipes, device: str = "cpu", caches=None) -> dict:
     BaselineCache) pair shared across calls (entries with one repro case compute its truth once)."""
     from verification.running.cases import get_case
     from verification.judging.baselines import BaselineCache
-    from verification.running.runner import TruthCache, as_loaded, run_cell
+    from verification.running.run_cell import TruthCache, run_cell
+    from verification.running.run_select import as_loaded
     words = repro_args(kf.shrink)
     case_id = words[words.index("--case") + 1]
     n = int(words[words.index("--fuzz-n") + 1]) if "--fuzz-n" in words else None
@@ -107,8 +108,8 @@ def recipe_verdicts(records: dict) -> dict:
     """{"fixed": [builds], "fails": [builds]} from recipe_cells' records, in RECIPE_BUILDS' names."""
     res = {"fixed": [], "fails": []}
     for name, rec in records.items():
-        if rec["status"] in ("pass",) + FAILED + ("error",):
-            res["fixed" if rec["status"] == "pass" else "fails"].append(RECIPE_BUILDS.get(name, f"recipe {name}"))
+        if rec.status in ("pass",) + FAILED + ("error",):
+            res["fixed" if rec.status == "pass" else "fails"].append(RECIPE_BUILDS.get(name, f"recipe {name}"))
     return res
 
 
@@ -179,7 +180,7 @@ def _recipes(a, db) -> int:
         return 2
     recipes = [x for x in a.recipes.split(",") if x]
     from verification.judging.baselines import BaselineCache
-    from verification.running.runner import TruthCache
+    from verification.running.run_cell import TruthCache
     caches = (TruthCache(device="cpu"), BaselineCache())
     text = TOL.read_text(encoding="utf-8")
     for kf in sorted(entries, key=lambda k: -k.line):        # bottom up: earlier line numbers stay valid

@@ -27,7 +27,7 @@ class ToleranceError(UsageError):
 
 class Interrupted(KeyboardInterrupt):
     """Ctrl-C, with the one line to print instead of the bare "interrupted" (what was kept);
-    ``summary``: what the interrupted work had done (runner.run_matrix: its RunSummary)."""
+    ``summary``: what the interrupted work had done (verification.running.run_matrix.run_matrix: its RunSummary)."""
 
     def __init__(self, message: str = "interrupted", summary=None):
         super().__init__(message)

@@ -55,8 +55,12 @@ author's own tests: ``def test_my_kernel(kda_close): kda_close(my_kernel(problem
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from verification.judging.record import Record
 
 MARKER = "verify"
 _STATE_KEY = "_kda_verify_state"
@@ -205,7 +209,7 @@ class _State:
 
     def __init__(self, config):
         from verification.judging.baselines import BaselineCache
-        from verification.running.runner import TruthCache, use_device
+        from verification.running.run_cell import TruthCache, use_device
         self.config = config
         self.device = pick_device(config)
         use_device(self.device)
@@ -233,7 +237,7 @@ def _state(config) -> _State:
 
 def _backends(config) -> list:
     from kda_kernels.base import BUILTIN_BACKENDS
-    from verification.running.runner import load, module_exists
+    from verification.running.run_select import load, module_exists
     specs = _split(config.getoption("--kda-backend"))
     if specs:
         return [load(s) for s in specs]
@@ -261,7 +265,7 @@ def _cells(config) -> list:
 
     from verification.running.selection import fuzz_args, select_cases
     from verification.running.devices import check_device
-    from verification.running.runner import plan
+    from verification.running.run_select import plan
     check_device(config.getoption("--kda-device"))     # a bad device or tolerance file: the options item says so
     _state(config).db
     suites = _split(config.getoption("--kda-suite")) or ["smoke"]
@@ -359,22 +363,22 @@ class VerifyConfigError(pytest.Item):
         return self.path, None, self.name
 
 
-def _properties(rec: dict) -> list[tuple[str, str]]:
+def _properties(rec: Record) -> list[tuple[str, str]]:
     from verification.judging.record import decode_number as as_float
-    props = [("status", rec.get("status")), ("reason", rec.get("reason") or ""),
-             ("backend", rec.get("backend")), ("route", rec.get("route")), ("case", rec.get("case")),
-             ("seed", rec.get("seed")), ("device", rec.get("device")), ("margin", rec.get("margin"))]
-    for tname, t in (rec.get("tensors") or {}).items():
+    props = [("status", rec.status), ("reason", rec.reason or ""),
+             ("backend", rec.backend), ("route", rec.route), ("case", rec.case),
+             ("seed", rec.seed), ("device", rec.device), ("margin", rec.margin)]
+    for tname, t in (rec.tensors or {}).items():
         for k in ("err", "threshold", "baseline_err", "margin", "tolerance_key"):
             if k in t:
                 props.append((f"{tname}.{k}", t[k]))
-    for tname, m in (rec.get("metrics") or {}).items():
+    for tname, m in (rec.metrics or {}).items():
         for k in ("rel_l2", "tail_rel_l2", "max_abs", "max_ulp", "nan_frac", "zero_frac"):
             if k in m:
                 props.append((f"{tname}.{k}", m[k]))
-    for k, v in (rec.get("timings") or {}).items():
+    for k, v in (rec.timings or {}).items():
         props.append((f"time.{k}", v))
-    props.append(("repro", rec.get("repro", "")))
+    props.append(("repro", rec.repro))
     out = []
     for k, v in props:
         if isinstance(v, float):
@@ -393,7 +397,7 @@ class VerifyItem(pytest.Item):
 
     def runtest(self):
         from verification.judging.record import append_record
-        from verification.running.runner import note_self_judged, run_cell
+        from verification.running.run_cell import note_self_judged, run_cell
         lb, route, case = self.cell
         st = _state(self.config)
         if not lb.available:
@@ -405,30 +409,30 @@ class VerifyItem(pytest.Item):
         else:
             rec = note_self_judged(run_cell(lb, route, case, st.truth_cache, st.baseline_cache, st.db, st.device))
         self.record = rec
-        self.user_properties.append((CELL_PROPERTY, str(rec.get("status"))))
-        st.timings.append(dict(rec.get("timings") or {}))
+        self.user_properties.append((CELL_PROPERTY, str(rec.status)))
+        st.timings.append(dict(rec.timings or {}))
         self.user_properties.extend(_properties(rec))
         path = _results_path(self.config)
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             append_record(path, rec)
-        if rec["status"] in ("skipped", "out-of-contract"):   # out of contract: never a pass or a failure
-            pytest.skip(rec["reason"])
-        if rec["status"] == "known-fail":
-            pytest.xfail(rec["reason"])
-        if rec["status"] != "pass":
+        if rec.status in ("skipped", "out-of-contract"):   # out of contract: never a pass or a failure
+            pytest.skip(rec.reason)
+        if rec.status == "known-fail":
+            pytest.xfail(rec.reason)
+        if rec.status != "pass":
             raise VerifyFailure(rec)
 
     def repr_failure(self, excinfo, style=None):
         if isinstance(excinfo.value, VerifyFailure):
             r = excinfo.value.record
-            lines = [f"{r['status'].upper()}: {r.get('reason', '')}"]
-            for tname, t in (r.get("tensors") or {}).items():
+            lines = [f"{r.status.upper()}: {r.reason}"]
+            for tname, t in (r.tensors or {}).items():
                 lines.append(f"  {tname:<12} err {t.get('err')}  threshold {t.get('threshold')}  "
                              f"baseline {t.get('baseline_err')}  margin {t.get('margin')}  [{t.get('tolerance_key')}]")
-            if r.get("traceback"):
-                lines += ["  " + ln for ln in r["traceback"].strip().splitlines()[-15:]]
-            lines.append(f"  repro: {r.get('repro', '')}")
+            if r.traceback:
+                lines += ["  " + ln for ln in r.traceback.strip().splitlines()[-15:]]
+            lines.append(f"  repro: {r.repro}")
             return "\n".join(lines)
         return super().repr_failure(excinfo)
 
@@ -571,7 +575,8 @@ def pytest_sessionfinish(session, exitstatus):
     if not out or _worker_id(config) is not None:
         return
     from verification.reporting import provenance
-    from verification.reporting.report import load_results, write_report
+    from verification.reporting.report_load import load_results
+    from verification.reporting.report_render import write_report
     import json
     d = Path(out)
     if not load_results(d):

@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     from kda_ref.truth import truth
     from verification.judging.baselines import _tensors, baseline_metrics
     from verification.judging.metrics import compare
-    from verification.running.runner import load, resolve_routes
+    from verification.running.run_select import load, resolve_routes
     from verification.judging.verdict import slice_errors
     loaded = {}
     for name in a.backends.split(","):

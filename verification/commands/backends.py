@@ -23,7 +23,7 @@ kda-verify backends --backend mypkg.kernels:make_backend   # needs: mypkg
 def describe(name: str, spec: str | None = None) -> dict:
     """{"name", "available", "reason", "version", "routes"} of one backend; never raises."""
     from kda_kernels.base import BUILTIN_BACKENDS, BackendError, load_backend
-    from verification.running.runner import module_exists
+    from verification.running.run_select import module_exists
 
     target = spec or BUILTIN_BACKENDS.get(name, name)
     mod_name = target.partition(":")[0]

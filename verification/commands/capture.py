@@ -257,7 +257,7 @@ def run_serving(args) -> int:
     from verification.running.devices import check_device
     from verification.errors import UsageError, writable_dir
     from verification.judging.policy import exit_code
-    from verification.running.runner import load
+    from verification.running.run_select import load
     from verification.serving.cells import pick_routes
     from verification.serving.command import select_serving_cases
     from verification.serving.dump import write_dump

@@ -164,14 +164,14 @@ def check_route(backend_name: str, route_name, recipe: str):
     """(backend name, Route) that check judges under, taken where run takes them: when
     ``backend_name`` is a backend kda-verify loads (a built-in name or package.module:factory) and
     a route is named, the backend's own Route object with its flags (moonshot's
-    ``cutlass:state=bf16`` declares state_dtype bf16), found by verification.running.runner.resolve_routes
+    ``cutlass:state=bf16`` declares state_dtype bf16), found by verification.running.run_select.resolve_routes
     as run finds --route (a name the backend lacks is a UsageError naming --route and the
     choices), claiming ``recipe``; any other backend name (the default ``external``), or no
     route named, gives a plain Route of that name (default: the recipe's) claiming ``recipe``."""
     import dataclasses
 
     from kda_kernels.base import BackendError, Route
-    from verification.running.runner import load, resolve_routes
+    from verification.running.run_select import load, resolve_routes
     if not route_name:
         return backend_name, Route(name=recipe, recipe=recipe)
     try:
@@ -229,10 +229,9 @@ def run_dir(args) -> int:
     from verification.errors import writable_dir
     from verification.reporting.problem_file import load_outputs, load_outputs_metadata, load_problem
     from verification.judging.policy import BAD_INPUT, DEFAULT_RECIPE, exit_code, headline
-    from verification.judging.record import RESULTS_FILE, Record, append_record, cell_key, read_records
-    from verification.judging.record import encode as jsonable
-    from verification.reporting.report import write_report
-    from verification.running.runner import scalar_metrics, worst_margin
+    from verification.judging.record import (RESULTS_FILE, append_record, cell_key, new_record, read_records, set_judged,
+                                     set_problem)
+    from verification.reporting.report_render import write_report
     from verification.judging.verdict import decide, known_failure_entry
     from verification.judging.tolerances import load_tolerances
 
@@ -248,7 +247,7 @@ def run_dir(args) -> int:
     results = res_dir / RESULTS_FILE
     done = {}
     if args.resume and results.exists():
-        done = {r["key"]: r for r in read_records(results)}
+        done = {r.key: r for r in read_records(results)}
     elif results.exists():
         results.unlink()
     records = list(done.values())
@@ -285,21 +284,15 @@ def run_dir(args) -> int:
         key = cell_key(backend, route_name, cid)
         if key in done:
             continue
-        rec = Record(
-            key=key, backend=backend, backend_spec=backend, backend_version=meta.get("version", ""),
-            route=route_name, recipe=recipe, case=cid, suite=suite, seed=seed, params=jsonable(params),
-            device=meta.get("device", "unknown"),
-            shape=None if problem is None else {"B": problem.B, "T": problem.T, "H": problem.H, "HV": problem.HV,
-                                                "K": problem.K, "V": problem.V, "N": problem.N},
-            shape_key=None if problem is None else
-            [1, sum(e - b for b, e in problem.seq_bounds()), problem.H] if problem.cu_seqlens is not None
-            else [problem.B, problem.T, problem.H],
+        rec = new_record(
+            backend=backend, backend_spec=backend, backend_version=meta.get("version", ""), route=route_name,
+            recipe=recipe, case=cid, suite=suite, seed=seed, params=params, device=meta.get("device", "unknown"),
             repro=f"kda-verify check --inputs {f} --outputs {target} --recipe {recipe} --backend-name {backend} "
                   f"--route {route_name}",
-            time_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            extra={"files": {"inputs": str(f), "outputs": str(target)}}).to_dict()
-        from verification.judging.metrics import dtype_name
-        rec["dtype"] = None if problem is None else dtype_name(problem.v.dtype)
+            extra={"files": {"inputs": str(f), "outputs": str(target)}})
+        if problem is not None:
+            set_problem(rec, problem, [1, sum(e - b for b, e in problem.seq_bounds()), problem.H]
+                        if problem.cu_seqlens is not None else [problem.B, problem.T, problem.H])
         skipped, crashed, error = (outputs / f"{stem}.{x}" for x in ("skipped", "crashed", "error"))
         outs = None
         if bad is None and target.exists() and not problem.is_empty:
@@ -308,35 +301,34 @@ def run_dir(args) -> int:
             except (UsageError, ProblemError) as e:
                 bad = f"bad outputs file: {e}"
         if bad is not None:                     # this case's file cannot be judged: its row, the rest go on
-            rec.update(status=BAD_INPUT, reason=bad)
+            rec.status, rec.reason = BAD_INPUT, bad
         elif problem.is_empty:
-            rec.update(status="skipped", reason=f"not applicable: {problem.empty_reason()}")
+            rec.status, rec.reason = "skipped", f"not applicable: {problem.empty_reason()}"
         elif not target.exists():
             if skipped.exists():
-                rec.update(status="skipped", reason=skipped.read_text(encoding="utf-8").strip() or "not applicable")
+                rec.status, rec.reason = "skipped", skipped.read_text(encoding="utf-8").strip() or "not applicable"
             elif crashed.exists():
-                rec.update(status="crashed", reason=f"the kernel killed the capture process on this problem ({crashed})")
+                rec.status, rec.reason = "crashed", f"the kernel killed the capture process on this problem ({crashed})"
             elif error.exists():
-                rec.update(status="error", reason=f"the kernel raised {error.read_text(encoding='utf-8').strip()}")
+                rec.status, rec.reason = "error", f"the kernel raised {error.read_text(encoding='utf-8').strip()}"
             else:
-                rec.update(status=BAD_INPUT, reason=f"no outputs file {target} (was capture run on {args.inputs}?)")
+                rec.status, rec.reason = BAD_INPUT, f"no outputs file {target} (was capture run on {args.inputs}?)"
         else:
             outs = {k: v.to(args.device) for k, v in outs.items()}
             t0 = time.perf_counter()
             verdict, base = judge_files(problem, outs, recipe, backend, args.route or meta.get("route"), db, args.device)
-            rec["timings"]["check_s"] = time.perf_counter() - t0
-            rec.update(tensors=jsonable(verdict.tensors), metrics=jsonable(verdict.metrics), baseline=scalar_metrics(base))
-            rec["margin"] = jsonable(worst_margin(rec["tensors"]))
-            kf = known_failure_entry(db, backend, route_name, cid, rec.get("params"))
+            rec.timings["check_s"] = time.perf_counter() - t0
+            set_judged(rec, verdict.tensors, verdict.metrics, baseline=base)
+            kf = known_failure_entry(db, backend, route_name, cid, rec.params)
             decide(verdict, known_failure=kf).apply_to(rec)
         append_record(results, rec)
         records.append(rec)
-        print(f"{cid}: {rec['status']}: {rec['reason'][:200]}")
+        print(f"{cid}: {rec.status}: {rec.reason[:200]}")
     paths = write_report(res_dir, records=records)
     print(headline(records))
     print(f"report: {paths['md']}")
     sys.stdout.flush()
-    return exit_code([r.get("status") for r in records])
+    return exit_code([r.status for r in records])
 
 
 # ----------------------------------------------------------------------------------------
@@ -369,7 +361,7 @@ def run_dump(args) -> int:
         print(verdict_line(rec))
         print(headline([rec]))
         from verification.judging.policy import FAILING
-        from verification.running.runner import clip_words
+        from verification.running.run_progress import clip_words
         if rec.get("status") in FAILING:        # as run's summary names a failing cell
             print(f"  {rec['status'].upper():<10} {rec['backend']} {rec['route']} {rec['case']}: "
                   f"{clip_words(rec.get('reason', ''), 400)}")

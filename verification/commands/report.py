@@ -28,7 +28,8 @@ def add_arguments(p):
 def run(args) -> int:
     from verification.errors import UsageError, writable_dir
     from verification.judging.record import RESULTS_FILE, record_line
-    from verification.reporting.report import load_results, merge_provenance, results_files, write_report
+    from verification.reporting.report_load import load_results, merge_provenance, results_files
+    from verification.reporting.report_render import write_report
 
     for shown in args.dirs:
         d = Path(shown)

@@ -96,7 +96,8 @@ def run(args) -> int:
     from verification.errors import Interrupted, UsageError, writable_dir
     from verification.running.devices import check_device
     from verification.judging.record import cell_key
-    from verification.running.runner import check_resume, load, plan, run_matrix
+    from verification.running.run_matrix import run_matrix
+    from verification.running.run_select import check_resume, load, plan
 
     started = time.perf_counter()
     from verification.serving.command import SUITE, check_serving_args, run_serving
@@ -170,7 +171,7 @@ def finish(args, summary, started: float, reason_chars: int = 240, breakdown_lin
 
     from verification.errors import Interrupted
     from verification.judging.policy import exit_code, headline, nothing_verified_reason
-    from verification.running.runner import clip_words
+    from verification.running.run_progress import clip_words
     print(f"{summary.ran} cells run, {summary.resumed} already done")
     print(headline(summary.records, summary.not_run or 0))
     if summary.stopped_early:
@@ -187,7 +188,7 @@ def finish(args, summary, started: float, reason_chars: int = 240, breakdown_lin
     if args.no_report:
         bd = timing.breakdown(sums, wall_s=time.perf_counter() - started)
     else:
-        from verification.reporting.report import write_report
+        from verification.reporting.report_render import write_report
         paths = write_report(args.out, timing={"started": started, "sums": sums})
         bd = paths["timing"]
         print(f"report: {paths['md']} {paths['html']}")

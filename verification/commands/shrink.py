@@ -131,7 +131,8 @@ def run(args) -> int:
     case = get_case(case_id, n=fuzz_n, seed=fuzz_seed)
     from verification.running.selection import setup_interpreter
     from verification.running.devices import check_device
-    from verification.running.runner import load, resolve_routes, use_device
+    from verification.running.run_cell import use_device
+    from verification.running.run_select import load, resolve_routes
     device = check_device(args.device)
     out = writable_dir(args.out, "--out")
     note = setup_interpreter([spec], device)
@@ -186,7 +187,7 @@ def run_serving(args) -> int:
     from kda_kernels.base import BackendError
     from verification.running.devices import check_device
     from verification.errors import UsageError, writable_dir
-    from verification.running.runner import load
+    from verification.running.run_select import load
     from verification.serving.cells import baseline_pairing, pick_routes
     from verification.serving.command import select_serving_cases
     from verification.serving.execute import Pairing, Side, pairing_refusal

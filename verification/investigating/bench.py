@@ -194,7 +194,7 @@ def find_route(b, name: str):
 
 def route_call(backend, route: str) -> Callable:
     """The callable bench times: ``p -> backend.run(p, route).o``, the adapter's own run of the
-    route on a Problem, the very call a verdict's cell makes (verification.running.runner.run_cell).
+    route on a Problem, the very call a verdict's cell makes (verification.running.run_cell.run_cell).
     ``backend``: a built-in name or package.module:factory (kda_kernels.base.load_backend), or
     a Backend.  The adapter imports its kernel library once (its ``_load``); bench imports none.
 

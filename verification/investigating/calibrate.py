@@ -57,29 +57,30 @@ class Group:
     nonfinite: list = field(default_factory=list)   # cells whose err is NaN / Inf: no tolerance passes them
 
 
-def collect_groups(records: list[dict], db) -> dict[tuple, Group]:
+def collect_groups(records: list, db) -> dict[tuple, Group]:
     """Group every measured (cell, tensor) by the entry of ``db`` governing it."""
     from verification.judging.record import decode_number as as_float
     from verification.errors import ToleranceError
     from verification.judging.verdict import known_failure_entry
 
+    from verification.judging.record import as_records
     groups: dict[tuple, Group] = {}
-    for r in records:
-        if r.get("status") in ("skipped", "crashed", "error", "known-fail"):
+    for r in as_records(records):
+        if r.status in ("skipped", "crashed", "error", "known-fail"):
             continue          # known failures are explained in tolerances.yaml, not the error level to expect
-        if r.get("status") != "pass" and known_failure_entry(db, r["backend"], r["route"], r.get("case", ""),
-                                                             r.get("params")):
+        if r.status != "pass" and known_failure_entry(db, r.backend, r.route, r.case,
+                                                             r.params):
             continue          # a record written before its failure was listed
-        for tname, met in (r.get("metrics") or {}).items():
-            base = (r.get("baseline") or {}).get(tname) or {}
+        for tname, met in (r.metrics or {}).items():
+            base = (r.baseline or {}).get(tname) or {}
             try:
-                tol = db.lookup(r["backend"], r["route"], r["dtype"], tname)
+                tol = db.lookup(r.backend, r.route, r.dtype, tname)
                 key = tuple(tol.key.split("/", 3))
             except ToleranceError:
-                tol, key = None, (r["backend"], r["route"], r["dtype"], tname)
+                tol, key = None, (r.backend, r.route, r.dtype, tname)
             g = groups.setdefault(key, Group(key=key, existing=tol))
             g.cells += 1
-            where = f"{r['route']} {r['case']}"
+            where = f"{r.route} {r.case}"
             for metric in JUDGED_METRICS:
                 err, b = as_float(met.get(metric)), as_float(base.get(metric))
                 if not math.isfinite(err):
@@ -235,7 +236,7 @@ def proposal_yaml(proposals: list[dict], header: str) -> str:
     return "".join(lines)
 
 
-def earlier_records(out_dir: str, backend: str, routes: list, cases: list) -> list[dict]:
+def earlier_records(out_dir: str, backend: str, routes: list, cases: list) -> list:
     """The records of an earlier run's directory, of one backend (optionally some routes / cases)."""
     import fnmatch
 
@@ -246,9 +247,9 @@ def earlier_records(out_dir: str, backend: str, routes: list, cases: list) -> li
     if not files:
         raise UsageError(f"--from-results: expected a directory with results.jsonl, got {out_dir!r}")
     recs = [r for f in files for r in read_records(f)]
-    recs = [r for r in recs if r.get("backend") == backend
-            and (not routes or r.get("route") in routes)
-            and (not cases or any(fnmatch.fnmatchcase(r.get("case", ""), c) for c in cases))]
+    recs = [r for r in recs if r.backend == backend
+            and (not routes or r.route in routes)
+            and (not cases or any(fnmatch.fnmatchcase(r.case, c) for c in cases))]
     if not recs:
         raise UsageError(f"--from-results: expected records of backend {backend!r} in {out_dir}, got none")
     return recs
@@ -300,15 +301,15 @@ def measured_where(prov: dict, earlier, records: list[dict], out_dir) -> tuple[s
     if earlier is not None:
         return (device_description(earlier.get("device")), str(earlier.get("time_utc", "?"))[:10],
                 str((earlier.get("git") or {}).get("commit", "?"))[:10])
-    devs = sorted({str(r.get("device")) for r in records if r.get("device")})
+    devs = sorted({str(r.device) for r in records if r.device})
     what = f"the records' device {'/'.join(devs)}" if devs else "an unknown device"
     return f"{what} (no run.json beside them)", "date unknown", "unknown"
 
 
-def measure(backend: str, cases: list, routes: Optional[list], device: str) -> list[dict]:
+def measure(backend: str, cases: list, routes: Optional[list], device: str) -> list:
     """The records of every cell of ``backend`` on ``cases``, judged against a catch-all entry:
     calibration needs every cell's numbers, whatever tolerances.yaml says."""
-    from verification.running.runner import run_matrix
+    from verification.running.run_matrix import run_matrix
     from verification.judging.tolerances import Tolerance, ToleranceDB
     measure_db = ToleranceDB([(("*", "*", "*", "*"), Tolerance(m=math.inf, floor=math.inf, cap=math.inf,
                               reason="calibration: measure only", calibrated_on="-", key="*/*/*/*"))],

@@ -325,7 +325,7 @@ def causality(backend, route, problem: Problem, prefix: Optional[int] = None, ch
     other = problem.replace(q=changed(problem.q), k=changed(problem.k), v=changed(problem.v),
                             g=changed(problem.g, 0.1), beta=changed(problem.beta))
     if problem.paged:
-        from verification.running.runner import clone_keep_strides
+        from verification.running.run_cell import clone_keep_strides
         other = other.replace(state_cache=clone_keep_strides(problem.state_cache))
     a, b = _run(backend, problem, route), _run(backend, other, route)
     early = ~late.to(a.o.device)
@@ -355,7 +355,7 @@ def head_permutation(backend, route, problem: Problem, seed: int = 0) -> Invaria
     if p.initial_state is not None:
         ch["initial_state"] = p.initial_state[:, pd]
     if p.paged:
-        from verification.running.runner import clone_keep_strides
+        from verification.running.run_cell import clone_keep_strides
         cache = clone_keep_strides(p.state_cache)
         cache[p.state_indices.long()] = p.state_cache[p.state_indices.long()][:, pd]
         ch["state_cache"] = cache

@@ -9,7 +9,7 @@ mutants never meet, and a mutant that kills its process is recorded as crashed.
 
 In the child, for each of the mutant's routes and each case of the suites (case order of
 the suites), one cell is run and judged exactly as ``kda-verify run`` judges it
-(``verification.running.runner.run_cell`` with tolerances.yaml).  The first failing cell is a kill
+(``verification.running.run_cell.run_cell`` with tolerances.yaml).  The first failing cell is a kill
 only when the shipped kernel passes that same cell (run once to confirm); a kernel that
 raises counts as killed (crashed).  On the killing case the per-pass debugger
 (``verification.investigating.debug.debug_passes``) runs the mutant's route; the mutant is *localized* when
@@ -269,7 +269,8 @@ def run_mutant(mutant: Mutant, suites=("smoke", "stress"), long: bool = False, d
     from verification.investigating.debug import debug_passes
     from verification.judging.policy import FAILING
     from verification.judging.baselines import BaselineCache
-    from verification.running.runner import TruthCache, as_loaded, run_cell
+    from verification.running.run_cell import TruthCache, run_cell
+    from verification.running.run_select import as_loaded
     from verification.judging.tolerances import load_tolerances
 
     t_start = time.perf_counter()

@@ -1,7 +1,7 @@
 """Shrinking a failing cell to the smallest problem that still fails the same way.
 
 A cell (backend, route, case) is run and judged exactly as the matrix runs it
-(``verification.running.runner.run_cell``: the same oracle, baseline, tolerances and
+(``verification.running.run_cell.run_cell``: the same oracle, baseline, tolerances and
 ``verification.judging.verdict.judge``).  While it fails, the problem is reduced greedily and
 deterministically, one step at a time, each step kept only when the reduced problem still
 fails the same way:
@@ -86,7 +86,7 @@ class Signature:
 
 
 def _f(x) -> float:
-    from verification.running.runner import as_float
+    from verification.judging.record import decode_number as as_float
     return as_float(x)
 
 
@@ -168,7 +168,7 @@ def subproblem(p, spans: list, heads: Optional[list] = None, starts: Optional[di
     same a, b for every kept row n).  heads: value heads to keep (None: all); a query/key head
     is kept for each (h // (HV / H)), so HV / H stays.  starts: {n: K-first state [HV, K, V]
     (of p's heads)} to start sequence n from (the state at a leading cut)."""
-    from verification.running.runner import clone_keep_strides
+    from verification.running.run_cell import clone_keep_strides
     starts = starts or {}
     HV, H = p.HV, p.H
     heads = list(range(HV)) if heads is None else list(heads)
@@ -451,7 +451,7 @@ class Shrinker:
     def __init__(self, loaded, route, db, device: str = "cpu", guards: Optional[bool] = None,
                  log: Optional[Callable[[str], None]] = None, isolate: bool = False,
                  timeout_s: Optional[float] = None, tolerances_path: Optional[str] = None):
-        from verification.running.runner import LoadedBackend
+        from verification.running.run_select import LoadedBackend
         self.rec_backend = recording(loaded.backend)
         self.loaded = LoadedBackend(spec=loaded.spec, backend=self.rec_backend, available=loaded.available,
                                     reason=loaded.reason, version=loaded.version, from_spec=loaded.from_spec)
@@ -463,7 +463,9 @@ class Shrinker:
     def attempt(self, case, isolate: Optional[bool] = None) -> Attempt:
         """Run the cell on ``case`` as the matrix does: in this process (its outputs are kept), or with
         ``isolate`` in a child process (run --isolate: a kernel that kills it is ``crashed``; no outputs)."""
-        from verification.running.runner import BaselineCache, IsolatedRunner, TruthCache, run_cell
+        from verification.judging.baselines import BaselineCache
+        from verification.running.run_cell import TruthCache, run_cell
+        from verification.running.run_isolated import IsolatedRunner
         tc, bc = TruthCache(device=self.device), BaselineCache()
         self.runs += 1
         self.rec_backend.last = None

@@ -4,7 +4,13 @@ A cell (one route of one backend on one case) leaves one ``Record``: who ran (ba
 recipe), on what (case, suite, seed, params, shape, dtype, device), the verdict (status, reason,
 per-tensor ``tensors`` of verification.judging.verdict, the worst ``margin``), the full metrics, the
 baseline's scalar metrics, timings and a repro command.  Fields that only some cells have
-(guards, info, traceback, known_failure, contract_verdict, ...) travel in ``extra``.
+(guards, info, traceback, known_failure, contract_verdict, ...) travel in ``extra``; the usual
+ones have typed accessors (``rec.traceback``, ``rec.guards``, ...: None when absent).  A record
+is made in one place (``new_record``), filled by ``set_problem`` and ``set_judged`` and decided
+by verification.judging.verdict.decide; it flows as a Record from the runner to the results files, the
+report, calibrate and the merge of directories.  New code reads and writes attributes; the dict
+form's ``rec["status"]`` / ``rec.get(...)`` / ``rec.update(...)`` still work (a name that is no
+field reads and writes ``extra``) for the modules that index records by name.
 
 On disk a record is one JSON object per line of ``results*.jsonl`` (``append_record``,
 ``read_records``), with the field names below, sorted; ``record_version`` says which schema
@@ -93,6 +99,19 @@ def cell_key(backend: str, route: str, case_id: str) -> str:
 
 
 # ---- the record --------------------------------------------------------------------------
+def _extra(name: str, doc: str) -> property:
+    """A typed accessor of one of ``Record.extra``'s fields (None when the cell has none)."""
+    def fget(self):
+        return self.extra.get(name)
+
+    def fset(self, value):
+        if value is None:
+            self.extra.pop(name, None)
+        else:
+            self.extra[name] = value
+    return property(fget, fset, doc=doc)
+
+
 @dataclass
 class Record:
     """One cell's record; ``to_dict`` / ``from_dict`` give the dict form the rest of the harness
@@ -122,6 +141,60 @@ class Record:
     time_utc: str = ""
     extra: dict = field(default_factory=dict)       # the fields only some cells have (guards, info, ...)
     version: int = RECORD_VERSION
+
+    # ---- the fields only some cells have: properties over ``extra`` (absent -> None) ------
+    traceback = _extra("traceback", "an error's traceback tail (status error / resource-error)")
+    stderr_tail = _extra("stderr_tail", "a crashed child process's stderr tail (status crashed)")
+    info = _extra("info", "what the kernel said about its call (outputs.info)")
+    guards = _extra("guards", "what verification.running.guards checked (guards on)")
+    known_failure = _extra("known_failure", "the register entry that made the cell known-fail")
+    contract_verdict = _extra("contract_verdict", "the verdict an out-of-contract cell would have had")
+    self_judged = _extra("self_judged", "True on an emulator cell judged against its own recipe")
+    isolated = _extra("isolated", "True when the cell ran in a child process (--isolate)")
+    serving = _extra("serving", "a serving-trace cell's pairing, steps, diagnosis, failures and drift")
+
+    # ---- the dict form's reads and writes, for code that still indexes records by name ------
+    def __getitem__(self, name: str):
+        if name in _FIELD_NAMES:
+            return getattr(self, name)
+        return self.extra[name]
+
+    def __setitem__(self, name: str, value) -> None:
+        if name in _FIELD_NAMES:
+            setattr(self, name, value)
+        else:
+            self.extra[name] = value
+
+    def __contains__(self, name) -> bool:
+        return name in _FIELD_NAMES or name in self.extra
+
+    def get(self, name: str, default=None):
+        if name in _FIELD_NAMES:
+            return getattr(self, name)
+        return self.extra.get(name, default)
+
+    def update(self, other=(), **kw) -> None:
+        for name, value in dict(other, **kw).items():
+            self[name] = value
+
+    def setdefault(self, name: str, default=None):
+        if name not in self:
+            self[name] = default
+        return self[name]
+
+    def pop(self, name: str, *default):
+        if name in _FIELD_NAMES:
+            raise KeyError(f"{name} is a field of every record; it cannot be removed")
+        return self.extra.pop(name, *default)
+
+    def keys(self):
+        return self.to_dict().keys()
+
+    def items(self):
+        return self.to_dict().items()
+
+    def __iter__(self):
+        return iter(self.keys())
 
     @classmethod
     def fields(cls) -> tuple:
@@ -154,8 +227,76 @@ class Record:
         return cls.from_dict(json.loads(line))
 
 
+_FIELD_NAMES = frozenset(Record.fields())
+
+
+def new_record(*, backend: str, backend_spec: str, backend_version: str, route: str, recipe: Optional[str],
+               case: str, suite: str, seed: Optional[int], params: dict, device: str, repro: str,
+               extra: Optional[dict] = None) -> Record:
+    """The one constructor of a cell's Record, not yet judged (run, the isolated child, check's
+    directory form and the serving suite all start here): its key, encoded params and the time."""
+    import time
+    return Record(key=cell_key(backend, route, case), backend=backend, backend_spec=backend_spec,
+                  backend_version=backend_version, route=route, recipe=recipe, case=case, suite=suite,
+                  seed=seed, params=encode(dict(params or {})), device=str(device), repro=repro,
+                  time_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), extra=dict(extra or {}))
+
+
+def problem_shape(problem) -> dict:
+    """A Problem's sizes as a record's ``shape``."""
+    return {"B": problem.B, "T": problem.T, "H": problem.H, "HV": problem.HV, "K": problem.K,
+            "V": problem.V, "N": problem.N}
+
+
+def set_problem(rec: Record, problem, shape_key) -> Record:
+    """What a record says of its Problem: ``shape``, ``shape_key`` (list) and ``dtype`` (the
+    tolerance's key: the input dtype, bf16 / fp16 / fp32)."""
+    from verification.judging.metrics import dtype_name
+    rec.shape = problem_shape(problem)
+    rec.shape_key = list(shape_key)
+    rec.dtype = dtype_name(problem.v.dtype)
+    return rec
+
+
+def scalar_metrics(metrics: Optional[dict]) -> dict:
+    """The scalar part of per-tensor metrics (baselines: no curves)."""
+    out = {}
+    for tname, m in (metrics or {}).items():
+        if isinstance(m, dict):
+            out[tname] = {k: v for k, v in m.items() if not isinstance(v, (list, tuple, dict)) and not _is_tensor(v)}
+    return out
+
+
+def worst_margin(tensors: dict) -> Optional[float]:
+    """The largest margin over a verdict's tensors (margin = err / threshold: > 1 fails)."""
+    vals = [decode_number(t.get("margin")) for t in (tensors or {}).values() if isinstance(t, dict)]
+    if not vals:
+        return None
+    if any(math.isnan(v) for v in vals):
+        return float("nan")
+    return max(vals)
+
+
+def set_judged(rec: Record, tensors: dict, metrics: dict, baseline: Optional[dict] = None) -> Record:
+    """What a judged record holds: the verdict's per-tensor ``tensors``, the full ``metrics``, the
+    worst ``margin`` over the tensors and (when given) the baseline's scalar metrics."""
+    rec.tensors = encode(tensors or {})
+    rec.metrics = encode(metrics)
+    rec.margin = encode(worst_margin(rec.tensors))
+    if baseline is not None:
+        rec.baseline = scalar_metrics(baseline)
+    return rec
+
+
 def as_record(rec) -> Record:
+    """``rec`` as a Record (a dict form is read as ``from_dict`` reads a results line)."""
     return rec if isinstance(rec, Record) else Record.from_dict(rec)
+
+
+def as_records(records) -> list[Record]:
+    """Every record of ``records`` as a Record (the report's and calibrate's entry points take
+    Records, or the dict form a caller built by hand)."""
+    return [as_record(r) for r in records]
 
 
 def record_line(rec) -> str:
@@ -191,7 +332,7 @@ def repair_partial_line(path: Path) -> bool:
     return True
 
 
-def load_records(path: Path, *, strict: bool = False) -> list[Record]:
+def read_records(path: Path, *, strict: bool = False) -> list[Record]:
     """Every record of a results .jsonl file as a Record (any version); a line that does not
     parse is skipped (or, with strict, raises ValueError naming the file and line)."""
     out = []
@@ -211,11 +352,6 @@ def load_records(path: Path, *, strict: bool = False) -> list[Record]:
             if isinstance(rec, dict) and "key" in rec:
                 out.append(Record.from_dict(rec))
     return out
-
-
-def read_records(path: Path, *, strict: bool = False) -> list[dict]:
-    """``load_records`` in the dict form (what report, calibrate, check, shrink and the plugin use)."""
-    return [r.to_dict() for r in load_records(path, strict=strict)]
 
 
 def read_runs(out_dir) -> list:

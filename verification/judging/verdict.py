@@ -491,8 +491,9 @@ class Decision:
     reason: str
     fields: dict = field(default_factory=dict)
 
-    def apply_to(self, rec: dict) -> dict:
-        """Write the decision into a record (its dict form): the fields it adds, status, reason."""
+    def apply_to(self, rec):
+        """Write the decision into a record (a verification.judging.record.Record, or a dict): the fields it
+        adds (into the Record's ``extra``), status, reason."""
         rec.update(self.fields)
         rec["status"], rec["reason"] = self.status, self.reason
         return rec

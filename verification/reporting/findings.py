@@ -67,7 +67,7 @@ def terminal(items: list[dict], width: int = WIDTH, shown: int = SHOWN) -> str:
     (its tolerances.yaml line; --markdown prints the whole table, as docs/findings.md holds it)."""
     import textwrap
 
-    from verification.running.runner import clip_words
+    from verification.running.run_progress import clip_words
     out = []
     for i, r in enumerate(items, 1):
         case = r["case"] + (f" ({r['params']})" if r["params"] else "")

@@ -12,7 +12,7 @@ CELL_BYTES_PER_ELEMENT is the largest peak per worker measured over the long sui
 Two decisions use it, both before anything of the case is built:
 
 - ``no_room(case, device)``: a case whose estimate exceeds the device's total memory cannot run
-  there; the cell is skipped with that reason (``verification.running.runner.run_cell``).
+  there; the cell is skipped with that reason (``verification.running.run_cell.run_cell``).
 - ``BigCaseLock``: with several workers on one device (``kda_ref.budget.sharing_workers``), a case
   whose estimate exceeds the device's total / workers is run under an exclusive per-device file
   lock, held from the case's first cell until the worker moves on to another case (the

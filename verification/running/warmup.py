@@ -140,7 +140,7 @@ def kernel_call(device: str) -> Callable:
     """One kernel call of a route on a case's Problem, its outputs discarded (what compiles it)."""
     def call(lb, route, case):
         from verification.running.room import no_room
-        from verification.running.runner import _fresh_state, _sync
+        from verification.running.run_cell import _fresh_state, _sync
         if no_room(case, device) is not None:
             return
         problem = shortened(case).build(device=device)

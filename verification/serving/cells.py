@@ -13,7 +13,7 @@ reason, never a pass.  The baseline's per-step errors are kept for the case and 
 cell with the same recipes (O(steps) numbers, not outputs).  ``BASELINE_ENV`` names another
 backend to take the emulator's place (the harness's own tests use a test-local exact backend).
 
-The record (``run_serving_cell``) is a verification.judging.record.Record in dict form, like every other
+The record (``run_serving_cell``) is a verification.judging.record.Record, like every other
 cell's: backend (``A``, or ``A+B`` for two backends), route (``prefill-route+decode-route``),
 recipe, case, suite "serving", status (decided by verification.judging.verdict.decide: a not-applicable
 pairing is "skipped", a raising call "error", the known-failure register applies), reason, the
@@ -155,23 +155,21 @@ LONG_STEPS = 2000      # a trace of at least this many steps says how far it is 
 
 
 def run_serving_cell(prefill_lb, decode_lb, rp, rd, case, db, cache: TraceCache, device: str = "cpu",
-                     baseline_spec: Optional[str] = None, progress=None) -> dict:
+                     baseline_spec: Optional[str] = None, progress=None):
     """One cell's record (module docstring); never raises for a kernel's sake.  ``progress``: a
     stream that a long trace (LONG_STEPS steps or more) writes a line to every LONG_STEPS steps."""
     from verification.judging.metrics import dtype_name
-    from verification.judging.record import Record, cell_key, encode
-    from verification.running.runner import _errored, _Said
+    from verification.judging.record import encode, new_record
+    from verification.running.run_cell import _errored, _Said
     from verification.judging.verdict import decide, known_failure_entry
     backend, route, recipe = cell_names(prefill_lb, decode_lb, rp, rd)
-    rec = Record(key=cell_key(backend, route, case.id), backend=backend,
-                 backend_spec=prefill_lb.spec if prefill_lb.spec == decode_lb.spec
-                 else f"{prefill_lb.spec}+{decode_lb.spec}",
-                 backend_version=prefill_lb.version if prefill_lb is decode_lb
-                 else f"{prefill_lb.version}+{decode_lb.version}",
-                 route=route, recipe=recipe, case=case.id, suite=case.suite, seed=case.seed,
-                 params=encode(dict(case.params)), device=str(device),
-                 repro=repro(prefill_lb, decode_lb, rp, rd, case),
-                 time_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())).to_dict()
+    rec = new_record(backend=backend,
+                     backend_spec=prefill_lb.spec if prefill_lb.spec == decode_lb.spec
+                     else f"{prefill_lb.spec}+{decode_lb.spec}",
+                     backend_version=prefill_lb.version if prefill_lb is decode_lb
+                     else f"{prefill_lb.version}+{decode_lb.version}",
+                     route=route, recipe=recipe, case=case.id, suite=case.suite, seed=case.seed,
+                     params=dict(case.params), device=str(device), repro=repro(prefill_lb, decode_lb, rp, rd, case))
     pairing = Pairing(Side(prefill_lb.backend, rp), Side(decode_lb.backend, rd))
     rec["serving"] = {"prefill": {"backend": prefill_lb.name, "route": rp.name, "recipe": rp.recipe},
                       "decode": {"backend": decode_lb.name, "route": rd.name, "recipe": rd.recipe},
@@ -185,7 +183,7 @@ def run_serving_cell(prefill_lb, decode_lb, rp, rd, case, db, cache: TraceCache,
         tr = cache.get(case)
     except Exception as e:  # noqa: BLE001 - a case that cannot build is the harness's error, recorded
         return _errored(rec, e, f"case {case.id} build")
-    rec["shape"] = _shape(tr)
+    rec.shape = _shape(tr)
     rec["dtype"] = dtype_name(tr.v.dtype)
     build_s = time.perf_counter() - t0
     why = pairing_refusal(tr, pairing, cache.groups)
@@ -224,7 +222,7 @@ def run_serving_cell(prefill_lb, decode_lb, rp, rd, case, db, cache: TraceCache,
     rec["serving"] = encode(srv)
     status = {"not-applicable": "not-applicable"}.get(res.status, res.status)
     kf = known_failure_entry(db, rec["backend"], rec["route"], rec["case"], rec.get("params"))
-    from verification.running.runner import note_self_judged
+    from verification.running.run_cell import note_self_judged
     return note_self_judged(decide(_Said(status, res.reason), known_failure=kf).apply_to(rec))
 
 

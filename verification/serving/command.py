@@ -67,7 +67,7 @@ def select_serving_cases(patterns: list, long: bool) -> list:
 
 def plan_cells(args, device: str):
     """(prefill LoadedBackend, decode LoadedBackend, [(rp, rd)], cases, selection)."""
-    from verification.running.runner import load
+    from verification.running.run_select import load
     from verification.running.selection import split_list
     from verification.serving.cells import pairings
     spec_a = split_list(args.backend)[0]
@@ -99,7 +99,9 @@ def run_serving(args) -> int:
     from verification.errors import UsageError, writable_dir
     from verification.judging.record import RESULTS_FILE, append_record, read_records, repair_partial_line
     from verification.judging.record import encode as jsonable
-    from verification.running.runner import Progress, RunSummary, check_resume, _note_interrupted
+    from verification.running.run_progress import Progress, RunSummary
+    from verification.running.run_select import check_resume
+    from verification.running.run_store import note_interrupted as _note_interrupted
     from verification.serving.cells import TraceCache, cell_names, run_serving_cell
     from verification.judging.record import cell_key
     from verification.running.selection import split_list

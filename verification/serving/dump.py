@@ -321,7 +321,7 @@ def _case_of(d: Dump) -> DumpCase:
 def check_dump(path, db=None, device: str = "cpu") -> dict:
     """The cell record of a dump, judged as run judges a serving cell (module docstring)."""
     from kda_kernels.base import Route
-    from verification.running.runner import LoadedBackend
+    from verification.running.run_select import LoadedBackend
     from verification.serving.cells import TraceCache, run_serving_cell
     from verification.judging.tolerances import load_tolerances
     d = load_dump(path)
@@ -345,7 +345,7 @@ def check_dump(path, db=None, device: str = "cpu") -> dict:
     rec = run_serving_cell(la, lb, rp, rd, case, db, cache, device=device)
     rec["repro"] = f"kda-verify check {d.path}"
     if rec.pop("self_judged", None):      # the dump was judged against an independent emulator run, not itself
-        from verification.running.runner import SELF_JUDGED
+        from verification.running.run_cell import SELF_JUDGED
         rec["reason"] = rec.get("reason", "").replace(f"{SELF_JUDGED}; ", "").replace(SELF_JUDGED, "")
     if d.manifest["steps"] < d.trace.steps and rec.get("status") == "pass":   # never a pass on part of a trace
         rec.update(status="error", reason=f"the dump holds {d.manifest['steps']} of {d.trace.steps} steps")
@@ -377,7 +377,7 @@ def baseline_rows(tr, rp, rd, device: str = "cpu") -> Optional[list]:
 
 
 def verdict_line(rec: dict) -> str:
-    """The line run prints for a cell (verification.running.runner.Progress without a terminal)."""
+    """The line run prints for a cell (verification.running.run_progress.Progress without a terminal)."""
     reason = rec.get("reason") or ""
     return f"{rec.get('status', '?'):10} {rec.get('backend')} {rec.get('route')} {rec.get('case')}" + (
         f" - {reason}" if reason and rec.get("status") != "pass" else "")

@@ -45,7 +45,7 @@ def serving_cells(suites: list, backends: list, routes: list, decode_backends: l
     from types import SimpleNamespace
 
     from verification.errors import UsageError
-    from verification.running.runner import load
+    from verification.running.run_select import load
     from verification.serving.cells import cell_names, pairings
     from verification.serving.command import check_serving_args, select_serving_cases
     args = SimpleNamespace(backend=backends or ["emulator"], decode_backend=decode_backends or None,

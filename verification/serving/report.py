@@ -1,4 +1,4 @@
-"""The serving cells in the report (verification/reporting/report.py hands them here).
+"""The serving cells in the report (verification/reporting/report_render.py and report_plots.py hand them here).
 
 ``serving_sections(records)``: the section "Serving traces": each serving cell's pairing, its
 worst (request, step) or slot against its threshold, the first failure and its diagnosis; and the
