@@ -34,7 +34,7 @@ import torch
 
 from .chunked import chunked, prepare_tokens
 from .preprocess import Prepared
-from .recurrence import token_step
+from .recurrence import token_step_host
 from .trace import PREFILL, CacheSpec, StepPlan, Trace, iter_plan
 
 F64 = torch.float64
@@ -120,8 +120,9 @@ def _trace_steps(tr: Trace, chunk_size: int, block_tokens: int, plans) -> Iterat
         if sp.tok1 > b1:                           # a new block of inputs from this step on
             b0, b1 = sp.tok0, min(tr.tokens, max(sp.tok1, sp.tok0 + block_tokens))
             pp = prepare_tokens(p, b0, b1, None)
-            decay = torch.exp(pp.a)
+            tok = _token_major(pp)
         o = torch.full((sp.tok1 - sp.tok0, HV, V), float("nan"), dtype=F64)
+        o_np = o.numpy()
         made = []                                  # (state id, array) created by this step
         for rp in sp.rows:
             t0, T = rp.tok0 - b0, rp.T
@@ -152,8 +153,10 @@ def _trace_steps(tr: Trace, chunk_size: int, block_tokens: int, plans) -> Iterat
                         del states[rp.read_id]
                 else:
                     out = new_array()
-                S, o[ot + t] = token_step(S, pp.q[t0 + t], pp.k[t0 + t], pp.v[t0 + t], decay[t0 + t],
-                                          pp.beta[t0 + t], pp.scale, out=out)
+                i = t0 + t
+                token_step_host(S, tok.q[i], tok.k[i], tok.kcol[i], tok.v[i], tok.decay[i], tok.beta[i], pp.scale,
+                                out, out.numpy(), o_np[ot + t])
+                S = out
                 spare = t not in ids             # a checkpoint is kept: the next token needs a new array
                 if t in ids:
                     made.append((ids[t], S))
@@ -172,6 +175,26 @@ def _trace_steps(tr: Trace, chunk_size: int, block_tokens: int, plans) -> Iterat
             decref(cur.pop(r))
         yield StepTruth(step=sp.step, o=o, written=sp.written, live=sp.live,
                         slots={slot: states[sid] for slot, sid in slot_id.items()}, plan=sp, cache=tr.cache)
+
+
+@dataclass
+class _TokenMajor:
+    """A block's decode inputs, token-major and contiguous, in the shapes token_step_host takes:
+    q, k [n, HV, 1, K] numpy; kcol [n, HV, K, 1] torch; v [n, HV, V] numpy; decay = exp(a)
+    [n, HV, K, 1] torch; beta [n, HV, 1] numpy (views of one copy of the block's arrays)."""
+    q: object
+    k: object
+    kcol: torch.Tensor
+    v: object
+    decay: torch.Tensor
+    beta: object
+
+
+def _token_major(pp: Prepared) -> _TokenMajor:
+    k = pp.k.contiguous()
+    return _TokenMajor(q=pp.q.contiguous().numpy()[:, :, None, :], k=k.numpy()[:, :, None, :], kcol=k[..., None],
+                       v=pp.v.contiguous().numpy(), decay=torch.exp(pp.a).contiguous()[..., None],
+                       beta=pp.beta.contiguous().numpy()[..., None])
 
 
 def request_streams(tr: Trace, plans: Optional[list] = None) -> dict:
