@@ -115,7 +115,9 @@ def _trace_steps(tr: Trace, chunk_size: int, block_tokens: int, plans) -> Iterat
                 pool.append(arr)
 
     b0 = b1 = 0
-    pp = decay = None
+    pp = tok = None
+    d = torch.empty(HV, 1, V, dtype=F64)           # token_step_host's scratch
+    d_np = d.numpy()
     for sp in plans:
         if sp.tok1 > b1:                           # a new block of inputs from this step on
             b0, b1 = sp.tok0, min(tr.tokens, max(sp.tok1, sp.tok0 + block_tokens))
@@ -155,7 +157,7 @@ def _trace_steps(tr: Trace, chunk_size: int, block_tokens: int, plans) -> Iterat
                     out = new_array()
                 i = t0 + t
                 token_step_host(S, tok.q[i], tok.k[i], tok.kcol[i], tok.v[i], tok.decay[i], tok.beta[i], pp.scale,
-                                out, out.numpy(), o_np[ot + t])
+                                out, out.numpy(), o_np[ot + t], d, d_np)
                 S = out
                 spare = t not in ids             # a checkpoint is kept: the next token needs a new array
                 if t in ids:
@@ -180,21 +182,23 @@ def _trace_steps(tr: Trace, chunk_size: int, block_tokens: int, plans) -> Iterat
 @dataclass
 class _TokenMajor:
     """A block's decode inputs, token-major and contiguous, in the shapes token_step_host takes:
-    q, k [n, HV, 1, K] numpy; kcol [n, HV, K, 1] torch; v [n, HV, V] numpy; decay = exp(a)
-    [n, HV, K, 1] torch; beta [n, HV, 1] numpy (views of one copy of the block's arrays)."""
+    q, k [n, HV, 1, K] numpy; kcol [n, HV, K, 1] torch (a list of the n tokens' views, made in
+    one call); v [n, HV, 1, V] numpy; decay = exp(a) [n, HV, K, 1] torch (a list, likewise); beta
+    [n, HV, 1, 1] numpy (views of one copy of the block's arrays)."""
     q: object
     k: object
-    kcol: torch.Tensor
+    kcol: tuple
     v: object
-    decay: torch.Tensor
+    decay: tuple
     beta: object
 
 
 def _token_major(pp: Prepared) -> _TokenMajor:
     k = pp.k.contiguous()
-    return _TokenMajor(q=pp.q.contiguous().numpy()[:, :, None, :], k=k.numpy()[:, :, None, :], kcol=k[..., None],
-                       v=pp.v.contiguous().numpy(), decay=torch.exp(pp.a).contiguous()[..., None],
-                       beta=pp.beta.contiguous().numpy()[..., None])
+    return _TokenMajor(q=pp.q.contiguous().numpy()[:, :, None, :], k=k.numpy()[:, :, None, :],
+                       kcol=k[..., None].unbind(0), v=pp.v.contiguous().numpy()[:, :, None, :],
+                       decay=torch.exp(pp.a).contiguous()[..., None].unbind(0),
+                       beta=pp.beta.contiguous().numpy()[..., None, None])
 
 
 def request_streams(tr: Trace, plans: Optional[list] = None) -> dict:

@@ -73,12 +73,14 @@ def test_token_step_host_equals_token_step(in_place):
     S = S_ref.clone()
     other = torch.empty_like(S)
     o = torch.full((n, HV, V), float("nan"), dtype=torch.float64)
+    d = torch.empty(HV, 1, V, dtype=torch.float64)
     worst = 0.0
     for t in range(n):
         S_ref, o_ref = token_step(S_ref, q[t], k[t], v[t], decay[t], beta[t], 0.25)
         out = S if in_place else (other if t % 2 == 0 else torch.empty_like(S))
-        token_step_host(S, q[t].numpy()[:, None, :], k[t].numpy()[:, None, :], k[t][..., None], v[t].numpy(),
-                        decay[t][..., None], beta[t].numpy()[:, None], 0.25, out, out.numpy(), o[t].numpy())
+        token_step_host(S, q[t].numpy()[:, None, :], k[t].numpy()[:, None, :], k[t][..., None],
+                        v[t].numpy()[:, None, :], decay[t][..., None], beta[t].numpy()[:, None, None], 0.25, out,
+                        out.numpy(), o[t].numpy(), d, d.numpy())
         if not in_place:
             S, other = out, S
         worst = max(worst, float((S - S_ref).abs().max() / S_ref.abs().max()),
