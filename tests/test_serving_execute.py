@@ -216,3 +216,27 @@ def test_a_padding_row_that_reads_and_writes_the_null_block_is_seen(tmp_path, ca
     out = capsys.readouterr().out
     assert rc == 1, out
     assert "pad slot (NULL block) slot 0 changed" in out and "padding row" in out, out
+
+
+def test_a_cpu_run_holds_torch_to_one_thread_and_restores_it():
+    """run_pairing on the CPU runs its steps (the kernel's calls, the oracle, the judge) on one
+    torch thread: on the loaded 2-core machine two threads made a long case's step 100x slower.
+    The caller's setting is back afterwards."""
+    import torch
+    seen = []
+
+    class Threads(sb.ServingBackend):
+        def run_call(self, call, route):
+            seen.append(torch.get_num_threads())
+            return super().run_call(call, route)
+    b = Threads("exact")
+    p = Pairing(Side(b, _route(b, "exact-prefill")), Side(b, _route(b, "exact-decode")))
+    prev = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        res = run_pairing(chunked_spec_trace(), p, tolerances_for(DB, p, "fp32"), baseline=p)
+        after = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(prev)
+    assert res.status == "pass" and seen and set(seen) == {1}
+    assert after == 2

@@ -217,7 +217,22 @@ def run_pairing(tr: Trace, pairing: Pairing, tols: dict, baseline: Optional[Pair
     ``tols``: {group: {"o": Tolerance, "state_cache": Tolerance}} (the route of each group's
     side).  ``drift``: keep the error of every decode step (downsampled to DRIFT_POINTS bins, the
     worst of each bin).  Never raises for a kernel's sake: a call that raises is status "error"
-    naming the step and the call."""
+    naming the step and the call.
+
+    On the CPU the run holds torch to one thread (restored after): a step's arrays are a few
+    hundred kB, and on the shared 2-core machine torch's two threads contending with other
+    processes made a decode step of the long cases 100x slower (233 ms against 2.4 ms)."""
+    if torch.device(device).type != "cpu":
+        return _run_pairing(tr, pairing, tols, baseline, baseline_rows, device, drift, on_step)
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _run_pairing(tr, pairing, tols, baseline, baseline_rows, device, drift, on_step)
+    finally:
+        torch.set_num_threads(prev)
+
+
+def _run_pairing(tr, pairing, tols, baseline, baseline_rows, device, drift, on_step) -> PairingResult:
     from verification.serving.diagnose import diagnose
     res = PairingResult(status="pass")
     kr = TraceRun(tr, pairing, device=device)
