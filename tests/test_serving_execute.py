@@ -240,3 +240,14 @@ def test_a_cpu_run_holds_torch_to_one_thread_and_restores_it():
         torch.set_num_threads(prev)
     assert res.status == "pass" and seen and set(seen) == {1}
     assert after == 2
+
+
+def test_the_unwritten_mask_is_the_complement_of_the_written_one_and_built_once():
+    """judge_step's bitwise check compares against ~written_mask; the mask is kept per slot set."""
+    import torch
+    from verification.serving.judge import unwritten_mask, written_mask
+    spec = CacheSpec(slots=5, HV=2, K=8, V=16, layout="vk", dtype="float32", guard_rows=2)
+    for slots in ([], [0], [1, 3], [0, 1, 2, 3, 4]):
+        m = unwritten_mask(spec, slots)
+        assert torch.equal(m, ~written_mask(spec, slots))
+        assert unwritten_mask(spec, slots) is m

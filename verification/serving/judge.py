@@ -166,16 +166,17 @@ def written_mask(spec, slots, device=None) -> torch.Tensor:
 
 
 _UNWRITTEN: dict = {}       # (spec, slots, device) -> ~written_mask: a trace's steps write few distinct slot sets
-_UNWRITTEN_MAX = 64
+_UNWRITTEN_MAX_BYTES = 2 ** 28
 
 
 def unwritten_mask(spec, slots, device=None) -> torch.Tensor:
     """bool [buffer_numel]: every element outside ``slots`` (``~written_mask``), built once per
-    (spec, slot set, device) and shared: callers must not write into it."""
+    (spec, slot set, device) and shared: callers must not write into it.  The masks kept stay
+    under 256 MB (all are dropped when a new one would pass that)."""
     key = (spec, tuple(slots), str(device))
     m = _UNWRITTEN.get(key)
     if m is None:
-        if len(_UNWRITTEN) >= _UNWRITTEN_MAX:
+        if sum(x.numel() for x in _UNWRITTEN.values()) + spec.buffer_numel > _UNWRITTEN_MAX_BYTES:
             _UNWRITTEN.clear()
         m = _UNWRITTEN[key] = ~written_mask(spec, slots, device=device)
     return m
