@@ -114,14 +114,16 @@ def measure(truth, o: torch.Tensor, after: torch.Tensor) -> dict:
     bad = []
     view = truth.cache.view(after)
     written = list(truth.written)
-    # o and the written slots, float64 on the host in one transfer (one device sync per step, not
-    # one per row and one per slot); the same numbers as casting each piece on its own
-    parts = [o.reshape(-1).to(F64)] + [view[s].reshape(-1).to(F64) for s in written]
-    host = (torch.cat(parts) if len(parts) > 1 else parts[0]).cpu()
-    n_o = o.numel()
-    o = host[:n_o].view(o.shape)
-    slot_shape = tuple(view.shape[1:])
-    host = host[n_o:].view((len(written),) + slot_shape) if written else None
+    if o.device.type == "cpu" and after.device.type == "cpu":
+        o, host = o.to(F64), [view[s].to(F64) for s in written]
+    else:
+        # o and the written slots, float64 on the host in one transfer (one device sync per step,
+        # not one per row and one per slot); the same numbers as casting each piece on its own
+        parts = [o.reshape(-1).to(F64)] + [view[s].reshape(-1).to(F64) for s in written]
+        flat = (torch.cat(parts) if len(parts) > 1 else parts[0]).cpu()
+        n_o = o.numel()
+        o = flat[:n_o].view(o.shape)
+        host = flat[n_o:].view((len(written),) + tuple(view.shape[1:])) if written else None
     for rp in rows:
         a = rp.tok0 - plan.tok0
         x = o[a:a + rp.T]
