@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 
 from .preprocess import Prepared, pad_sequences, prepare, unpad_sequences
@@ -38,6 +39,31 @@ def token_step(S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     Sn.addcmul_(k[..., :, None], d[..., None, :])                      # + k d^T
     o = (q[..., None, :] @ Sn)[..., 0, :].mul_(scale)                  # scale S^T q
     return Sn, o
+
+
+def token_step_host(S: torch.Tensor, q: np.ndarray, k: np.ndarray, kcol: torch.Tensor, v: np.ndarray,
+                    decay: torch.Tensor, beta: np.ndarray, scale: float, out: torch.Tensor, out_np: np.ndarray,
+                    o: np.ndarray, d: torch.Tensor, d_np: np.ndarray) -> None:
+    """``token_step``'s four passes on a CPU float64 state [HV, K, V], op for op, with the two
+    state-vector products done by numpy (its stacked gemv took 12 us at HV = 8, K = V = 128, torch's
+    [HV, 1, K] @ [HV, K, V] 28 us) and every input given in the shape its op takes, so a decode
+    step allocates nothing:
+
+        S'  = diag(decay) S        (torch, into ``out``; ``out`` may be S)
+        d   = (v - k S') * beta    (numpy gemv k [HV, 1, K] @ S' [HV, K, V], into ``d``)
+        S' += k d^T                (torch addcmul_, k as ``kcol`` [HV, K, 1])
+        o   = (q S') * scale       (numpy gemv into ``o`` [HV, V])
+
+    ``out_np`` / ``d_np``: numpy views of ``out`` / the scratch ``d`` [HV, 1, V]; q, k:
+    [HV, 1, K] float64; v: [HV, 1, V]; beta: [HV, 1, 1]; decay: torch [HV, K, 1].  Equal to
+    token_step to rounding (the products' summation order is the BLAS's)."""
+    torch.mul(S, decay, out=out)
+    np.matmul(k, out_np, out=d_np)
+    np.subtract(v, d_np, out=d_np)
+    d_np *= beta
+    out.addcmul_(kcol, d)
+    np.matmul(q, out_np, out=o[:, None, :])
+    o *= scale
 
 
 @dataclass

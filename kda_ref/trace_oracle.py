@@ -34,7 +34,7 @@ import torch
 
 from .chunked import chunked, prepare_tokens
 from .preprocess import Prepared
-from .recurrence import token_step
+from .recurrence import token_step_host
 from .trace import PREFILL, CacheSpec, StepPlan, Trace, iter_plan
 
 F64 = torch.float64
@@ -115,13 +115,16 @@ def _trace_steps(tr: Trace, chunk_size: int, block_tokens: int, plans) -> Iterat
                 pool.append(arr)
 
     b0 = b1 = 0
-    pp = decay = None
+    pp = tok = None
+    d = torch.empty(HV, 1, V, dtype=F64)           # token_step_host's scratch
+    d_np = d.numpy()
     for sp in plans:
         if sp.tok1 > b1:                           # a new block of inputs from this step on
             b0, b1 = sp.tok0, min(tr.tokens, max(sp.tok1, sp.tok0 + block_tokens))
             pp = prepare_tokens(p, b0, b1, None)
-            decay = torch.exp(pp.a)
+            tok = _token_major(pp)
         o = torch.full((sp.tok1 - sp.tok0, HV, V), float("nan"), dtype=F64)
+        o_np = o.numpy()
         made = []                                  # (state id, array) created by this step
         for rp in sp.rows:
             t0, T = rp.tok0 - b0, rp.T
@@ -152,8 +155,10 @@ def _trace_steps(tr: Trace, chunk_size: int, block_tokens: int, plans) -> Iterat
                         del states[rp.read_id]
                 else:
                     out = new_array()
-                S, o[ot + t] = token_step(S, pp.q[t0 + t], pp.k[t0 + t], pp.v[t0 + t], decay[t0 + t],
-                                          pp.beta[t0 + t], pp.scale, out=out)
+                i = t0 + t
+                token_step_host(S, tok.q[i], tok.k[i], tok.kcol[i], tok.v[i], tok.decay[i], tok.beta[i], pp.scale,
+                                out, out.numpy(), o_np[ot + t], d, d_np)
+                S = out
                 spare = t not in ids             # a checkpoint is kept: the next token needs a new array
                 if t in ids:
                     made.append((ids[t], S))
@@ -172,6 +177,28 @@ def _trace_steps(tr: Trace, chunk_size: int, block_tokens: int, plans) -> Iterat
             decref(cur.pop(r))
         yield StepTruth(step=sp.step, o=o, written=sp.written, live=sp.live,
                         slots={slot: states[sid] for slot, sid in slot_id.items()}, plan=sp, cache=tr.cache)
+
+
+@dataclass
+class _TokenMajor:
+    """A block's decode inputs, token-major and contiguous, in the shapes token_step_host takes:
+    q, k [n, HV, 1, K] numpy; kcol [n, HV, K, 1] torch (a list of the n tokens' views, made in
+    one call); v [n, HV, 1, V] numpy; decay = exp(a) [n, HV, K, 1] torch (a list, likewise); beta
+    [n, HV, 1, 1] numpy (views of one copy of the block's arrays)."""
+    q: object
+    k: object
+    kcol: tuple
+    v: object
+    decay: tuple
+    beta: object
+
+
+def _token_major(pp: Prepared) -> _TokenMajor:
+    k = pp.k.contiguous()
+    return _TokenMajor(q=pp.q.contiguous().numpy()[:, :, None, :], k=k.numpy()[:, :, None, :],
+                       kcol=k[..., None].unbind(0), v=pp.v.contiguous().numpy()[:, :, None, :],
+                       decay=torch.exp(pp.a).contiguous()[..., None].unbind(0),
+                       beta=pp.beta.contiguous().numpy()[..., None, None])
 
 
 def request_streams(tr: Trace, plans: Optional[list] = None) -> dict:

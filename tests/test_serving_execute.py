@@ -217,5 +217,40 @@ def test_a_padding_row_that_reads_and_writes_the_null_block_is_seen(tmp_path, ca
     # a known failure since the register lists it (tolerances.yaml: emulator / *+fla-recurrent / serving/pad-null0)
     from verification.judging.record import read_records
     rec, = read_records(tmp_path / "r" / "results.jsonl")
-    assert rc == 0 and rec["status"] == "known-fail" and rec["known_failure"]["status"] == "fail", out
-    assert "pad slot (NULL block) slot 0 changed" in rec["reason"] and "padding row" in rec["reason"], rec["reason"]
+    assert rc == 0 and rec.status == "known-fail" and rec.known_failure["status"] == "fail", out
+    assert "pad slot (NULL block) slot 0 changed" in rec.reason and "padding row" in rec.reason, rec.reason
+
+
+def test_a_cpu_run_holds_torch_to_one_thread_and_restores_it():
+    """run_pairing on the CPU runs its steps (the kernel's calls, the oracle, the judge) on one
+    torch thread: on the loaded 2-core machine two threads made a long case's step 100x slower.
+    The caller's setting is back afterwards."""
+    import torch
+    seen = []
+
+    class Threads(sb.ServingBackend):
+        def run_call(self, call, route):
+            seen.append(torch.get_num_threads())
+            return super().run_call(call, route)
+    b = Threads("exact")
+    p = Pairing(Side(b, _route(b, "exact-prefill")), Side(b, _route(b, "exact-decode")))
+    prev = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        res = run_pairing(chunked_spec_trace(), p, tolerances_for(DB, p, "fp32"), baseline=p)
+        after = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(prev)
+    assert res.status == "pass" and seen and set(seen) == {1}
+    assert after == 2
+
+
+def test_the_unwritten_mask_is_the_complement_of_the_written_one_and_built_once():
+    """judge_step's bitwise check compares against ~written_mask; the mask is kept per slot set."""
+    import torch
+    from verification.serving.judge import unwritten_mask, written_mask
+    spec = CacheSpec(slots=5, HV=2, K=8, V=16, layout="vk", dtype="float32", guard_rows=2)
+    for slots in ([], [0], [1, 3], [0, 1, 2, 3, 4]):
+        m = unwritten_mask(spec, slots)
+        assert torch.equal(m, ~written_mask(spec, slots))
+        assert unwritten_mask(spec, slots) is m

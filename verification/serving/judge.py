@@ -112,9 +112,21 @@ def measure(truth, o: torch.Tensor, after: torch.Tensor) -> dict:
     rows = plan.rows
     e2, r2, cnt = [], [], []
     bad = []
+    view = truth.cache.view(after)
+    written = list(truth.written)
+    if o.device.type == "cpu" and after.device.type == "cpu":
+        o, host = o.to(F64), [view[s].to(F64) for s in written]
+    else:
+        # o and the written slots, float64 on the host in one transfer (one device sync per step,
+        # not one per row and one per slot); the same numbers as casting each piece on its own
+        parts = [o.reshape(-1).to(F64)] + [view[s].reshape(-1).to(F64) for s in written]
+        flat = (torch.cat(parts) if len(parts) > 1 else parts[0]).cpu()
+        n_o = o.numel()
+        o = flat[:n_o].view(o.shape)
+        host = flat[n_o:].view((len(written),) + tuple(view.shape[1:])) if written else None
     for rp in rows:
         a = rp.tok0 - plan.tok0
-        x = o[a:a + rp.T].to(F64).cpu()
+        x = o[a:a + rp.T]
         r = truth.o[a:a + rp.T]
         finite = bool(torch.isfinite(x).all())
         d = x - r
@@ -127,10 +139,9 @@ def measure(truth, o: torch.Tensor, after: torch.Tensor) -> dict:
     tot_e, tot_r = sum(e2), sum(r2)
     step_err = 0.0 if tot_e == 0 else (math.inf if tot_r == 0 or math.isinf(tot_e) else math.sqrt(tot_e / tot_r))
     out_rows = {rp.row: (errs[i], e2[i], r2[i], cnt[i]) for i, rp in enumerate(rows)}
-    view = truth.cache.view(after)
     slots = {}
-    for s in truth.written:
-        x = view[s].to(F64).cpu()
+    for j, s in enumerate(written):
+        x = host[j]
         ref = truth.expected(s)
         if not bool(torch.isfinite(x).all()):
             slots[s] = math.inf
@@ -153,6 +164,23 @@ def written_mask(spec, slots, device=None) -> torch.Tensor:
     v = spec.view(m)
     for s in slots:
         v[s] = True
+    return m
+
+
+_UNWRITTEN: dict = {}       # (spec, slots, device) -> ~written_mask: a trace's steps write few distinct slot sets
+_UNWRITTEN_MAX_BYTES = 2 ** 28
+
+
+def unwritten_mask(spec, slots, device=None) -> torch.Tensor:
+    """bool [buffer_numel]: every element outside ``slots`` (``~written_mask``), built once per
+    (spec, slot set, device) and shared: callers must not write into it.  The masks kept stay
+    under 256 MB (all are dropped when a new one would pass that)."""
+    key = (spec, tuple(slots), str(device))
+    m = _UNWRITTEN.get(key)
+    if m is None:
+        if sum(x.numel() for x in _UNWRITTEN.values()) + spec.buffer_numel > _UNWRITTEN_MAX_BYTES:
+            _UNWRITTEN.clear()
+        m = _UNWRITTEN[key] = ~written_mask(spec, slots, device=device)
     return m
 
 
@@ -226,7 +254,7 @@ def judge_step(truth, base: dict, o: torch.Tensor, before: torch.Tensor, after: 
     items = []
     # bitwise: nothing outside the written slots changes
     ch = changed_mask(before, after)
-    outside = ch & ~written_mask(spec, truth.written, device=ch.device)
+    outside = ch & unwritten_mask(spec, truth.written, device=ch.device)
     if bool(outside.any()):
         idx = torch.nonzero(outside).flatten().tolist()
         seen = {}
