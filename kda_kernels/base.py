@@ -14,6 +14,8 @@ import torch
 
 from kda_ref.problem import Problem
 from kda_ref.truth import output_tensors
+import copy
+import importlib
 
 
 @dataclass(frozen=True)
@@ -166,7 +168,6 @@ def capabilities(backend) -> list[str]:
 def with_taps(backend, taps: bool = True):
     """A copy of ``backend`` with its ``taps`` switch set: the ReturnsTaps.with_taps of a
     built-in backend (the caller's object is unchanged)."""
-    import copy
 
     other = copy.copy(backend)
     other.taps = bool(taps)
@@ -216,7 +217,6 @@ BUILTIN_BACKENDS: dict[str, str] = {
 def load_backend(spec: str, **kwargs) -> Backend:
     """A backend by built-in name (emulator, triton, fla, aiter, moonshot) or as
     ``package.module:factory`` (any callable returning a Backend)."""
-    import importlib
 
     target = BUILTIN_BACKENDS.get(spec, spec)
     if ":" not in target:

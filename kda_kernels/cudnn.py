@@ -48,6 +48,7 @@ import torch
 from kda_ref.problem import Problem
 
 from .base import Outputs, Route
+import importlib.metadata as md
 
 D = 128
 WHEEL = "nvidia-cudnn-frontend 1.32.0"
@@ -108,6 +109,7 @@ class CudnnBackend:
     def _load(self):
         if self._fn is None and self._why is None:
             try:
+                # lazy: optional dependency (docs/design.md, Imports)
                 import cudnn
                 from cudnn.linear_attention import kimi_delta_attention
                 self._cudnn, self._fn = cudnn, kimi_delta_attention
@@ -127,7 +129,6 @@ class CudnnBackend:
         return True, ""
 
     def version(self) -> str:
-        import importlib.metadata as md
         try:
             v = md.version("nvidia-cudnn-frontend")
         except md.PackageNotFoundError:

@@ -48,6 +48,9 @@ import torch
 from kda_ref.problem import Problem
 
 from .base import Outputs, Route
+import importlib.metadata as md
+import os
+import sys
 
 D = 128
 LB_RANGE = (-5.0, 0.0)          # the lower_bound range flash_kda documents (and does not check)
@@ -128,6 +131,7 @@ class MoonshotBackend:
     def _load(self):
         if self._fwd is None and self._why is None:
             try:
+                # lazy: optional dependency (docs/design.md, Imports)
                 import flash_kda
                 self._fwd = flash_kda.fwd
             except Exception as e:  # noqa: BLE001 - any import failure is the reason it cannot run
@@ -147,12 +151,10 @@ class MoonshotBackend:
     def _dist_version(self) -> Optional[str]:
         """The version of the flash_kda distribution installed beside the module that imports
         (a --target directory or site-packages), None when there is none."""
-        import importlib.metadata as md
-        import os
-        import sys
         mod = sys.modules.get("flash_kda")
         if mod is None:
             try:
+                # lazy: optional dependency (docs/design.md, Imports)
                 import flash_kda as mod  # noqa: F811
             except Exception:  # noqa: BLE001
                 return None
@@ -173,7 +175,6 @@ class MoonshotBackend:
         v = self._dist_version()
         if v is None:
             return "flash_kda not installed"
-        import sys
         where = getattr(sys.modules.get("flash_kda"), "__file__", "") or ""
         return f"flash_kda {v} (recipe {self.recipe()}{', ' + where if where else ''})"
 
