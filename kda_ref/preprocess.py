@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .problem import GATE_KINDS, Problem
 from .paged import paged_read
+from .problem import GATE_KINDS, Problem
 
 F64 = torch.float64
 LOG2E = 1.4426950408889634

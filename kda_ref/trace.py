@@ -54,10 +54,10 @@ from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
 import torch
-
-from .problem import BETA_KINDS, GATE_KINDS, Problem, ProblemError, shape_of, validate
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from .problem import BETA_KINDS, GATE_KINDS, Problem, ProblemError, shape_of, validate
 
 TRACE_FORMAT = "kda-verify-trace/1"
 PHASES = ("prefill", "decode", "spec")               # row_phase 0, 1, 2; -1 = padding row

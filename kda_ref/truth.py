@@ -20,12 +20,12 @@ from typing import Optional
 
 import torch
 
-from .paged import paged_write
-from .problem import Problem, validate
 from .chunked import chunked_from_workspace, streamed
 from .fla_form import fla_form
 from .norm import gated_rmsnorm
+from .paged import paged_write
 from .preprocess import prepare
+from .problem import Problem, validate
 from .recurrence import recurrence_prepared
 from .segments import segmented
 from .workspace import condition_number, workspace_prepared

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 import torch
 
 from .preprocess import F64, LOG2E, Prepared, prepare
-from .tiles import TileGrid, tile_grid
 from .problem import validate
+from .tiles import TileGrid, tile_grid
 
 PIVOT_SAFE_LOG2 = 480.0      # |Ĝ| above this: pairwise log-space evaluation of that (head, tile)
 NEUMANN_BLOCK = 16           # diagonal block width of the production inverse

@@ -27,7 +27,9 @@ import shlex
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Optional
+
 import torch
+
 from kda_kernels.base import Outputs
 from kda_kernels.emulator import RECIPES
 from kda_ref.problem import Problem, ProblemError, validate
