@@ -73,11 +73,10 @@ from typing import Optional
 
 import torch
 
+from kda_kernels.emulator import CHUNK_KDA_GLUON_RECIPES
 from kda_ref.problem import Problem
-
 from . import _autotune_pin
 from .base import Outputs, Route, copy_with_padding
-from kda_kernels.emulator import CHUNK_KDA_GLUON_RECIPES
 from .trace_support import copy_back, paged_problem, problem_of_trace, trace_refusal
 
 LAYOUTS = (

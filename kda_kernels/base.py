@@ -7,6 +7,8 @@ it sets and the emulator recipe that is its baseline.
 """
 from __future__ import annotations
 
+import copy
+import importlib
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Protocol, runtime_checkable
 
@@ -14,8 +16,6 @@ import torch
 
 from kda_ref.problem import Problem
 from kda_ref.truth import output_tensors
-import copy
-import importlib
 
 
 @dataclass(frozen=True)

@@ -43,12 +43,12 @@ use_beta_sigmoid_in_kernel; pregated -> post-sigmoid beta; sigmoid2 refused (all
 """
 from __future__ import annotations
 
+import importlib.metadata as md
+
 import torch
 
 from kda_ref.problem import Problem
-
 from .base import Outputs, Route
-import importlib.metadata as md
 
 D = 128
 WHEEL = "nvidia-cudnn-frontend 1.32.0"

@@ -63,12 +63,11 @@ from typing import Callable, Optional
 
 import torch
 
-from kda_ref.preprocess import F64, LOG2E, beta_activation, expand_gva, initial_state_kfirst
-from kda_ref.problem import Problem, validate
-
-from .base import Outputs, Route, with_taps
 from kda_ref.chunked import prepare_tokens
 from kda_ref.norm import gated_rmsnorm
+from kda_ref.preprocess import F64, LOG2E, beta_activation, expand_gva, initial_state_kfirst
+from kda_ref.problem import Problem, validate
+from .base import Outputs, Route, with_taps
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 TF32 = "tf32"

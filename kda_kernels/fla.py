@@ -56,18 +56,17 @@ benchmarking.  The configs that ran are in ``Outputs.info["pinned_configs"]`` (a
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
+import warnings
 from typing import Optional
 
 import torch
 
+from kda_ref.preprocess import beta_activation, l2norm
 from kda_ref.problem import Problem
-
 from . import _autotune_pin
 from .base import Outputs, Route
-import importlib
-import warnings
-from kda_ref.preprocess import beta_activation, l2norm
 from .trace_support import gather_states, has_padding_rows, problem_of_trace, scatter_states
 
 CHUNK_ROUTES = {

@@ -41,16 +41,15 @@ assertion).
 """
 from __future__ import annotations
 
+import importlib.metadata as md
+import os
+import sys
 from typing import Optional
 
 import torch
 
 from kda_ref.problem import Problem
-
 from .base import Outputs, Route
-import importlib.metadata as md
-import os
-import sys
 
 D = 128
 LB_RANGE = (-5.0, 0.0)          # the lower_bound range flash_kda documents (and does not check)

@@ -49,7 +49,6 @@ import torch
 import torch.nn.functional as F
 
 from kda_ref.problem import Problem
-
 from .base import Outputs, Route
 
 F32 = torch.float32

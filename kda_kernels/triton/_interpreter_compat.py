@@ -23,6 +23,7 @@ once per process (a second call returns at once).
 from __future__ import annotations
 
 import os
+
 import numpy as np
 import triton.language as tl
 import triton.language as tl_lang
@@ -63,7 +64,6 @@ def install(force: bool = False) -> None:
     original_dot = builder_cls.create_dot
 
     def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-
         def widen(x):
             if x.dtype.scalar == tl.bfloat16:
                 data = interpreter._convert_float(x.data, tl.bfloat16, tl.float32, None).view(np.float32)
@@ -77,7 +77,6 @@ def install(force: bool = False) -> None:
     original_cast = builder_cls.cast_impl
 
     def cast_impl(self, src, dst_type):
-
         if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
             return interpreter.TensorHandle(f32_to_bf16_bits(src.data), tl.bfloat16)
         return original_cast(self, src, dst_type)

@@ -27,19 +27,18 @@ rounded to the workspace dtypes first; outputs come back in the kernel's dtypes.
 from __future__ import annotations
 
 import dataclasses
-
 import os
 from typing import Optional
 
 import torch
-
-from kda_ref.problem import Problem
-
-from ..base import Outputs, Route, copy_with_padding, with_taps
-from . import forward as fw
-from .routes import RouteError, RouteSpec, parse_route, route_names
 import triton
-from ..trace_support import copy_back, paged_problem, problem_of_trace, trace_refusal
+
+# absolute: a mutant copy of this folder (verification/investigating/mutate.py) has only base.py beside it
+from kda_kernels.trace_support import copy_back, paged_problem, problem_of_trace, trace_refusal
+from kda_ref.problem import Problem
+from . import forward as fw
+from ..base import Outputs, Route, copy_with_padding, with_taps
+from .routes import RouteError, RouteSpec, parse_route, route_names
 
 PASSES = ("K1", "A", "B", "C")
 

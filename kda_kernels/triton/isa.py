@@ -21,26 +21,25 @@ and scratch size).
 from __future__ import annotations
 
 import dataclasses
-
 import os
 import re
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 import torch
-
-from . import forward as fw, kernels
-from .launch import launch_context
-from .routes import RouteSpec, parse_route
-import sys
 import triton
 from triton.backends.amd import compiler as amd_compiler
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
+
+from . import forward as fw, kernels
+from .launch import launch_context
+from .routes import RouteSpec, parse_route
 
 TARGETS = {
     "sm90": ("cuda", 90, 32),
@@ -241,7 +240,6 @@ def _amd_stats(kernel) -> dict:
 
 
 def compile_variant(v: Variant, arch: str) -> KernelReport:
-
     backend, a, warp = TARGETS[arch]
     rep = KernelReport(arch=arch, kernel=v.label, routes=list(v.routes), ok=False)
     t0 = time.perf_counter()
