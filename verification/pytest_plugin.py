@@ -54,7 +54,11 @@ author's own tests: ``def test_my_kernel(kda_close): kda_close(my_kernel(problem
 """
 from __future__ import annotations
 
+import json
+import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -86,6 +90,7 @@ verify._kda_verify_matrix = True
 def kda_close():
     """``kda_verify.assert_kda_close``: judge one kernel call with kda-verify's verdict, raising
     AssertionError that names the worst slice (kda_verify/close.py)."""
+    # lazy: the pytest plugin loads into every pytest session (docs/design.md, Imports)
     from kda_verify import assert_kda_close
     return assert_kda_close
 
@@ -127,6 +132,7 @@ def _worker_id(config) -> str | None:
 
 def pick_device(config) -> str:
     """--kda-device, else cuda:(N mod device_count) on xdist worker gwN, cuda, or cpu."""
+    # lazy: the pytest plugin loads into every pytest session (docs/design.md, Imports)
     import torch
     dev = config.getoption("--kda-device")
     if dev:
@@ -148,11 +154,11 @@ def _results_path(config) -> Path | None:
 
 
 def pytest_configure(config):
-    import time
     setattr(config, _T0_KEY, time.perf_counter())
     config.addinivalue_line("markers", "verify: the on-device verification matrix (backend x route x case)")
     config.pluginmanager.register(_CellTally(config), f"kda-verify-cells-{id(config)}")
     if config.getoption("--kda-no-cache", default=False):
+        # lazy: the pytest plugin loads into every pytest session (docs/design.md, Imports)
         from verification.running.cache import turn_off
         turn_off()
     out = config.getoption("--kda-report", default=None)
@@ -166,6 +172,7 @@ def pytest_configure(config):
         for f in [d / "results.jsonl", *d.glob("results-*.jsonl")]:
             f.unlink(missing_ok=True)
     if _selects_verify(config):
+        # lazy: the pytest plugin loads into every pytest session (docs/design.md, Imports)
         from verification.running.environment import check_triton
         from verification.errors import UsageError
         try:
@@ -176,7 +183,6 @@ def pytest_configure(config):
         from verification.running.selection import setup_interpreter
         note = setup_interpreter(_split(config.getoption("--kda-backend")), config.getoption("--kda-device") or "cpu")
         if note:
-            import sys
             sys.stderr.write(f"kda-verify: {note}\n")
 
 
@@ -186,6 +192,7 @@ def _selects_verify(config) -> bool:
     if not expr:
         return True
     try:
+        # lazy: optional dependency (docs/design.md, Imports)
         from _pytest.mark import MarkMatcher
         from _pytest.mark.expression import Expression
         return bool(Expression.compile(expr).evaluate(MarkMatcher.from_markers([pytest.mark.verify.mark])))
@@ -204,6 +211,7 @@ class _State:
     """What every cell of one process shares: backends, truth and baseline caches, tolerances."""
 
     def __init__(self, config):
+        # lazy: the pytest plugin loads into every pytest session (docs/design.md, Imports)
         from verification.judging.baselines import BaselineCache
         from verification.running.runner import TruthCache, use_device
         self.config = config
@@ -218,6 +226,7 @@ class _State:
     @property
     def db(self):
         if self._db is None:
+            # lazy: the pytest plugin loads into every pytest session (docs/design.md, Imports)
             from verification.judging.tolerances import load_tolerances
             self._db = load_tolerances(self.config.getoption("--kda-tolerances"))
         return self._db
@@ -232,6 +241,7 @@ def _state(config) -> _State:
 
 
 def _backends(config) -> list:
+    # lazy: the pytest plugin loads into every pytest session (docs/design.md, Imports)
     from kda_kernels.base import BUILTIN_BACKENDS
     from verification.running.runner import load, module_exists
     specs = _split(config.getoption("--kda-backend"))
@@ -257,8 +267,8 @@ def cell_id(backend: str, route: str, case_id: str) -> str:
 
 
 def _cells(config) -> list:
-    from types import SimpleNamespace
 
+    # lazy: the pytest plugin loads into every pytest session (docs/design.md, Imports)
     from verification.running.selection import fuzz_args, select_cases
     from verification.running.devices import check_device
     from verification.running.runner import plan
@@ -266,6 +276,7 @@ def _cells(config) -> list:
     _state(config).db
     suites = _split(config.getoption("--kda-suite")) or ["smoke"]
     if "serving" in suites:             # serving traces: pairs of trace routes (verification/serving/plugin.py)
+        # lazy: the pytest plugin loads into every pytest session (docs/design.md, Imports)
         from verification.serving.plugin import serving_cells
         return serving_cells(suites, _split(config.getoption("--kda-backend")), _split(config.getoption("--kda-route")),
                              _split(config.getoption("--kda-decode-backend")),
@@ -317,6 +328,7 @@ def _scheduled(cells: list, device: str) -> list:
     truth stays resident; every other case's cells spread over the workers, which share its truth
     and baselines through kda-verify's disk cache (verification/running/cache.py, one computation
     under its lock)."""
+    # lazy: the pytest plugin loads into every pytest session (docs/design.md, Imports)
     from verification.running.room import cell_bytes, is_big
     from verification.serving.cases import ServingCase
 
@@ -348,6 +360,7 @@ class VerifyConfigError(pytest.Item):
         self.add_marker(MARKER)
 
     def runtest(self):
+        # lazy: the pytest plugin loads into every pytest session (docs/design.md, Imports)
         from verification.judging.policy import exit_code
         self.user_properties.append((OPTIONS_PROPERTY, exit_code(error=self.error)))   # 2 for bad input
         raise self.error
@@ -360,6 +373,7 @@ class VerifyConfigError(pytest.Item):
 
 
 def _properties(rec: dict) -> list[tuple[str, str]]:
+    # lazy: the pytest plugin loads into every pytest session (docs/design.md, Imports)
     from verification.judging.record import decode_number as as_float
     props = [("status", rec.get("status")), ("reason", rec.get("reason") or ""),
              ("backend", rec.get("backend")), ("route", rec.get("route")), ("case", rec.get("case")),
@@ -392,6 +406,7 @@ class VerifyItem(pytest.Item):
         self.record = None
 
     def runtest(self):
+        # lazy: the pytest plugin loads into every pytest session (docs/design.md, Imports)
         from verification.judging.record import append_record
         from verification.running.runner import note_self_judged, run_cell
         lb, route, case = self.cell
@@ -438,8 +453,8 @@ class VerifyItem(pytest.Item):
 
 def _own_timing(config) -> dict | None:
     """{"wall_s", "sums"} of the cells this process ran (None if it ran none)."""
-    import time
 
+    # lazy: the pytest plugin loads into every pytest session (docs/design.md, Imports)
     from verification.running import timing
     st = getattr(config, _STATE_KEY, None)
     if st is None or not (st.timings or st.warmup):
@@ -455,6 +470,7 @@ def pytest_collection_finish(session):
     wi = getattr(session.config, "workerinput", None)
     if not wi:
         return
+    # lazy: the pytest plugin loads into every pytest session (docs/design.md, Imports)
     from verification.running import warmup
     cells = [i.cell for i in session.items if isinstance(i, VerifyItem)]
     workers = int(wi.get("workercount") or 1)
@@ -477,6 +493,7 @@ def pytest_testnodedown(node, error):
 
 def _timing_input(config) -> dict | None:
     """What write_report / timing.breakdown need: this process's cells, or the xdist workers'."""
+    # lazy: the pytest plugin loads into every pytest session (docs/design.md, Imports)
     from verification.running import timing
     workers = getattr(config, _WORKERS_KEY, None)
     if workers:
@@ -533,6 +550,7 @@ def _exit_status(session) -> None:
     its item's code; else the matrix's cells, with the other tests' failures, 0, 1 or 2 (a matrix
     whose cells were all skipped verified nothing: 2 with one line in the summary, unless
     --kda-allow-skips).  pytest's own usage, internal and no-tests codes are kept."""
+    # lazy: the pytest plugin loads into every pytest session (docs/design.md, Imports)
     from verification.judging.policy import FAILING, RESOURCE_ERROR, exit_code, nothing_verified_reason
     config = session.config
     if _worker_id(config) is not None:
@@ -570,9 +588,9 @@ def pytest_sessionfinish(session, exitstatus):
     out = config.getoption("--kda-report", default=None)
     if not out or _worker_id(config) is not None:
         return
+    # lazy: the pytest plugin loads into every pytest session (docs/design.md, Imports)
     from verification.reporting import provenance
     from verification.reporting.report import load_results, write_report
-    import json
     d = Path(out)
     if not load_results(d):
         return
@@ -593,13 +611,14 @@ def pytest_sessionfinish(session, exitstatus):
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """The time breakdown of the matrix (the report's, when one was written)."""
-    import time
 
+    # lazy: the pytest plugin loads into every pytest session (docs/design.md, Imports)
     from verification.running import timing
     if _worker_id(config) is not None:
         return
     cells = getattr(config, _CELLS_KEY, None)
     if cells:
+        # lazy: the pytest plugin loads into every pytest session (docs/design.md, Imports)
         from verification.judging.policy import headline
         terminalreporter.write_sep("-", "kda-verify")
         terminalreporter.write_line(headline(cells, getattr(config, _NOT_RUN_KEY, None) or 0))
