@@ -131,6 +131,7 @@ def pinned(kernels: Mapping[str, Any], autotuner_class=None, context: str = "",
     UnpinnedAutotuneError when launched.  ``context`` names the caller in that message.
     """
     if autotuner_class is None:
+        # lazy: triton is imported only where a Triton path runs (docs/design.md, Imports)
         from triton.runtime.autotuner import Autotuner as autotuner_class
     record: dict = {}
     chosen: dict = {}

@@ -73,10 +73,11 @@ from typing import Optional
 
 import torch
 
+from kda_kernels.emulator import CHUNK_KDA_GLUON_RECIPES
 from kda_ref.problem import Problem
-
 from . import _autotune_pin
-from .base import Outputs, Route
+from .base import Outputs, Route, copy_with_padding
+from .trace_support import copy_back, paged_problem, problem_of_trace, trace_refusal
 
 LAYOUTS = (
     ("kimi_delta_attn", "aiter.ops.triton._triton_kernels.kimi_delta_attn.flash_kda"),
@@ -274,7 +275,6 @@ class AiterBackend:
         """The emulator recipe of chunk_kda's Gluon kernels on this GPU (aiter-gfx1250 / aiter-gfx950,
         which round where those kernels' sources round); off those archs, where the route is not
         applicable, the gfx1250 one names it."""
-        from kda_kernels.emulator import CHUNK_KDA_GLUON_RECIPES
         ck = self._load_chunk_kda() if self._load() is not None else None
         arch = self._chunk_kda_arch(ck) if ck is not None else str(current_arch())
         return CHUNK_KDA_GLUON_RECIPES.get(arch, CHUNK_KDA_GLUON_RECIPES["gfx1250"])
@@ -497,7 +497,6 @@ class AiterBackend:
         if p.initial_state is not None:
             kw["initial_state"] = p.initial_state.to(torch.float32)
         if p.paged:   # written in place: a private copy with the Problem's strides (slot padding kept)
-            from .base import copy_with_padding
             kw.update(state_cache=copy_with_padding(p.state_cache), state_indices=p.state_indices.to(torch.int32),
                       has_initial_state=p.has_initial_state.bool())
         if p.paged or self._supports("out"):
@@ -561,7 +560,6 @@ class AiterBackend:
             h0 = p.initial_state.to(torch.float32)
             kw["initial_state"] = (h0.transpose(-1, -2) if p.state_layout == "kv" else h0).contiguous()
         if p.paged:
-            from .base import copy_with_padding
             kw.update(state_cache=copy_with_padding(p.state_cache),
                       state_indices=p.state_indices.to(device=dev, dtype=torch.int32).contiguous(),
                       has_initial_state=p.has_initial_state.to(device=dev).bool().contiguous())
@@ -707,7 +705,6 @@ class AiterBackend:
         return out
 
     def trace_accepts(self, trace, route: Route) -> tuple[bool, str]:
-        from .trace_support import problem_of_trace, trace_refusal
         if route.name == "kda:gluon":
             return self._kda_trace_accepts(trace)
         if route.name not in self.TRACE_PREFILL_ROUTES:
@@ -729,7 +726,6 @@ class AiterBackend:
         o zero), which takes padding rows at -1 and at the NULL block 0 alike, and, under pad -1,
         would skip a live row given slot 0 too: such a trace is not applicable (the emulator's
         aiter-decode recipes decide the same)."""
-        from .trace_support import problem_of_trace, trace_refusal
         kda = self._load_kda()
         if kda is None:
             return False, f"not applicable: this aiter tree has no KDA decode host ({self._kda_why})"
@@ -775,7 +771,6 @@ class AiterBackend:
         return kw
 
     def run_call(self, call, route: Route) -> torch.Tensor:
-        from .trace_support import copy_back, paged_problem
         if route.name == "kda:gluon":
             kda = self._load_kda()
             if kda is None:

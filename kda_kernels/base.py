@@ -7,6 +7,8 @@ it sets and the emulator recipe that is its baseline.
 """
 from __future__ import annotations
 
+import copy
+import importlib
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Protocol, runtime_checkable
 
@@ -166,7 +168,6 @@ def capabilities(backend) -> list[str]:
 def with_taps(backend, taps: bool = True):
     """A copy of ``backend`` with its ``taps`` switch set: the ReturnsTaps.with_taps of a
     built-in backend (the caller's object is unchanged)."""
-    import copy
 
     other = copy.copy(backend)
     other.taps = bool(taps)
@@ -216,7 +217,6 @@ BUILTIN_BACKENDS: dict[str, str] = {
 def load_backend(spec: str, **kwargs) -> Backend:
     """A backend by built-in name (emulator, triton, fla, aiter, moonshot) or as
     ``package.module:factory`` (any callable returning a Backend)."""
-    import importlib
 
     target = BUILTIN_BACKENDS.get(spec, spec)
     if ":" not in target:

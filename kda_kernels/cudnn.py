@@ -43,10 +43,11 @@ use_beta_sigmoid_in_kernel; pregated -> post-sigmoid beta; sigmoid2 refused (all
 """
 from __future__ import annotations
 
+import importlib.metadata as md
+
 import torch
 
 from kda_ref.problem import Problem
-
 from .base import Outputs, Route
 
 D = 128
@@ -108,6 +109,7 @@ class CudnnBackend:
     def _load(self):
         if self._fn is None and self._why is None:
             try:
+                # lazy: optional dependency (docs/design.md, Imports)
                 import cudnn
                 from cudnn.linear_attention import kimi_delta_attention
                 self._cudnn, self._fn = cudnn, kimi_delta_attention
@@ -127,7 +129,6 @@ class CudnnBackend:
         return True, ""
 
     def version(self) -> str:
-        import importlib.metadata as md
         try:
             v = md.version("nvidia-cudnn-frontend")
         except md.PackageNotFoundError:

@@ -63,9 +63,10 @@ from typing import Callable, Optional
 
 import torch
 
+from kda_ref.chunked import prepare_tokens
+from kda_ref.norm import gated_rmsnorm
 from kda_ref.preprocess import F64, LOG2E, beta_activation, expand_gva, initial_state_kfirst
 from kda_ref.problem import Problem, validate
-
 from .base import Outputs, Route, with_taps
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -501,7 +502,6 @@ def aiter_token_inputs(problem: Problem, pieces: list, pp, recipe: Recipe):
     beta = rnd(pp.beta, acc)
     if recipe.prep == "f64" or acc != FP32:
         return q, k, gk, beta
-    from kda_ref.preprocess import expand_gva
     Tt, HV = problem.B * problem.T, problem.HV
 
     def raw(x, shape):
@@ -867,7 +867,6 @@ def _group_inputs(problem: Problem, pieces: list):
     """The prepared float64 inputs of a group's ``pieces`` (``_group_pieces``), packed
     (``kda_ref.chunked.prepare_tokens`` on each non-empty piece, concatenated), and the pieces'
     bounds in that packing."""
-    from kda_ref.chunked import prepare_tokens
     prepared = [prepare_tokens(problem, t0, t1, None) for t0, t1 in pieces if t1 > t0]
     sub_bounds, pos = [], 0
     for t0, t1 in pieces:
@@ -993,7 +992,6 @@ def fused_output_norm(o: torch.Tensor, problem: Problem, recipe: Recipe, keep_f6
     if not recipe.fused_norm:
         raise ValueError(f"recipe: {recipe.name} has no fused output norm, but the problem asks for one (out_gate)")
     if keep_f64:
-        from kda_ref.norm import gated_rmsnorm
         return gated_rmsnorm(o, problem.out_gate, problem.norm_weight, problem.norm_eps)
     of = o.to(FP32)
     w = problem.norm_weight.to(device=o.device, dtype=FP32)

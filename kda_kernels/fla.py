@@ -56,15 +56,18 @@ benchmarking.  The configs that ran are in ``Outputs.info["pinned_configs"]`` (a
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
+import warnings
 from typing import Optional
 
 import torch
 
+from kda_ref.preprocess import beta_activation, l2norm
 from kda_ref.problem import Problem
-
 from . import _autotune_pin
 from .base import Outputs, Route
+from .trace_support import gather_states, has_padding_rows, problem_of_trace, scatter_states
 
 CHUNK_ROUTES = {
     "chunk:safe_gate": dict(chunk_size=64, safe_gate=True),
@@ -95,7 +98,6 @@ AUTOTUNED = {
 
 def autotuned_kernels() -> dict:
     """AUTOTUNED resolved to fla's kernel objects (fla imported); a missing one is named."""
-    import importlib
     _import_fla()
     out = {}
     for name, (module, attr) in AUTOTUNED.items():
@@ -119,10 +121,10 @@ def launched_configs(record: dict) -> dict:
 
 def _import_fla():
     """Import fla's KDA ops with its FlashKDA dispatch switched off (before the import)."""
-    import warnings
     os.environ["FLA_FLASH_KDA"] = "0"
     with warnings.catch_warnings():  # fla warns at import on a machine without a GPU; available() says so
         warnings.simplefilter("ignore")
+        # lazy: optional dependency (docs/design.md, Imports)
         from fla.ops.kda import chunk_kda, fused_recurrent_kda
     return chunk_kda, fused_recurrent_kda
 
@@ -157,6 +159,7 @@ FLA_PASSES = ("gate", "intra", "h", "o")
 def _fla_internals():
     """fla's forward stages (the functions chunk_kda_fwd chains), imported lazily."""
     _import_fla()
+    # lazy: optional dependency (docs/design.md, Imports)
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
     from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
     from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
@@ -193,6 +196,7 @@ class FlaBackend:
 
     def version(self) -> str:
         try:
+            # lazy: optional dependency (docs/design.md, Imports)
             import fla
             return f"fla-core {fla.__version__}"
         except Exception:
@@ -248,7 +252,6 @@ class FlaBackend:
         """One stage of fla's chunked forward on oracle-fed inputs (rounded as fla stores them:
         g_cumsum fp32, everything else in the input dtype), outputs by the oracle's names; fla's
         autotuners pinned as in ``run`` (the configs that launched: ``self.last_pinned``)."""
-        from kda_ref.preprocess import beta_activation, l2norm
         fn = _fla_internals()
         kw = CHUNK_ROUTES[route.name]
         C, dt, dev = kw["chunk_size"], p.q.dtype, p.device
@@ -316,7 +319,6 @@ class FlaBackend:
         return out
 
     def trace_accepts(self, trace, route: Route) -> tuple[bool, str]:
-        from .trace_support import has_padding_rows, problem_of_trace
         p = problem_of_trace(trace)
         if route.name in self.TRACE_CHUNK_ROUTES:
             return self.accepts(p, Route(route.name, recipe="fla"))
@@ -342,6 +344,7 @@ class FlaBackend:
         self._load()
         if self._ops is None:
             raise RuntimeError(self._why)
+        # lazy: optional dependency (docs/design.md, Imports)
         from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
         kw = recurrent_call_arguments(call)
         with self._pinned(f"fla trace route {route.name}"), torch.inference_mode():
@@ -350,7 +353,6 @@ class FlaBackend:
 
     def _run_chunk_call(self, call, route: Route) -> torch.Tensor:
         """chunk_kda on a prefill call, with the engine's gather and scatter around it."""
-        from .trace_support import gather_states, scatter_states
         ops = self._load()
         if ops is None:
             raise RuntimeError(self._why)

@@ -41,12 +41,14 @@ assertion).
 """
 from __future__ import annotations
 
+import importlib.metadata as md
+import os
+import sys
 from typing import Optional
 
 import torch
 
 from kda_ref.problem import Problem
-
 from .base import Outputs, Route
 
 D = 128
@@ -128,6 +130,7 @@ class MoonshotBackend:
     def _load(self):
         if self._fwd is None and self._why is None:
             try:
+                # lazy: optional dependency (docs/design.md, Imports)
                 import flash_kda
                 self._fwd = flash_kda.fwd
             except Exception as e:  # noqa: BLE001 - any import failure is the reason it cannot run
@@ -147,12 +150,10 @@ class MoonshotBackend:
     def _dist_version(self) -> Optional[str]:
         """The version of the flash_kda distribution installed beside the module that imports
         (a --target directory or site-packages), None when there is none."""
-        import importlib.metadata as md
-        import os
-        import sys
         mod = sys.modules.get("flash_kda")
         if mod is None:
             try:
+                # lazy: optional dependency (docs/design.md, Imports)
                 import flash_kda as mod  # noqa: F811
             except Exception:  # noqa: BLE001
                 return None
@@ -173,7 +174,6 @@ class MoonshotBackend:
         v = self._dist_version()
         if v is None:
             return "flash_kda not installed"
-        import sys
         where = getattr(sys.modules.get("flash_kda"), "__file__", "") or ""
         return f"flash_kda {v} (recipe {self.recipe()}{', ' + where if where else ''})"
 

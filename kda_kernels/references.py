@@ -49,7 +49,6 @@ import torch
 import torch.nn.functional as F
 
 from kda_ref.problem import Problem
-
 from .base import Outputs, Route
 
 F32 = torch.float32
@@ -170,6 +169,7 @@ class FlaNaiveBackend(_Reference):
               "naive:chunk": "fla naive_chunk_kda: fp32 WY chunks of 64, (I + A)^-1 by row recursion"}
 
     def _import(self):
+        # lazy: optional dependency (docs/design.md, Imports)
         from fla.ops.kda.naive import naive_chunk_kda, naive_recurrent_kda
 
         def recurrent(x, scale, s0, _out):
@@ -195,6 +195,7 @@ class FlaNaiveBackend(_Reference):
 
     def version(self) -> str:
         try:
+            # lazy: optional dependency (docs/design.md, Imports)
             import fla
             return f"fla-core {fla.__version__} (fla.ops.kda.naive)"
         except Exception:  # noqa: BLE001
@@ -210,6 +211,7 @@ class TransformersBackend(_Reference):
               "torch:chunk": "transformers chunk_kimi_delta_attention, torch path: fp32 WY chunks of 64 (pads T)"}
 
     def _import(self):
+        # lazy: optional dependency (docs/design.md, Imports)
         from transformers.models.kimi_linear import modeling_kimi_linear as m
         rec = getattr(m.recurrent_kimi_delta_attention, "__wrapped__", m.recurrent_kimi_delta_attention)
         chk = getattr(m.chunk_kimi_delta_attention, "__wrapped__", m.chunk_kimi_delta_attention)
@@ -245,6 +247,7 @@ class TransformersBackend(_Reference):
 
     def version(self) -> str:
         try:
+            # lazy: optional dependency (docs/design.md, Imports)
             import transformers
             return f"transformers {transformers.__version__} (models.kimi_linear, torch path)"
         except Exception:  # noqa: BLE001

@@ -23,7 +23,8 @@ from typing import Optional
 import torch
 
 from .budget import block_budget
-from .preprocess import F64, Prepared
+from .preprocess import (F64, Prepared, beta_activation, expand_gva, gate_activation, initial_state_kfirst,
+                         l2norm)
 from .workspace import BlockBuffers, Workspace, workspace_prepared
 
 
@@ -278,7 +279,6 @@ def prepare_tokens(p, t0: int, t1: int, S0: torch.Tensor, buffers: Optional[Bloc
     through.  With ``buffers`` (``streamed`` passes its run's) the arrays are taken from them, so
     the result is valid until the next block is prepared into the same buffers; without, they are
     its own."""
-    from .preprocess import beta_activation, expand_gva, gate_activation, l2norm
     HV, Tt = p.HV, p.B * p.T
     q = _f64_head_major(p.q.reshape(Tt, p.H, p.K)[t0:t1], "in_q", buffers)
     k = _f64_head_major(p.k.reshape(Tt, p.H, p.K)[t0:t1], "in_k", buffers)
@@ -308,7 +308,6 @@ def streamed(p, C: int = 64, block_tokens: Optional[int] = None, block_bytes: Op
     number of tiles whose working set (``block_bytes_per_tile_head`` x HV) fits ``block_bytes``
     (default ``default_block_bytes``).  Peak memory: the inputs, o, the states [N, HV, K, V] and
     one block's working set."""
-    from .preprocess import initial_state_kfirst
     HV, K, V, Tt = p.HV, p.K, p.V, p.B * p.T
     if block_tokens is not None:
         tpb = max(1, int(block_tokens) // C)

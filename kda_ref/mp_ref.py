@@ -11,7 +11,7 @@ from __future__ import annotations
 import mpmath
 import torch
 
-from .preprocess import L2NORM_EPS
+from .preprocess import L2NORM_EPS, initial_state_kfirst
 from .problem import Problem, validate
 
 F64 = torch.float64
@@ -59,7 +59,6 @@ def _run(p: Problem, mp):
     scale = mp.mpf(p.scale_value)
     lb = p.lower_bound
     group = HV // H
-    from .preprocess import initial_state_kfirst
     S0 = _mp(initial_state_kfirst(p))                       # exact: a gather / transpose of the inputs
     o = [mp.mpf(0)] * (Tt * HV * V)
     final = [mp.mpf(0)] * (p.N * HV * K * V)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .paged import paged_read
 from .problem import GATE_KINDS, Problem
 
 F64 = torch.float64
@@ -91,7 +92,6 @@ def initial_state_kfirst(p: Problem) -> torch.Tensor:
     """The initial state of every sequence, K-first [N,HV,K,V] float64 (the paged read included)."""
     N, HV, K, V = p.N, p.HV, p.K, p.V
     if p.paged:
-        from .paged import paged_read
         return paged_read(p.state_cache, p.state_indices, p.has_initial_state)
     if p.initial_state is None:
         return torch.zeros(N, HV, K, V, dtype=F64, device=p.device)

@@ -54,6 +54,8 @@ from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from .problem import BETA_KINDS, GATE_KINDS, Problem, ProblemError, shape_of, validate
 
@@ -512,7 +514,6 @@ def _num(x) -> str:
 def save_trace(path: str, tr: Trace) -> None:
     """Write a trace: its tensors in their own dtypes (safetensors), the cache spec and options
     as JSON in the metadata key ``trace``."""
-    from safetensors.torch import save_file
     tensors = {n: getattr(tr, n) for n in TOKEN_FIELDS + INT_FIELDS + ("has_initial_state", "A_log", "dt_bias")}
     clean = {n: t.detach().contiguous().clone() for n, t in tensors.items() if t is not None}
     opts = {"cache": dataclasses.asdict(tr.cache), "scale": tr.scale, "lower_bound": tr.lower_bound,
@@ -527,7 +528,6 @@ OPTION_KEYS = {"cache", "scale", "lower_bound", "gate", "beta_kind", "qk_l2norm"
 
 def load_trace(path: str) -> Trace:
     """Read and validate a trace file; every problem is one TraceError line naming the key."""
-    from safetensors import safe_open
     _req(os.path.isfile(path), f"trace: expected an existing safetensors file, got {path!r} (no such file)")
     try:
         with safe_open(path, framework="pt") as f:

@@ -20,8 +20,15 @@ from typing import Optional
 
 import torch
 
+from .chunked import chunked_from_workspace, streamed
+from .fla_form import fla_form
+from .norm import gated_rmsnorm
 from .paged import paged_write
+from .preprocess import prepare
 from .problem import Problem, validate
+from .recurrence import recurrence_prepared
+from .segments import segmented
+from .workspace import condition_number, workspace_prepared
 
 
 def output_tensors(o, final_state=None, state_cache=None) -> dict:
@@ -53,7 +60,6 @@ def finish(p: Problem, o_packed: torch.Tensor, final_kfirst: torch.Tensor) -> Tr
     the one place the oracle applies it, so every method's truth carries it)."""
     o = o_packed.reshape(p.B, p.T, p.HV, p.V)
     if p.fused_norm:
-        from .norm import gated_rmsnorm
         o = gated_rmsnorm(o, p.out_gate, p.norm_weight, p.norm_eps)
     if p.paged:
         return Truth(o=o, state_cache=paged_write(p.state_cache, p.state_indices, final_kfirst))
@@ -85,29 +91,22 @@ def truth(p: Problem, method: str = "streamed", chunk_size: int = 64, chunks_per
         raise ValueError(f"method: expected one of {'|'.join(METHODS)}, got {method!r}")
     extras: dict = {}
     if method == "streamed" and not workspace:
-        from .chunked import streamed
         o, final = streamed(p, chunk_size, block_tokens=block_tokens, block_bytes=block_bytes)
         return finish(p, o, final)
-    from .preprocess import prepare
     pp = prepare(p)
     ws = seg = None
     if method in ("streamed", "chunked", "segmented") or workspace:
-        from .workspace import condition_number, workspace_prepared
         ws = workspace_prepared(pp, chunk_size)
     if method == "segmented" or workspace:
-        from .segments import segmented
         seg = segmented(pp, ws, chunks_per_seg)
     if method == "recurrence":
-        from .recurrence import recurrence_prepared
         r = recurrence_prepared(pp)
         o, final = r.o, r.final_state
     elif method in ("streamed", "chunked"):   # workspace=True: the whole workspace is built anyway
-        from .chunked import chunked_from_workspace
         o, final = chunked_from_workspace(pp, ws)
     elif method == "segmented":
         o, final = seg.o, seg.final_state
     else:
-        from .fla_form import fla_form
         f = fla_form(pp, chunk_size)
         o, final = f.o, f.final_state
     if workspace:

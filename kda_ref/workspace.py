@@ -35,7 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .preprocess import F64, LOG2E, Prepared
+from .preprocess import F64, LOG2E, Prepared, prepare
+from .problem import validate
 from .tiles import TileGrid, tile_grid
 
 PIVOT_SAFE_LOG2 = 480.0      # |Ĝ| above this: pairwise log-space evaluation of that (head, tile)
@@ -315,6 +316,4 @@ def workspace_prepared(pp: Prepared, C: int, inverse: str = "exact", buffers=Non
 
 def workspace(problem, C: int = 64, inverse: str = "exact") -> Workspace:
     """The float64 workspace of a Problem (validated, preprocessed) for chunk size C."""
-    from .preprocess import prepare
-    from .problem import validate
     return workspace_prepared(prepare(validate(problem)), C, inverse)

@@ -28,6 +28,18 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Optional
 
+import torch
+
+from kda_kernels.base import Outputs
+from kda_kernels.emulator import RECIPES
+from kda_ref.problem import Problem, ProblemError, validate
+from verification.commands.check import judge_files
+from verification.errors import UsageError
+from verification.judging.policy import DEFAULT_RECIPE
+from verification.judging.tolerances import load_tolerances
+from verification.judging.verdict import decide
+from verification.reporting.problem_file import check_outputs, save_outputs, save_problem
+
 OUTPUT_NAMES = ("o", "final_state", "state_cache")   # the order of the tuple form
 TAP_NAMES = ("ws_inv",)                              # a stored inverse, judged where given
 
@@ -39,7 +51,6 @@ def _type_name(x) -> str:
 
 def _check_problem(problem):
     """The validated Problem, or a one-line TypeError / ValueError naming ``problem``."""
-    from kda_ref.problem import Problem, ProblemError, validate
     if not isinstance(problem, Problem):
         raise TypeError(f"problem: expected a kda_ref.problem.Problem, got {_type_name(problem)}")
     try:
@@ -55,11 +66,7 @@ def _output_tensors(outputs, problem) -> dict:
     """{name: tensor} of ``outputs`` (Outputs, a dict, or a tuple (o, final_state[, state_cache])),
     on the problem's device, held to the problem's shapes (verification.reporting.problem_file.check_outputs);
     a one-line TypeError / ValueError naming ``outputs`` otherwise."""
-    import torch
 
-    from kda_kernels.base import Outputs
-    from kda_ref.problem import ProblemError
-    from verification.reporting.problem_file import check_outputs
     form = "a kda_kernels.base.Outputs, a dict or a tuple (o, final_state[, state_cache])"
     if isinstance(outputs, Outputs):
         given = {"o": outputs.o, "final_state": outputs.final_state, "state_cache": outputs.state_cache}
@@ -102,8 +109,6 @@ def _output_tensors(outputs, problem) -> dict:
 
 
 def _check_recipe(recipe) -> str:
-    from kda_kernels.emulator import RECIPES
-    from verification.judging.policy import DEFAULT_RECIPE
     if recipe is None:
         return DEFAULT_RECIPE
     if not isinstance(recipe, str):
@@ -128,8 +133,6 @@ def _split_route(route) -> tuple[str, Optional[str]]:
 
 
 def _tolerances(path):
-    from verification.errors import UsageError
-    from verification.judging.tolerances import load_tolerances
     if path is not None and not isinstance(path, (str, Path)):
         raise TypeError(f"tolerances: expected a path to a tolerances YAML file or None, got {_type_name(path)}")
     try:
@@ -151,7 +154,6 @@ def save_repro(problem, outputs, directory, *, recipe: Optional[str] = None, rou
     """Write ``problem`` and ``outputs`` as DIRECTORY/problem.safetensors and
     DIRECTORY/outputs.safetensors (verification/reporting/problem_file.py) and return the ``kda-verify
     check`` command that judges them as ``assert_kda_close`` does."""
-    from verification.reporting.problem_file import save_outputs, save_problem
     problem = _check_problem(problem)
     tensors = _output_tensors(outputs, problem)
     recipe = _check_recipe(recipe)
@@ -235,9 +237,6 @@ def assert_kda_close(outputs, problem, *, recipe: Optional[str] = None, route: O
     if repro_dir is not None and not isinstance(repro_dir, (str, Path)):
         raise TypeError(f"repro_dir: expected a directory path or None, got {_type_name(repro_dir)}")
     db = _tolerances(tolerances)
-    from verification.commands.check import judge_files
-    from verification.errors import UsageError
-    from verification.judging.verdict import decide
     try:
         verdict, _ = judge_files(problem, tensors, recipe, backend, route_name, db, str(problem.device))
     except UsageError as e:

@@ -14,17 +14,17 @@ from __future__ import annotations
 import argparse
 import importlib
 import pkgutil
+import re
 import sys
 
+from verification.judging.policy import EXIT_CODES_HELP, EXIT_USAGE, exit_code
 from verification.running.environment import check_triton
 from .errors import Interrupted, KernelFailure, bad_input_errors, save_traceback
-from verification.judging.policy import EXIT_CODES_HELP, EXIT_USAGE, exit_code
 
 
 def example_parts(line: str) -> tuple[str, tuple, int]:
     """(command line, needs, exit code) of an example line (module docstring): the note after
     "  # " parsed; a note of another form is a ValueError, so a typo cannot skip an example."""
-    import re
     command, sep, note = line.partition("  # ")
     needs, code = (), 0
     for part in (note.split("; ") if sep else []):
@@ -40,6 +40,7 @@ def example_parts(line: str) -> tuple[str, tuple, int]:
 
 
 def _commands():
+    # lazy: a command module loads when the parser is built (docs/design.md, Imports)
     from . import commands
     mods = []
     for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):

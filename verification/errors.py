@@ -16,6 +16,9 @@ import time
 import traceback
 from pathlib import Path
 
+from kda_kernels.base import BackendError
+from kda_ref.problem import ProblemError
+
 class UsageError(ValueError):
     """A bad command-line or file argument, or an environment that cannot do what was asked;
     the message names the argument, what was expected and what came."""
@@ -47,8 +50,6 @@ class KernelFailure(RuntimeError):
 
 def bad_input_errors() -> tuple:
     """The exception classes that mean bad input or a bad environment (exit 2, one line)."""
-    from kda_kernels.base import BackendError
-    from kda_ref.problem import ProblemError
     return (ProblemError, UsageError, BackendError)
 
 

@@ -42,11 +42,9 @@ reason says what the kernel did there, never a pass or a failure).  The terminal
 (verification/running/timing.py; under xdist summed over the workers, which send theirs through
 xdist's workeroutput), and the report carries it too.  Each test records its metrics with
 ``user_properties`` (what ``record_property`` writes), so ``--junitxml`` carries them.  Under pytest-xdist each worker writes
-DIR/results-gwN.jsonl; the controller merges them into the report at the end.  The cells are
-collected largest case first, and only the cells of a case too big to share the device carry
-``xdist_group(case id)`` (``_scheduled``): under ``-n N`` (``--dist load``) or ``--dist
-loadgroup`` every other case's cells spread over the workers, which compute each truth once
-through the disk cache.  In a run whose ``-m`` expression excludes ``verify`` (the default addopts) the
+DIR/results-gwN.jsonl; the controller merges them into the report at the end.  Every cell
+of one case carries ``xdist_group(case id)``, so ``--dist loadgroup`` builds each case and
+computes its truth once; a serving trace's cells carry none, long traces first (``_scheduled``).  In a run whose ``-m`` expression excludes ``verify`` (the default addopts) the
 matrix yields no items at all: no backend is loaded and no truth computed.
 
 The fixture ``kda_close`` is ``kda_verify.assert_kda_close`` (kda_verify/close.py), for a kernel
@@ -54,7 +52,11 @@ author's own tests: ``def test_my_kernel(kda_close): kda_close(my_kernel(problem
 """
 from __future__ import annotations
 
+import json
+import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 import pytest
@@ -90,6 +92,7 @@ verify._kda_verify_matrix = True
 def kda_close():
     """``kda_verify.assert_kda_close``: judge one kernel call with kda-verify's verdict, raising
     AssertionError that names the worst slice (kda_verify/close.py)."""
+    # lazy: the pytest plugin loads into every pytest session (docs/design.md, Imports)
     from kda_verify import assert_kda_close
     return assert_kda_close
 
@@ -131,6 +134,7 @@ def _worker_id(config) -> str | None:
 
 def pick_device(config) -> str:
     """--kda-device, else cuda:(N mod device_count) on xdist worker gwN, cuda, or cpu."""
+    # lazy: the pytest plugin loads into every pytest session (docs/design.md, Imports)
     import torch
     dev = config.getoption("--kda-device")
     if dev:
@@ -152,11 +156,11 @@ def _results_path(config) -> Path | None:
 
 
 def pytest_configure(config):
-    import time
     setattr(config, _T0_KEY, time.perf_counter())
     config.addinivalue_line("markers", "verify: the on-device verification matrix (backend x route x case)")
     config.pluginmanager.register(_CellTally(config), f"kda-verify-cells-{id(config)}")
     if config.getoption("--kda-no-cache", default=False):
+        # lazy: the pytest plugin loads into every pytest session (docs/design.md, Imports)
         from verification.running.cache import turn_off
         turn_off()
     out = config.getoption("--kda-report", default=None)
@@ -170,6 +174,7 @@ def pytest_configure(config):
         for f in [d / "results.jsonl", *d.glob("results-*.jsonl")]:
             f.unlink(missing_ok=True)
     if _selects_verify(config):
+        # lazy: the pytest plugin loads into every pytest session (docs/design.md, Imports)
         from verification.running.environment import check_triton
         from verification.errors import UsageError
         try:
@@ -180,7 +185,6 @@ def pytest_configure(config):
         from verification.running.selection import setup_interpreter
         note = setup_interpreter(_split(config.getoption("--kda-backend")), config.getoption("--kda-device") or "cpu")
         if note:
-            import sys
             sys.stderr.write(f"kda-verify: {note}\n")
 
 
@@ -190,6 +194,7 @@ def _selects_verify(config) -> bool:
     if not expr:
         return True
     try:
+        # lazy: optional dependency (docs/design.md, Imports)
         from _pytest.mark import MarkMatcher
         from _pytest.mark.expression import Expression
         return bool(Expression.compile(expr).evaluate(MarkMatcher.from_markers([pytest.mark.verify.mark])))
@@ -208,6 +213,7 @@ class _State:
     """What every cell of one process shares: backends, truth and baseline caches, tolerances."""
 
     def __init__(self, config):
+        # lazy: the pytest plugin loads into every pytest session (docs/design.md, Imports)
         from verification.judging.baselines import BaselineCache
         from verification.running.run_cell import TruthCache, use_device
         self.config = config
@@ -222,6 +228,7 @@ class _State:
     @property
     def db(self):
         if self._db is None:
+            # lazy: the pytest plugin loads into every pytest session (docs/design.md, Imports)
             from verification.judging.tolerances import load_tolerances
             self._db = load_tolerances(self.config.getoption("--kda-tolerances"))
         return self._db
@@ -236,6 +243,7 @@ def _state(config) -> _State:
 
 
 def _backends(config) -> list:
+    # lazy: the pytest plugin loads into every pytest session (docs/design.md, Imports)
     from kda_kernels.base import BUILTIN_BACKENDS
     from verification.running.run_select import load, module_exists
     specs = _split(config.getoption("--kda-backend"))
@@ -261,8 +269,8 @@ def cell_id(backend: str, route: str, case_id: str) -> str:
 
 
 def _cells(config) -> list:
-    from types import SimpleNamespace
 
+    # lazy: the pytest plugin loads into every pytest session (docs/design.md, Imports)
     from verification.running.selection import fuzz_args, select_cases
     from verification.running.devices import check_device
     from verification.running.run_select import plan
@@ -270,6 +278,7 @@ def _cells(config) -> list:
     _state(config).db
     suites = _split(config.getoption("--kda-suite")) or ["smoke"]
     if "serving" in suites:             # serving traces: pairs of trace routes (verification/serving/plugin.py)
+        # lazy: the pytest plugin loads into every pytest session (docs/design.md, Imports)
         from verification.serving.plugin import serving_cells
         return serving_cells(suites, _split(config.getoption("--kda-backend")), _split(config.getoption("--kda-route")),
                              _split(config.getoption("--kda-decode-backend")),
@@ -312,29 +321,24 @@ def pytest_pycollect_makeitem(collector, name, obj):
 
 
 def _scheduled(cells: list, device: str) -> list:
-    """[(backend, route, case, grouped)]: the cells in the order xdist hands them out, largest
-    case first (``room.cell_bytes``; a stable sort, so each case's cells stay together), so the
-    long cells start first and no worker is left alone with a large case at the end (on an H200
-    with 16 workers, the warm matrix's workers were busy 20 s on average of a 40 s wall when every
-    case was one xdist group).  ``grouped``: only a case too big to sit beside the others on the
-    device (``room.is_big``) keeps its cells on one worker under ``--dist loadgroup``, where its
-    truth stays resident; every other case's cells spread over the workers, which share its truth
-    and baselines through kda-verify's disk cache (verification/running/cache.py, one computation
-    under its lock)."""
-    from verification.running.room import cell_bytes, is_big
-    from verification.serving.cases import ServingCase
+    """[(backend, route, case, grouped)] in the order xdist hands them out.
 
-    def cost(case) -> float:           # a long serving trace (10^4 steps) outlasts every short one
-        if isinstance(case, ServingCase):
-            return float("inf") if case.long else 0.0
-        return float(cell_bytes(case))
-    big: dict = {}
-    out = []
-    for lb, route, case in sorted(cells, key=lambda c: -cost(c[2])):
-        if case.id not in big:
-            big[case.id] = not isinstance(case, ServingCase) and is_big(case, device)
-        out.append((lb, route, case, big[case.id]))
-    return out
+    Dense cases: in plan order, every case one xdist group, so ``--dist loadgroup`` keeps a case's
+    cells on one worker, which builds the case and holds its truth once.  Measured on an H200
+    (16 workers, four backends x four suites, cold): spreading a case's cells over the workers,
+    largest case first, built 682 cases instead of 71, loaded 593 truths from the disk cache
+    instead of 71, ran out of device memory on 12 cells of the largest cases and took 137.9 s
+    instead of 108.4 s.
+
+    Serving traces: the long cases (10^4 decode steps, one cell per prefill route) first and no
+    group, so their cells run side by side on different workers; a group would run every pairing
+    of a long trace one after another on one worker.  ``device`` is kept for a room-based rule."""
+    from verification.serving.cases import ServingCase
+    serving = [c for c in cells if isinstance(c[2], ServingCase)]
+    if not serving:
+        return [(lb, route, case, True) for lb, route, case in cells]
+    return [(lb, route, case, not isinstance(case, ServingCase))
+            for lb, route, case in sorted(cells, key=lambda c: not getattr(c[2], "long", False))]
 
 
 class VerifyFailure(AssertionError):
@@ -352,6 +356,7 @@ class VerifyConfigError(pytest.Item):
         self.add_marker(MARKER)
 
     def runtest(self):
+        # lazy: the pytest plugin loads into every pytest session (docs/design.md, Imports)
         from verification.judging.policy import exit_code
         self.user_properties.append((OPTIONS_PROPERTY, exit_code(error=self.error)))   # 2 for bad input
         raise self.error
@@ -364,6 +369,7 @@ class VerifyConfigError(pytest.Item):
 
 
 def _properties(rec: Record) -> list[tuple[str, str]]:
+    # lazy: the pytest plugin loads into every pytest session (docs/design.md, Imports)
     from verification.judging.record import decode_number as as_float
     props = [("status", rec.status), ("reason", rec.reason or ""),
              ("backend", rec.backend), ("route", rec.route), ("case", rec.case),
@@ -396,6 +402,7 @@ class VerifyItem(pytest.Item):
         self.record = None
 
     def runtest(self):
+        # lazy: the pytest plugin loads into every pytest session (docs/design.md, Imports)
         from verification.judging.record import append_record
         from verification.running.run_cell import note_self_judged, run_cell
         lb, route, case = self.cell
@@ -442,8 +449,8 @@ class VerifyItem(pytest.Item):
 
 def _own_timing(config) -> dict | None:
     """{"wall_s", "sums"} of the cells this process ran (None if it ran none)."""
-    import time
 
+    # lazy: the pytest plugin loads into every pytest session (docs/design.md, Imports)
     from verification.running import timing
     st = getattr(config, _STATE_KEY, None)
     if st is None or not (st.timings or st.warmup):
@@ -459,6 +466,7 @@ def pytest_collection_finish(session):
     wi = getattr(session.config, "workerinput", None)
     if not wi:
         return
+    # lazy: the pytest plugin loads into every pytest session (docs/design.md, Imports)
     from verification.running import warmup
     cells = [i.cell for i in session.items if isinstance(i, VerifyItem)]
     workers = int(wi.get("workercount") or 1)
@@ -481,6 +489,7 @@ def pytest_testnodedown(node, error):
 
 def _timing_input(config) -> dict | None:
     """What write_report / timing.breakdown need: this process's cells, or the xdist workers'."""
+    # lazy: the pytest plugin loads into every pytest session (docs/design.md, Imports)
     from verification.running import timing
     workers = getattr(config, _WORKERS_KEY, None)
     if workers:
@@ -537,6 +546,7 @@ def _exit_status(session) -> None:
     its item's code; else the matrix's cells, with the other tests' failures, 0, 1 or 2 (a matrix
     whose cells were all skipped verified nothing: 2 with one line in the summary, unless
     --kda-allow-skips).  pytest's own usage, internal and no-tests codes are kept."""
+    # lazy: the pytest plugin loads into every pytest session (docs/design.md, Imports)
     from verification.judging.policy import FAILING, RESOURCE_ERROR, exit_code, nothing_verified_reason
     config = session.config
     if _worker_id(config) is not None:
@@ -574,10 +584,10 @@ def pytest_sessionfinish(session, exitstatus):
     out = config.getoption("--kda-report", default=None)
     if not out or _worker_id(config) is not None:
         return
+    # lazy: the pytest plugin loads into every pytest session (docs/design.md, Imports)
     from verification.reporting import provenance
     from verification.reporting.report_load import load_results
     from verification.reporting.report_render import write_report
-    import json
     d = Path(out)
     if not load_results(d):
         return
@@ -598,13 +608,14 @@ def pytest_sessionfinish(session, exitstatus):
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """The time breakdown of the matrix (the report's, when one was written)."""
-    import time
 
+    # lazy: the pytest plugin loads into every pytest session (docs/design.md, Imports)
     from verification.running import timing
     if _worker_id(config) is not None:
         return
     cells = getattr(config, _CELLS_KEY, None)
     if cells:
+        # lazy: the pytest plugin loads into every pytest session (docs/design.md, Imports)
         from verification.judging.policy import headline
         terminalreporter.write_sep("-", "kda-verify")
         terminalreporter.write_line(headline(cells, getattr(config, _NOT_RUN_KEY, None) or 0))

@@ -24,10 +24,14 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
+import triton.language as tl
+import triton.language as tl_lang
+from triton.runtime import interpreter
+
 
 def f32_to_bf16_bits(x):
     """bf16 bit patterns (uint16) of fp32 values, rounded to nearest even; NaN stays NaN."""
-    import numpy as np
 
     bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
     rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
@@ -45,8 +49,6 @@ def install(force: bool = False) -> None:
     (a kernel built under the interpreter is about to run, whatever the environment says now)."""
     if not force and os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True"):
         return
-    import numpy as np
-    from triton.runtime import interpreter
 
     if getattr(interpreter, "_kda_index_compat", False) or not hasattr(interpreter, "_patch_lang_tensor"):
         return
@@ -62,8 +64,6 @@ def install(force: bool = False) -> None:
     original_dot = builder_cls.create_dot
 
     def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        import triton.language as tl
-
         def widen(x):
             if x.dtype.scalar == tl.bfloat16:
                 data = interpreter._convert_float(x.data, tl.bfloat16, tl.float32, None).view(np.float32)
@@ -77,8 +77,6 @@ def install(force: bool = False) -> None:
     original_cast = builder_cls.cast_impl
 
     def cast_impl(self, src, dst_type):
-        import triton.language as tl
-
         if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
             return interpreter.TensorHandle(f32_to_bf16_bits(src.data), tl.bfloat16)
         return original_cast(self, src, dst_type)
@@ -91,7 +89,6 @@ def install(force: bool = False) -> None:
             return interpreter.TensorHandle(np.asarray(out.data, dtype=np.bool_), tl_int1)
         return patched_compare
 
-    import triton.language as tl_lang
 
     tl_int1 = tl_lang.int1
     for name in dir(builder_cls):

@@ -27,16 +27,17 @@ rounded to the workspace dtypes first; outputs come back in the kernel's dtypes.
 from __future__ import annotations
 
 import dataclasses
-
 import os
 from typing import Optional
 
 import torch
+import triton
 
+# absolute: a mutant copy of this folder (verification/investigating/mutate.py) has only base.py beside it
+from kda_kernels.trace_support import copy_back, paged_problem, problem_of_trace, trace_refusal
 from kda_ref.problem import Problem
-
-from ..base import Outputs, Route, copy_with_padding, with_taps
 from . import forward as fw
+from ..base import Outputs, Route, copy_with_padding, with_taps
 from .routes import RouteError, RouteSpec, parse_route, route_names
 
 PASSES = ("K1", "A", "B", "C")
@@ -61,6 +62,7 @@ class TritonBackend:
 
     def available(self) -> tuple[bool, str]:
         try:
+            # lazy: a probe of what is installed (docs/design.md, Imports)
             import triton  # noqa: F401
         except ImportError as e:
             return False, f"triton is not importable: {e}"
@@ -71,7 +73,6 @@ class TritonBackend:
         return False, "no CUDA device, and TRITON_INTERPRET is not 1"
 
     def version(self) -> str:
-        import triton
         return f"kda-verify triton flashkda (triton {triton.__version__})"
 
     def routes(self) -> list[Route]:
@@ -124,7 +125,6 @@ class TritonBackend:
         return out
 
     def trace_accepts(self, trace, route: Route) -> tuple[bool, str]:
-        from ..trace_support import problem_of_trace, trace_refusal
         ok, why = self.accepts(problem_of_trace(trace), route)
         if not ok:
             return ok, why
@@ -133,7 +133,6 @@ class TritonBackend:
 
     def run_call(self, call, route) -> torch.Tensor:
         """A prefill PhaseCall through the paged forward; the cache written in place."""
-        from ..trace_support import copy_back, paged_problem
         if call.group != "prefill":
             raise ValueError(f"call: our FlashKDA runs prefill calls, got a {call.group} call")
         out = self.run(paged_problem(call), route)

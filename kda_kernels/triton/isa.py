@@ -21,18 +21,23 @@ and scratch size).
 from __future__ import annotations
 
 import dataclasses
-
 import os
 import re
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 import torch
+import triton
+from triton.backends.amd import compiler as amd_compiler
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
 
-from . import forward as fw
+from . import forward as fw, kernels
 from .launch import launch_context
 from .routes import RouteSpec, parse_route
 
@@ -167,7 +172,6 @@ def route_variants(route_names: list, states=("kv", "paged"), hip: bool = False)
 
 # ----------------------------------------------------------------------------------- compile + inspect
 def _tool(name: str) -> Optional[str]:
-    import triton
     path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
     return path if os.path.exists(path) else None
 
@@ -176,6 +180,7 @@ def _ptxas(arch_num: int) -> Optional[str]:
     """The ptxas Triton itself assembles ``sm_<arch_num>`` PTX with: Triton 3.9 emits PTX 9.4, which
     only its ``ptxas-blackwell`` (CUDA 13) reads at sm90, not the bundled ``ptxas`` (CUDA 12.9)."""
     try:
+        # lazy: a probe of what is installed (docs/design.md, Imports)
         from triton.backends.nvidia.compiler import get_ptxas
         path = get_ptxas(arch_num).path
     except Exception:  # noqa: BLE001 - an older layout: the bundled binary
@@ -235,10 +240,6 @@ def _amd_stats(kernel) -> dict:
 
 
 def compile_variant(v: Variant, arch: str) -> KernelReport:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     backend, a, warp = TARGETS[arch]
     rep = KernelReport(arch=arch, kernel=v.label, routes=list(v.routes), ok=False)
     t0 = time.perf_counter()
@@ -278,7 +279,6 @@ class _StderrCapture:
     """Capture file descriptor 2 (where LLVM / LLD print their diagnostics) while compiling."""
 
     def __enter__(self):
-        import sys
         sys.stderr.flush()
         self.file = tempfile.TemporaryFile(mode="w+b")
         self.saved = os.dup(2)
@@ -317,8 +317,6 @@ class _no_kernarg_preload:
     ordinary compile of the same kernel from Triton's cache."""
 
     def __enter__(self):
-        import triton
-        from triton.backends.amd import compiler as amd_compiler
         self.mod = amd_compiler.amd
         self.saved = self.mod.set_all_fn_arg_inreg
         self.mod.set_all_fn_arg_inreg = lambda fn: None
@@ -340,9 +338,7 @@ class IsaError(ValueError):
 
 def isa_report(archs: list, route_names: list, states=("kv", "paged")) -> list:
     """KernelReports for every (arch, unique kernel variant of the routes)."""
-    from triton.runtime.jit import JITFunction
 
-    from . import kernels
     if not isinstance(kernels.segment_kernel, JITFunction):
         raise IsaError("TRITON_INTERPRET: expected it unset (the interpreter replaced the kernels, so there is "
                        f"nothing to compile), got TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r}")

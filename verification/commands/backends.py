@@ -8,6 +8,7 @@ an adapter that exists but whose library or device is missing reports its own re
 from __future__ import annotations
 
 import json
+
 from verification.judging.policy import exit_code
 
 NAME = "backends"
@@ -22,6 +23,7 @@ kda-verify backends --backend mypkg.kernels:make_backend   # needs: mypkg
 
 def describe(name: str, spec: str | None = None) -> dict:
     """{"name", "available", "reason", "version", "routes"} of one backend; never raises."""
+    # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
     from kda_kernels.base import BUILTIN_BACKENDS, BackendError, load_backend
     from verification.running.run_select import module_exists
 
@@ -61,6 +63,7 @@ def describe(name: str, spec: str | None = None) -> dict:
 
 
 def describe_all(extra: list[str] | None = None) -> list[dict]:
+    # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
     from kda_kernels.base import BUILTIN_BACKENDS
     rows = [describe(n) for n in BUILTIN_BACKENDS]
     for spec in extra or []:

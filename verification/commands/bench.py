@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+
 from verification.judging.policy import exit_code
 
 NAME = "bench"
@@ -39,6 +40,7 @@ def add_arguments(p):
 
 
 def _shapes(args):
+    # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
     from verification.investigating.bench import shapes_of_suite
     from verification.errors import UsageError
     if args.shapes:
@@ -70,6 +72,7 @@ def _vs_floor(t: float, floor: float, width: int) -> str:
 def _print_side_by_side(results) -> None:
     """One row per shape: its bandwidth floor, then every timed (backend, route) of this run as
     'us (x floor)', host-bound cells marked 'hb', and the fastest."""
+    # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
     from verification.investigating import bench
     cols, rows = bench.side_by_side(results)
     names = [f"{b} {r}" for b, r in cols]
@@ -91,9 +94,12 @@ def _print_side_by_side(results) -> None:
 
 
 def run(args) -> int:
+    # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
     import torch
 
+    # lazy: importing kda_kernels.triton builds the kernels, after TRITON_INTERPRET is decided (docs/design.md, Imports)
     from kda_kernels.triton.routes import RouteError, parse_route
+    # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
     from verification.investigating import bench
     from kda_kernels.base import BUILTIN_BACKENDS, BackendError, load_backend
     from verification.errors import UsageError
@@ -112,11 +118,13 @@ def run(args) -> int:
     if args.reps < 3 or args.warmup < 1:
         raise UsageError(f"--reps/--warmup: expected reps >= 3 and warmup >= 1, got {args.reps}/{args.warmup}")
     if args.json_out:
+        # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
         from verification.errors import writable_file
         writable_file(args.json_out, "--json-out")
     shapes = _shapes(args)
     if not torch.cuda.is_available():
         raise UsageError("--device: bench needs a CUDA device (device-event timing); none is visible here")
+    # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
     from verification.running.devices import check_device
     device = torch.device(check_device(args.device or "cuda"))
     cells = []                   # (name, route, adapter): each adapter loaded once, its kernel library imported once

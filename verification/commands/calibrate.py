@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from verification.commands.run import add_fuzz_arguments
 from verification.investigating.calibrate import (collect_groups, earlier_provenance, earlier_records, is_long, measure,
                                     measured_where, proposal_diff, proposal_yaml, propose, proposed_file)
 from verification.judging.policy import exit_code
@@ -28,7 +29,6 @@ def add_arguments(p):
                    "(kda-verify run / pytest -m verify --kda-report DIR) instead of measuring again")
     p.add_argument("--route", action="append", metavar="ROUTE", help="routes (default: all); repeatable or comma list")
     p.add_argument("--case", action="append", metavar="ID", help="only cases matching (exact or glob)")
-    from verification.commands.run import add_fuzz_arguments
     add_fuzz_arguments(p)
     p.add_argument("--device", metavar="DEVICE", help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--long", choices=("auto", "yes", "no"), default="auto", help="include long cases (auto: on CUDA)")
@@ -39,6 +39,7 @@ def add_arguments(p):
 
 
 def run(args) -> int:
+    # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
     from verification.reporting import provenance
     from verification.running.selection import fuzz_args, select_cases, split_list
     from verification.running.devices import check_device
@@ -49,6 +50,7 @@ def run(args) -> int:
         raise UsageError(f"--headroom: expected a number >= 1, got {args.headroom}")
     device = check_device(args.device)
     if not args.from_results:                    # the triton backend on a machine without CUDA: the interpreter
+        # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
         from verification.running.selection import setup_interpreter
         note = setup_interpreter([args.backend], device)
         if note:

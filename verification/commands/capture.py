@@ -29,7 +29,9 @@ call), 2 on bad input.
 """
 from __future__ import annotations
 
+import inspect
 import sys
+from pathlib import Path
 
 NAME = "capture"
 HELP = "run a backend route on a problem file and save its outputs (for kda-verify check)"
@@ -68,6 +70,7 @@ def add_arguments(p):
 def backend_route_device(args):
     """(backend, route, device) of a capture: --backend loaded and available, --route among its
     routes (default its first), --device or cuda if available, else cpu; one line otherwise."""
+    # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
     from kda_kernels.base import BackendError, LooksUpRoutes, load_backend
     from verification.running.devices import check_device
     from verification.errors import UsageError
@@ -100,17 +103,17 @@ def backend_route_device(args):
 
 
 def run(args) -> int:
-    import inspect
 
+    # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
     from kda_kernels.base import BackendError, ReturnsTaps
     from kda_ref.problem import validate
     from verification.errors import KernelFailure, UsageError
     from verification.judging.policy import exit_code
     from verification.reporting.problem_file import load_problem, save_outputs
 
+    # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
     from verification.errors import writable_file
 
-    from pathlib import Path
     if args.suite is not None or args.case or args.decode_backend or args.decode_route:
         return run_serving(args)
     if not args.inputs:
@@ -123,6 +126,7 @@ def run(args) -> int:
     backend, route, device = backend_route_device(args)
     writable_file(args.out, "--out")            # after the backend and route: a bad one creates nothing
     problem = validate(load_problem(args.inputs).to(device))
+    # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
     from kda_kernels.base import applicable
     ok, why = applicable(backend, problem, route)
     if not ok:
@@ -152,8 +156,8 @@ def run(args) -> int:
 def problem_files(inputs, arg: str = "--inputs") -> list:
     """The problem files of a directory (NAME.safetensors, sorted); a UsageError naming ``arg``
     when there are none."""
-    from pathlib import Path
 
+    # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
     from verification.errors import UsageError
     files = sorted(p for p in Path(inputs).glob("*.safetensors") if p.is_file())
     if not files:
@@ -164,14 +168,15 @@ def problem_files(inputs, arg: str = "--inputs") -> list:
 
 def run_dir(args) -> int:
     """capture over a directory (module docstring)."""
-    import inspect
 
+    # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
     from kda_kernels.base import ReturnsTaps
     from kda_ref.problem import ProblemError, validate
     from verification.errors import UsageError
     from verification.errors import writable_dir
     from verification.reporting.problem_file import load_outputs, load_problem, save_outputs
 
+    # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
     from verification.judging.policy import exit_code
 
     files = problem_files(args.inputs)
@@ -213,6 +218,7 @@ def run_dir(args) -> int:
             problem = validate(prob.to(device))
         except ProblemError as e:
             raise UsageError(f"--inputs: {f.name}: {e}") from None
+        # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
         from kda_kernels.base import applicable
         ok, why = applicable(backend, problem, route)
         if not ok:
@@ -252,6 +258,7 @@ def run_dir(args) -> int:
 # ----------------------------------------------------------------------------------------
 def run_serving(args) -> int:
     """capture of a serving trace on one pairing (module docstring)."""
+    # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
     from kda_ref.problem import ProblemError
     from kda_ref.trace import load_trace
     from verification.running.devices import check_device
@@ -276,6 +283,7 @@ def run_serving(args) -> int:
     lb = la if not args.decode_backend or args.decode_backend == args.backend else load(args.decode_backend)
     for x, opt in ((la, "--backend"), (lb, "--decode-backend")):
         if not x.available:
+            # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
             from kda_kernels.base import BackendError
             raise BackendError(f"{opt}: {x.name} cannot run here: {x.reason}")
     rp = pick_routes(la, [args.route] if args.route else None, ("prefill",), "--route")[0]
@@ -289,7 +297,6 @@ def run_serving(args) -> int:
             tr = load_trace(args.inputs)
         except ProblemError as e:
             raise UsageError(f"--inputs: {e}") from None
-        from pathlib import Path
         case_id, params = f"serving/{Path(args.inputs).stem}", {}
     why = pairing_refusal(tr, Pairing(Side(la.backend, rp), Side(lb.backend, rd)))
     if why:

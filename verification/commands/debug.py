@@ -36,6 +36,7 @@ def add_arguments(p):
 
 
 def run(args) -> int:
+    # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
     from kda_kernels.base import LooksUpRoutes, ReturnsTaps, RunsPasses, load_backend
     from verification.errors import UsageError
     from verification.judging.policy import exit_code
@@ -50,8 +51,10 @@ def run(args) -> int:
             thresholds[name] = float(val)
         except ValueError:
             raise UsageError(f"--threshold: expected a number after {name}=, got {val!r}") from None
+    # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
     from verification.running.devices import check_device
     device = check_device(args.device)
+    # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
     from verification.running.selection import setup_interpreter
     note = setup_interpreter([args.backend], device)   # the triton backend without CUDA: the interpreter
     if note:
@@ -74,11 +77,14 @@ def run(args) -> int:
     if route is None:
         raise UsageError(f"--route: expected one of {', '.join(routes)}, got {args.route!r}")
     if args.case:
+        # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
         from verification.running.cases import get_case
         problem, label = get_case(args.case, n=args.fuzz_n, seed=args.fuzz_seed).build(device=device), args.case
     else:
+        # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
         from verification.reporting.problem_file import load_problem
         problem, label = load_problem(args.inputs).to(device), args.inputs
+    # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
     from kda_kernels.base import applicable
     ok, why = applicable(backend, problem, route)
     if not ok:

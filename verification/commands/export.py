@@ -3,6 +3,8 @@ machine (a gfx950 or gfx1250 box, say) and judge its outputs here with `kda-veri
 ``--suite S[,S]`` writes every case of the suites (``--skip-long`` leaves out the long ones)
 into the directory --out, one file per case: SUITE__NAME.safetensors."""
 from __future__ import annotations
+from pathlib import Path
+
 from verification.judging.policy import exit_code
 
 NAME = "export"
@@ -27,18 +29,20 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    from pathlib import Path
 
+    # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
     from verification.running.cases import get_case
     from verification.errors import writable_dir, writable_file
     from verification.reporting.problem_file import save_problem
 
+    # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
     from verification.errors import UsageError
     if not args.case and not args.suite:
         raise UsageError("--case: expected a case id (or --suite SUITE[,SUITE]), got none")
     # an unknown id is a one-line error naming --case (a fuzz id past the draw's n names --fuzz-n)
     cases = [get_case(cid, n=args.fuzz_n, seed=args.fuzz_seed) for cid in (args.case or [])]
     if args.suite:
+        # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
         from verification.running.cases import get_suite
         from verification.running.selection import fuzz_args, split_list
         suites = split_list([args.suite])

@@ -27,6 +27,7 @@ def add_arguments(p):
 
 
 def run(args) -> int:
+    # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
     from verification.reporting.findings import as_json, markdown, rows, terminal
     from verification.judging.tolerances import load_tolerances
 

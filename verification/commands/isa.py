@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+
 from verification.judging.policy import exit_code
 
 NAME = "isa"
@@ -42,6 +43,7 @@ def add_arguments(p):
 
 
 def _split(text: str, arg: str) -> list:
+    # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
     from verification.errors import UsageError
     items = [x.strip() for x in str(text).split(",") if x.strip()]
     if not items:
@@ -50,9 +52,11 @@ def _split(text: str, arg: str) -> list:
 
 
 def run(args) -> int:
+    # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
     from verification.errors import UsageError
     if getattr(args, "backend", "triton") == "aiter":
         return _run_aiter(args)
+    # lazy: importing kda_kernels.triton builds the kernels, after TRITON_INTERPRET is decided (docs/design.md, Imports)
     from kda_kernels.triton.isa import STATE_CONFIGS, TARGETS, isa_report
     from kda_kernels.triton.routes import RouteError, parse_route, route_names
 
@@ -70,6 +74,7 @@ def run(args) -> int:
             parse_route(r)
         except RouteError as e:
             raise UsageError(f"--routes: {e}") from None
+    # lazy: importing kda_kernels.triton builds the kernels, after TRITON_INTERPRET is decided (docs/design.md, Imports)
     from kda_kernels.triton.isa import IsaError
     try:
         reports = isa_report(archs, routes, tuple(states))
@@ -87,6 +92,7 @@ def run(args) -> int:
 
 
 def _run_aiter(args) -> int:
+    # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
     from verification.investigating.aiter_isa import AiterIsaError, aiter_isa_report, table_header, table_row
     from verification.errors import UsageError
     archs = _split(args.arch if args.arch != "gfx950,gfx1250,sm90" else "gfx950,gfx1250", "--arch")

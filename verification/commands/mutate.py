@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor, as_completed
+
 from verification.judging.policy import exit_code
 
 NAME = "mutate"
@@ -42,6 +43,7 @@ def _names(values) -> list:
 
 
 def run(args) -> int:
+    # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
     from verification.running.cases import SUITES
     from verification.errors import UsageError
     from verification.investigating.mutants import CATALOGUE, by_name
@@ -61,8 +63,10 @@ def run(args) -> int:
     if bad or not suites:
         raise UsageError(f"--suite: expected a comma list of {', '.join(SUITES)}, got {args.suite!r}")
     if args.json_out:
+        # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
         from verification.errors import writable_file
         writable_file(args.json_out, "--json-out")
+    # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
     from verification.running.devices import check_device
     args.device = check_device(args.device)
     if args.timeout <= 0:
@@ -89,6 +93,7 @@ def run(args) -> int:
                   f"localized: {rec.get('localized')}) {rec.get('seconds', 0):.1f} s", flush=True)
     print(format_table(records))
     if args.json_out:
+        # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
         from verification.judging.record import encode as jsonable
         with open(args.json_out, "w") as f:
             json.dump(jsonable(dict(suites=suites, device=args.device, long=args.long == "yes",

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import time
 
-from verification.running.devices import check_device
 from verification.judging.policy import exit_code
+from verification.running.devices import check_device
 
 NAME = "oracle"
 HELP = "compute the float64 truth (o, final state or state cache; optionally ws_* and segments) of a problem file"
@@ -31,12 +31,15 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
+    # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
     import torch
 
+    # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
     from kda_ref.truth import truth
     from verification.errors import UsageError
     from verification.reporting.problem_file import load_problem, save_outputs
 
+    # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
     from verification.errors import writable_file
     dev = torch.device(check_device(args.device))
     writable_file(args.out, "--out")

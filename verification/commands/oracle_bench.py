@@ -19,7 +19,10 @@ unless ``--no-recurrence``; when it ran on all tokens the truth is held to it.
 from __future__ import annotations
 
 import json
+import os
+import threading
 import time
+
 from verification.judging.policy import exit_code
 
 NAME = "oracle-bench"
@@ -60,6 +63,7 @@ def add_arguments(parser):
 
 
 def parse_shapes(text: str):
+    # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
     from verification.errors import UsageError
     out = []
     for part in text.split(","):
@@ -75,6 +79,7 @@ def parse_shapes(text: str):
 
 
 def _sync(dev):
+    # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
     import torch
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -90,6 +95,7 @@ def _timed(fn, dev):
 
 def matmul_tflops(dev, n: int = 8192, reps: int = 3) -> float:
     """Measured float64 matmul rate (TFLOP/s) of an n x n product on the device."""
+    # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
     import torch
     if dev.type == "cpu":
         n = 1024
@@ -107,8 +113,10 @@ def make_problem(B, T, H, K, V, dev, seed=0):
     """A production-like problem built on the device: the generator's (kda_ref.problems) fp32
     q, k, v, g = N(0,1) (g_scale 1), lower-bound gate at -5, a kv initial state 0.5 N(0,1), drawn
     by the device's generator."""
+    # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
     import torch
 
+    # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
     from kda_ref.problems import ProblemSpec, generate
     return generate(ProblemSpec(B=B, T=T, H=H, K=K, V=V, g_scale=1.0, dtype=torch.float32, state="kv", seed=seed,
                                 draw="device"), device=dev)
@@ -139,13 +147,12 @@ class PeakMemory:
 
     @staticmethod
     def rss() -> int:
-        import os
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
     def __enter__(self):
-        import threading
 
+        # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
         import torch
         if self.dev.type == "cuda":
             torch.cuda.synchronize(self.dev)
@@ -165,6 +172,7 @@ class PeakMemory:
         return self
 
     def __exit__(self, *exc):
+        # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
         import torch
         if self.dev.type == "cuda":
             torch.cuda.synchronize(self.dev)
@@ -177,8 +185,10 @@ class PeakMemory:
 
 
 def bench_shape(B, T, H, args, dev) -> dict:
+    # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
     import torch
 
+    # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
     from kda_ref.chunked import chunked_from_workspace
     from kda_ref.preprocess import prepare
     from kda_ref.problem import validate
@@ -265,8 +275,10 @@ def bench_shape(B, T, H, args, dev) -> dict:
 
 
 def run(args) -> int:
+    # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
     import torch
 
+    # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
     from verification.running.devices import check_device
     from verification.errors import UsageError
     if args.chunk_size not in (16, 32, 64):

@@ -8,6 +8,7 @@ of the merge in OUT."""
 from __future__ import annotations
 
 from pathlib import Path
+
 from verification.judging.policy import exit_code
 
 NAME = "report"
@@ -26,6 +27,7 @@ def add_arguments(p):
 
 
 def run(args) -> int:
+    # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
     from verification.errors import UsageError, writable_dir
     from verification.judging.record import RESULTS_FILE, record_line
     from verification.reporting.report_load import load_results, merge_provenance, results_files

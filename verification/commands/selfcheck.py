@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import sys
+
 from verification.judging.policy import exit_code
 
 NAME = "selfcheck"
@@ -21,6 +22,7 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
+    # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
     from verification.running.devices import check_device
     from verification.investigating.selfcheck import format_table, selfcheck_report
 

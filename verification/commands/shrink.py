@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import shlex
 import sys
+from pathlib import Path
 
 NAME = "shrink"
 HELP = "reduce a failing cell to its smallest failing problem and write an upstream-ready bundle"
@@ -61,8 +62,8 @@ def add_arguments(p):
 
 def _from_results(args):
     """(backend spec, route, case id, fuzz n, fuzz seed) of a cell in a results directory."""
-    from pathlib import Path
 
+    # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
     from verification.errors import UsageError
     from verification.judging.record import RESULTS_FILE, read_records
     if not args.cell:
@@ -84,12 +85,13 @@ def _from_results(args):
 
 
 def run(args) -> int:
+    # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
     from verification.errors import UsageError
     from verification.errors import writable_dir
 
     if args.from_results and not args.suite:
-        from pathlib import Path
 
+        # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
         from verification.judging.record import RESULTS_FILE, read_records
         path = Path(args.from_results) / RESULTS_FILE
         if path.is_file() and args.cell and any(r.get("key") == args.cell and r.get("suite") == "serving"
@@ -127,8 +129,10 @@ def run(args) -> int:
             raise UsageError(f"--timeout: expected a number of seconds > 0, got {args.timeout!r}")
         if not args.isolate:
             raise UsageError("--timeout: expected together with --isolate, got it alone")
+    # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
     from verification.running.cases import get_case
     case = get_case(case_id, n=fuzz_n, seed=fuzz_seed)
+    # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
     from verification.running.selection import setup_interpreter
     from verification.running.devices import check_device
     from verification.running.run_cell import use_device
@@ -138,6 +142,7 @@ def run(args) -> int:
     note = setup_interpreter([spec], device)
     if note:
         print(note, file=sys.stderr)
+    # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
     from kda_kernels.base import BackendError
     from verification.judging.tolerances import load_tolerances
     db = load_tolerances(args.tolerances)
@@ -146,6 +151,7 @@ def run(args) -> int:
         raise BackendError(f"--backend: {lb.name} cannot run here: {lb.reason}")
     route = resolve_routes(lb, [route_name])[0]
     use_device(device)
+    # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
     from verification.reporting.bundle import write_bundle
     from verification.investigating.shrink import Shrinker, shape_text, size
 
@@ -184,6 +190,7 @@ def run(args) -> int:
 
 def run_serving(args) -> int:
     """shrink of a serving cell (module docstring)."""
+    # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
     from kda_kernels.base import BackendError
     from verification.running.devices import check_device
     from verification.errors import UsageError, writable_dir

@@ -30,15 +30,22 @@ compiler's one-line reason.
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import inspect
+import multiprocessing as mp
 import os
 import re
 import sys
+import time
 import types
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 import torch
+
+from kda_kernels import _autotune_pin
+from kda_kernels.aiter import PIN_RULE
 
 ARCHS = ("gfx942", "gfx950", "gfx1250")
 FLASH_KDA = "aiter.ops.triton._triton_kernels.chunk_delta_attn.flash_kda"
@@ -85,6 +92,7 @@ class _TargetOnlyDriver:
         self.arch = arch
 
     def get_current_target(self):
+        # lazy: triton is imported only where a Triton path runs (docs/design.md, Imports)
         from triton.backends.compiler import GPUTarget
         return GPUTarget("hip", self.arch, 64)
 
@@ -119,6 +127,7 @@ def set_stub_arch(arch: str) -> None:
 def cpu_import(arch: str):
     """For an import of aiter's modules without a GPU: a driver answering ``arch``'s target and a
     torch that says there is no device; both put back afterwards."""
+    # lazy: triton is imported only where a Triton path runs (docs/design.md, Imports)
     from triton.runtime.driver import driver
     saved_props, saved_driver = torch.cuda.get_device_properties, driver._active
 
@@ -139,7 +148,6 @@ def _check_not_interpreted() -> None:
 
 def flash_kda_present() -> bool:
     """Whether the aiter tree on PYTHONPATH has the 2026-08-style FlashKDA module (not imported)."""
-    import importlib.util
     try:
         return importlib.util.find_spec(FLASH_KDA) is not None
     except ModuleNotFoundError:
@@ -209,7 +217,6 @@ def _patched(pairs):
 def record_launches(mod) -> list:
     """(kernel object, args, kwargs, plan) of every launch flash_kda_fwd makes over PLANS, for the
     Triton kernels and, where the module has the flags, the Gluon ones."""
-    import inspect
     log: list = []
     params = inspect.signature(mod.flash_kda_fwd).parameters
     kernel_sets = [("triton", False)]
@@ -248,8 +255,7 @@ def record_launches(mod) -> list:
 def _resolve(kernel, args, kwargs):
     """The JITFunction and the full keyword set Triton would launch it with: autotune config(s)
     (one: aiter's table or fallback; several: the adapter's pin rule), heuristics, defaults."""
-    from kda_kernels import _autotune_pin
-    from kda_kernels.aiter import PIN_RULE
+    # lazy: triton is imported only where a Triton path runs (docs/design.md, Imports)
     from triton.runtime.jit import JITFunction
     k, kw = kernel, dict(kwargs)
     opts = {n: kw.pop(n) for n in ("num_warps", "num_stages") if n in kw}
@@ -273,7 +279,6 @@ def _resolve(kernel, args, kwargs):
 
 
 def inspect_empty():
-    import inspect
     return inspect.Parameter.empty
 
 
@@ -373,13 +378,14 @@ def _amd_fields(asm: str) -> dict:
 
 
 def compile_aiter_variant(v: AiterVariant, arch: str) -> AiterKernelReport:
-    import time
 
+    # lazy: triton is imported only where a Triton path runs (docs/design.md, Imports)
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.experimental.gluon._runtime import GluonASTSource
 
+    # lazy: kda_kernels.triton builds its kernels at import (docs/design.md, Imports)
     from kda_kernels.triton.isa import TARGETS, _last_line, _no_kernarg_preload, _signature, _StderrCapture
     backend, a, warp = TARGETS[arch]
     rep = AiterKernelReport(arch=arch, kernel=v.label, routes=list(v.plans), ok=False, note=v.note)
@@ -440,8 +446,6 @@ KERNEL_TIMEOUT_S = 900
 def compile_bounded(v: AiterVariant, arch: str, timeout_s: float = KERNEL_TIMEOUT_S) -> AiterKernelReport:
     """compile_aiter_variant in a forked child, given up after ``timeout_s`` (LLVM's SLP vectorizer
     was seen to run for tens of CPU minutes on aiter's K1 for gfx1250): a row saying so."""
-    import multiprocessing as mp
-    import time
     try:
         ctx = mp.get_context("fork")
     except ValueError:                     # no fork on this platform: compile here, unbounded
@@ -474,6 +478,7 @@ def aiter_isa_report(archs: list, on_report=None, timeout_s: float = KERNEL_TIME
     tree has them, and on gfx950 / gfx1250 aiter's Gluon KDA kernels (verification.investigating.aiter_kda_isa)
     where it has those; ``kernels`` (substrings of kernel names) keeps only those that match.
     ``on_report(report)`` is called as each one finishes."""
+    # lazy: import cycle (aiter_kda_isa builds on this module's AiterVariant, _Recorder, _patched)
     from verification.investigating import aiter_kda_isa as kda_isa
     bad = [a for a in archs if a not in ARCHS]
     if bad:

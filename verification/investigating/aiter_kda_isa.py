@@ -32,11 +32,14 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import sys
 from contextlib import contextmanager
 from typing import Optional
 
 import torch
+
+from verification.investigating.aiter_isa import AiterVariant, _Recorder, _patched, cpu_import, set_stub_arch
 
 CHUNK_KDA = "aiter.ops.triton.attention.chunk_kda"
 KDA = "aiter.ops.triton.attention.kda"
@@ -53,6 +56,7 @@ REQUIRES = {("gfx1250", "chunk_kda"): (3, 9)}
 def triton_too_old(arch: str = "gfx1250", family: str = "chunk_kda") -> Optional[str]:
     """'needs triton >= X (this is Y)' when the installed Triton cannot build ``family``'s Gluon
     kernels for ``arch`` (REQUIRES), else None."""
+    # lazy: triton is imported only where a Triton path runs (docs/design.md, Imports)
     import triton
     need = REQUIRES.get((arch, family))
     if need is None:
@@ -68,7 +72,6 @@ def triton_too_old(arch: str = "gfx1250", family: str = "chunk_kda") -> Optional
 
 def kda_modules_present() -> bool:
     """Whether the aiter tree on PYTHONPATH has the KDA host wrappers (without importing them)."""
-    import importlib.util
     try:
         return importlib.util.find_spec(CHUNK_KDA) is not None
     except ModuleNotFoundError:
@@ -79,7 +82,6 @@ def kda_modules_present() -> bool:
 def _as_arch(arch: str):
     """aiter's KDA host modules freshly imported as on an ``arch`` machine (they pick their Gluon
     kernels by the arch at import)."""
-    from verification.investigating.aiter_isa import cpu_import, set_stub_arch
     set_stub_arch(arch)
     for name in (CHUNK_KDA, KDA):
         sys.modules.pop(name, None)
@@ -164,7 +166,6 @@ def packed_decode_call():
 def record_kda_launches(arch: str, families=FAMILIES, num_cus: int = 256) -> list:
     """(kernel, args, kwargs, plan) of every launch aiter's KDA host wrappers make on ``arch``; a
     call the host wrapper itself refuses is a (None, (reason,), {}, plan) entry."""
-    from verification.investigating.aiter_isa import _patched, _Recorder
     log: list = []
     with _as_arch(arch) as (ck, kda):
         def run(fn, plan, kw, pairs):
@@ -192,6 +193,7 @@ def record_kda_launches(arch: str, families=FAMILIES, num_cus: int = 256) -> lis
 
 # ----------------------------------------------------------------------------------- variants
 def _launch_option_names() -> set:
+    # lazy: triton is imported only where a Triton path runs (docs/design.md, Imports)
     from triton.backends.amd.compiler import HIPOptions
     return {f.name for f in dataclasses.fields(HIPOptions)}
 
@@ -201,6 +203,7 @@ def gluon_signature(jit, bound: dict):
     parameters, None and bool arguments constexpr; an int equal to 1 folded and a multiple of 16
     marked divisible unless the parameter is do_not_specialize; a tensor 16-byte aligned unless
     do_not_specialize_on_alignment."""
+    # lazy: kda_kernels.triton builds its kernels at import (docs/design.md, Imports)
     from kda_kernels.triton.isa import _TORCH_TO_TRITON
     sig, cons, attrs = {}, {}, {}
     for i, p in enumerate(jit.params):
@@ -229,7 +232,6 @@ def kda_variants(arch: str, families=FAMILIES, num_cus: int = 256) -> tuple[list
     """(unique AiterVariants with their signature, (reason, plan) of refused calls) for ``arch``;
     each variant's label names its kernel, the constexprs that differ between that kernel's
     variants (plus BV / NUM_WARPS), and its launch options."""
-    from verification.investigating.aiter_isa import AiterVariant
     opt_names = _launch_option_names()
     found, refused = {}, []
     for kernel, args, kwargs, plan in record_kda_launches(arch, families, num_cus):

@@ -34,6 +34,9 @@ from typing import Callable, Optional
 
 import torch
 
+from kda_kernels.base import LooksUpRoutes, load_backend
+from kda_ref.problems import ProblemSpec, generate
+
 # the default suite: the 13 production benchmark shapes (also verification.running.cases.DEFAULT_SHAPES)
 DEFAULT_SHAPES = ((1, 256, 12), (1, 512, 12), (1, 1664, 12), (1, 2048, 12), (1, 8192, 12), (1, 16384, 12),
                   (1, 16384, 64), (1, 16384, 96), (1, 8192, 32), (1, 8192, 64), (2, 2664, 12), (4, 4096, 16),
@@ -76,6 +79,7 @@ class BenchResult:
 def shapes_of_suite(suite: str) -> list:
     """(B, T, H) of every case of a suite (verification.running.cases when present)."""
     try:
+        # lazy: a probe of what is installed (docs/design.md, Imports)
         from verification.running.cases import get_suite
     except ImportError:
         get_suite = None
@@ -132,6 +136,7 @@ def pass_traffic(plan, H: int, spec, in_bytes: Optional[dict] = None) -> dict:
         C  = Nt*H*W + tok*H*D*v [+ S*H*K*V*4 h_in, segmented]                  (read)
              + tok*H*V*v + N*H*K*V*4                                          (o, final state fp32 written)
     K1's A_log / dt_bias (H and H*K values) and the plan's index tables are left out."""
+    # lazy: kda_kernels.triton builds its kernels at import (docs/design.md, Imports)
     from kda_kernels.triton import forward as fw
 
     sz = dict(INPUT_BYTES, **(in_bytes or {}))
@@ -165,7 +170,6 @@ def bench_problem(B: int, T: int, H: int, device, seed: int):
     """The Problem bench times on: kda_ref.problems.generate of the named shape ``BxTxH`` (K = V =
     128, lb -5, bf16 q k v g, fp32 beta, A_log, dt_bias; no initial state), drawn by ``device``'s
     own generator (``draw="device"``: the inputs of a 16384 x 96 shape made where they are timed)."""
-    from kda_ref.problems import ProblemSpec, generate
     return generate(ProblemSpec(B=B, T=T, H=H, K=K, V=V, seed=seed, draw="device"), device=device)
 
 
@@ -183,7 +187,6 @@ DEFAULT_ROUTES = {"triton": "seg", "cudnn": "hopper_cuda", "fla": "chunk:safe_ga
 def find_route(b, name: str):
     """The Route ``name`` of backend ``b``: one its ``routes()`` lists, else ``b.route(name)`` where
     the adapter parses route names (kda_kernels.base.LooksUpRoutes: triton's "seg:BW=64")."""
-    from kda_kernels.base import LooksUpRoutes
     r = next((x for x in b.routes() if x.name == name), None)
     if r is None and isinstance(b, LooksUpRoutes):
         r = b.route(name)
@@ -204,7 +207,6 @@ def route_call(backend, route: str) -> Callable:
     runs fla), the kernel launches and its output reshapes.  Outside: loading the adapter, its
     availability check, the route lookup and the inputs (``bench_problem``), which no adapter
     makes per call.  ``call.info["route_ran"]`` is the adapter's own account of what ran."""
-    from kda_kernels.base import load_backend
     b = load_backend(backend) if isinstance(backend, str) else backend
     ok, why = b.available()
     if not ok:
@@ -335,6 +337,7 @@ def pass_times(route: str, shape: tuple, device, reps: int = 20, warmup: int = 3
     ``graph`` each pass is captured in a CUDA graph and its replay timed, so the host's launch
     cost (Python, argument packing) is left out;
     CPU (Triton's interpreter, for tests): wall time (``graph`` ignored)."""
+    # lazy: kda_kernels.triton builds its kernels at import (docs/design.md, Imports)
     from kda_kernels.triton import forward as fw
     from kda_kernels.triton.routes import parse_route
 

@@ -36,10 +36,19 @@ from typing import Optional
 
 import torch
 
+from kda_kernels.base import ReturnsTaps, RunsPasses
+from kda_kernels.emulator import RECIPES
+from kda_ref.fla_form import fla_form
 from kda_ref.preprocess import prepare
 from kda_ref.problem import Problem, validate
 from kda_ref.segments import pass_a, pass_b, pass_c, segment_plan
+from kda_ref.tiles import tile_grid
 from kda_ref.workspace import workspace_prepared
+from verification.errors import KernelFailure
+from verification.judging.baselines import emulate_taps, tap_metrics
+from verification.judging.metrics import dtype_name
+from verification.judging.tolerances import load_tolerances
+from verification.judging.verdict import judge_tensor
 
 F64 = torch.float64
 
@@ -145,8 +154,6 @@ def oracle_intermediates(p: Problem, chunk_size: int, chunks_per_seg: Optional[i
 
 def fla_oracle_intermediates(p: Problem, chunk_size: int) -> dict:
     """Every fla-form intermediate of a Problem in float64, in fla's layouts."""
-    from kda_ref.fla_form import fla_form
-    from kda_ref.tiles import tile_grid
     pp = prepare(validate(p))
     ff = fla_form(pp, chunk_size)
     out = ff.tensors(p.B, p.T)
@@ -273,11 +280,6 @@ def inverse_rule(backend, p: Problem, route, ws_inv: torch.Tensor) -> str:
     number the verdict judges on the same case.  The row thresholds cannot see a uniform
     storage slip (bf16 where fp16 is due moves every row by ~4e-3, far below 3e-2), the
     verdict's tensor rule does."""
-    from kda_kernels.emulator import RECIPES
-    from verification.judging.metrics import dtype_name
-    from verification.judging.tolerances import load_tolerances
-    from verification.judging.baselines import emulate_taps, tap_metrics
-    from verification.judging.verdict import judge_tensor
     recipe = RECIPES.get(getattr(route, "recipe", ""))
     if recipe is None or recipe.chunk != int(ws_inv.shape[-1]):
         return ""
@@ -292,8 +294,6 @@ def debug_passes(backend, p: Problem, route, passes=("all",), thresholds: Option
                  progress=None) -> list[PassReport]:
     """Run the chosen passes of ``route`` on oracle-fed inputs; one PassReport per pass.  A pass
     that raises is a verification.errors.KernelFailure naming it (exit 1, a kernel failure)."""
-    from kda_kernels.base import ReturnsTaps, RunsPasses
-    from verification.errors import KernelFailure
 
     if not isinstance(backend, RunsPasses):
         raise ValueError(f"--backend: {backend.name!r} exposes no passes (needs run_pass and debug_plan)")

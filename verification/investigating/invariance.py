@@ -37,6 +37,8 @@ from typing import Optional
 import torch
 
 from kda_ref.problem import Problem
+from verification.judging.baselines import recipe_chunk
+from verification.running.run_cell import clone_keep_strides
 
 SEGMENTATION_TOL = 5e-3
 CAUSAL_ALIGN = 64          # a boundary of chunks of 16, 32 and 64 tokens
@@ -293,7 +295,6 @@ def strided_vs_packed(backend, route, problem: Problem) -> InvarianceResult:
 def chunk_size_of(route) -> int:
     """The chunk size of a route's recipe (flashkda 32, fla 64, moonshot and moonshot-fwdsub 16, any
     other production recipe's own; 64 when unknown)."""
-    from verification.judging.baselines import recipe_chunk
     recipe = getattr(route, "recipe", None)
     return CHUNK_SIZES.get(recipe) or recipe_chunk(recipe) or CAUSAL_ALIGN
 
@@ -325,7 +326,6 @@ def causality(backend, route, problem: Problem, prefix: Optional[int] = None, ch
     other = problem.replace(q=changed(problem.q), k=changed(problem.k), v=changed(problem.v),
                             g=changed(problem.g, 0.1), beta=changed(problem.beta))
     if problem.paged:
-        from verification.running.run_cell import clone_keep_strides
         other = other.replace(state_cache=clone_keep_strides(problem.state_cache))
     a, b = _run(backend, problem, route), _run(backend, other, route)
     early = ~late.to(a.o.device)
@@ -355,7 +355,6 @@ def head_permutation(backend, route, problem: Problem, seed: int = 0) -> Invaria
     if p.initial_state is not None:
         ch["initial_state"] = p.initial_state[:, pd]
     if p.paged:
-        from verification.running.run_cell import clone_keep_strides
         cache = clone_keep_strides(p.state_cache)
         cache[p.state_indices.long()] = p.state_cache[p.state_indices.long()][:, pd]
         ch["state_cache"] = cache

@@ -23,6 +23,8 @@ from __future__ import annotations
 import argparse
 import ast
 import copy
+import fnmatch
+import importlib
 import json
 import os
 import re
@@ -37,7 +39,16 @@ import traceback
 from pathlib import Path
 from typing import Optional
 
+import kda_kernels
+from verification.investigating.debug import debug_passes
 from verification.investigating.mutants import AFTER, WHOLE, Mutant
+from verification.judging.baselines import BaselineCache
+from verification.judging.policy import FAILING
+from verification.judging.record import encode
+from verification.judging.tolerances import load_tolerances
+from verification.running.cases import get_suite
+from verification.running.run_cell import TruthCache, run_cell
+from verification.running.run_select import as_loaded
 
 STDERR_TAIL = 3000
 CHILD_TIMEOUT_S = 900
@@ -64,7 +75,6 @@ def _parse(source: str, mode: str = "exec") -> ast.AST:
 
 def kernel_dir() -> Path:
     """kda_kernels/triton/ of the installed (shipped) package, found without importing it."""
-    import kda_kernels
     return Path(kda_kernels.__file__).resolve().parent / "triton"
 
 
@@ -219,7 +229,6 @@ def materialize(mutant: Mutant, root: Path, src_dir: Optional[Path] = None) -> s
 
 def load_mutant_backend(mutant: Mutant, root: Path, taps: bool = True):
     """Materialize the mutant under ``root``, import it, and return its TritonBackend."""
-    import importlib
     name = materialize(mutant, root)
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
@@ -231,9 +240,6 @@ def load_mutant_backend(mutant: Mutant, root: Path, taps: bool = True):
 
 # ------------------------------------------------------------------------------------ child
 def _cases(suites, long: bool, case_globs=None):
-    import fnmatch
-
-    from verification.running.cases import get_suite
     out = []
     for s in suites:
         out.extend(get_suite(s, long=long))
@@ -265,13 +271,8 @@ def run_mutant(mutant: Mutant, suites=("smoke", "stress"), long: bool = False, d
                case_globs=None, taps: bool = True, workdir: Optional[Path] = None) -> dict:
     """Run one mutant over the suites (in this process; the interpreter, on the CPU, must be
     on before this is called).  Returns its record (see the module docstring)."""
+    # lazy: kda_kernels.triton builds its kernels at import (docs/design.md, Imports)
     from kda_kernels.triton.backend import TritonBackend
-    from verification.investigating.debug import debug_passes
-    from verification.judging.policy import FAILING
-    from verification.judging.baselines import BaselineCache
-    from verification.running.run_cell import TruthCache, run_cell
-    from verification.running.run_select import as_loaded
-    from verification.judging.tolerances import load_tolerances
 
     t_start = time.perf_counter()
     rec = dict(mutant=mutant.name, pass_name=mutant.pass_name, file=mutant_file(mutant), what=mutant.what,
@@ -343,7 +344,6 @@ def _child_main(spec_path: str, out_path: str) -> int:
     mutant = Mutant.from_dict(spec["mutant"])
     rec = run_mutant(mutant, suites=spec["suites"], long=spec["long"], device=spec["device"],
                      case_globs=spec.get("cases"), taps=spec.get("taps", True), workdir=Path(spec["workdir"]))
-    from verification.judging.record import encode
     Path(out_path).write_text(json.dumps(encode(rec), allow_nan=False))
     return 0
 

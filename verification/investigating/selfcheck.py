@@ -29,7 +29,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kda_ref import numpy_ref
+from kda_ref.chunked import chunked_from_workspace, streamed
+from kda_ref.fla_form import fla_form
+from kda_ref.preprocess import prepare
 from kda_ref.problem import Problem
+from kda_ref.recurrence import recurrence_prepared
+from kda_ref.segments import segmented
+from kda_ref.truth import truth
+from kda_ref.workspace import inverse_report, workspace_prepared
 
 F64 = torch.float64
 AGREE_TOL = 1e-12
@@ -183,15 +191,6 @@ def _nonfinite(*xs) -> int:
 
 def run_selfcheck(quick: bool = False, device: str = "cpu", progress=None) -> list:
     """Run every check; returns the rows (see ``Row``)."""
-    from kda_ref import numpy_ref
-    from kda_ref.chunked import chunked_from_workspace, streamed
-    from kda_ref.fla_form import fla_form
-    from kda_ref.mp_ref import mp_recurrence
-    from kda_ref.preprocess import prepare
-    from kda_ref.recurrence import recurrence_prepared
-    from kda_ref.segments import segmented
-    from kda_ref.truth import truth
-    from kda_ref.workspace import inverse_report, workspace_prepared
 
     rows: dict = {}
 
@@ -262,6 +261,8 @@ def run_selfcheck(quick: bool = False, device: str = "cpu", progress=None) -> li
         o, fs = chunked_from_workspace(pp, ws)
         row("numpy chunked C=32 vs torch chunked C=32", NUMPY_TOL).add(
             max(rel(o, torch.from_numpy(o_c)), rel(fs, torch.from_numpy(f_c))), name)
+    # lazy: optional dependency (mpmath, through kda_ref.mp_ref; docs/design.md, Imports)
+    from kda_ref.mp_ref import mp_recurrence
     for name, p in mp_problems(quick):
         if progress:
             progress(name)

@@ -45,6 +45,16 @@ from typing import Callable, Optional
 
 import torch
 
+from kda_ref.chunked import chunked_from_workspace
+from kda_ref.preprocess import prepare
+from kda_ref.workspace import workspace_prepared
+from verification.errors import UsageError
+from verification.judging.baselines import BaselineCache
+from verification.judging.record import decode_number as as_float
+from verification.running.run_cell import TruthCache, clone_keep_strides, run_cell
+from verification.running.run_isolated import IsolatedRunner
+from verification.running.run_select import LoadedBackend
+
 CUT = 64                      # leading cuts fall on multiples of this many tokens
 KIND_ORDER = ("nan", "inf", "missing", "shape", "dtype", "untouched", "mistrusted", "over")
 FAILING_STATUS = {"fail": "fail", "mistrusted": "mistrusted", "error": "error", "crashed": "crashed"}
@@ -86,7 +96,6 @@ class Signature:
 
 
 def _f(x) -> float:
-    from verification.judging.record import decode_number as as_float
     return as_float(x)
 
 
@@ -168,7 +177,6 @@ def subproblem(p, spans: list, heads: Optional[list] = None, starts: Optional[di
     same a, b for every kept row n).  heads: value heads to keep (None: all); a query/key head
     is kept for each (h // (HV / H)), so HV / H stays.  starts: {n: K-first state [HV, K, V]
     (of p's heads)} to start sequence n from (the state at a leading cut)."""
-    from verification.running.run_cell import clone_keep_strides
     starts = starts or {}
     HV, H = p.HV, p.H
     heads = list(range(HV)) if heads is None else list(heads)
@@ -247,9 +255,6 @@ def subproblem(p, spans: list, heads: Optional[list] = None, starts: Optional[di
 def chunk_states(p) -> torch.Tensor:
     """The oracle's state before every CUT-token chunk of every sequence, K-first float64
     [N, chunks + 1, HV, K, V] (kda_ref.chunked at C = CUT)."""
-    from kda_ref.chunked import chunked_from_workspace
-    from kda_ref.preprocess import prepare
-    from kda_ref.workspace import workspace_prepared
     pp = prepare(p)
     ws = workspace_prepared(pp, CUT)
     return chunked_from_workspace(pp, ws, return_chunk_states=True)[2]
@@ -390,7 +395,6 @@ def recording(inner):
     try:
         state = vars(inner)               # the backend's own state, shared (no __init__ runs again)
     except TypeError:                     # a backend without __dict__ (__slots__)
-        from verification.errors import UsageError
         raise UsageError(f"--backend: expected a backend object with a __dict__ (shrink records its "
                          f"outputs), got {type(inner).__name__} with __slots__") from None
     rec = object.__new__(cls)
@@ -451,7 +455,6 @@ class Shrinker:
     def __init__(self, loaded, route, db, device: str = "cpu", guards: Optional[bool] = None,
                  log: Optional[Callable[[str], None]] = None, isolate: bool = False,
                  timeout_s: Optional[float] = None, tolerances_path: Optional[str] = None):
-        from verification.running.run_select import LoadedBackend
         self.rec_backend = recording(loaded.backend)
         self.loaded = LoadedBackend(spec=loaded.spec, backend=self.rec_backend, available=loaded.available,
                                     reason=loaded.reason, version=loaded.version, from_spec=loaded.from_spec)
@@ -463,9 +466,6 @@ class Shrinker:
     def attempt(self, case, isolate: Optional[bool] = None) -> Attempt:
         """Run the cell on ``case`` as the matrix does: in this process (its outputs are kept), or with
         ``isolate`` in a child process (run --isolate: a kernel that kills it is ``crashed``; no outputs)."""
-        from verification.judging.baselines import BaselineCache
-        from verification.running.run_cell import TruthCache, run_cell
-        from verification.running.run_isolated import IsolatedRunner
         tc, bc = TruthCache(device=self.device), BaselineCache()
         self.runs += 1
         self.rec_backend.last = None

@@ -15,9 +15,13 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import nullcontext
 from typing import Optional
 
-from verification.judging.metrics import compare
+from kda_kernels.emulator import RECIPES, emulate, in_range_recipe
+from kda_ref.workspace import workspace
+from verification.judging.metrics import compare, inverse_metrics
+from verification.running import cache as disk
 
 # rms(v) and rms(initial state) inside this: no recipe's storage under- or overflows, so the
 # in-range baseline is the real one and is not computed.  Measured: on smoke + stress (29 cases)
@@ -30,7 +34,6 @@ TAP_TENSORS = ("ws_inv",)
 
 
 def _recipes() -> dict:
-    from kda_kernels.emulator import RECIPES
     return RECIPES
 
 
@@ -80,7 +83,6 @@ def baseline_metrics(problem, recipe: str, truth, taps: bool = False) -> dict:
     it also holds the stored inverse's metrics (``ws_inv``) against the oracle workspace.
     On a problem off the typical range (``off_range``) each output tensor's metrics also hold
     ``in_range`` (the in-range recipe's metrics) and ``off_range`` (the figures)."""
-    from kda_kernels.emulator import emulate, in_range_recipe
     refs = _tensors(truth)
     out = emulate(problem, recipe, taps=taps)
     result = compare(out.tensors(), refs, problem)
@@ -98,8 +100,6 @@ def baseline_metrics(problem, recipe: str, truth, taps: bool = False) -> dict:
 def tap_metrics(problem, taps: dict) -> dict:
     """Metrics of the workspace taps a backend returned (only ws_inv is judged) against the
     oracle's workspace at the tap's chunk size."""
-    from kda_ref.workspace import workspace
-    from verification.judging.metrics import inverse_metrics
     result = {}
     x = (taps or {}).get("ws_inv")
     if x is not None:
@@ -109,7 +109,6 @@ def tap_metrics(problem, taps: dict) -> dict:
 
 
 def emulate_taps(problem, recipe: str) -> dict:
-    from kda_kernels.emulator import emulate
     return emulate(problem, recipe, taps=True).taps
 
 
@@ -130,8 +129,6 @@ class BaselineCache:
         if key in self._store:
             m, s = self._store[key]
             return m, s, False
-        from verification.running import cache as disk
-        from contextlib import nullcontext
         d0 = time.perf_counter()             # keys, the wait for another process's computation, the load
         dkey = disk.baseline_key(problem, recipe, case) if disk.enabled() else None
         with disk.computing("baseline", dkey) if dkey else nullcontext():

@@ -33,7 +33,10 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+import numpy as np
 import torch
+
+from kda_ref import budget as kda_budget
 
 F64 = torch.float64
 ZERO_TRUST = 0.30      # oneDNN benchdnn's zero_trust_percent: more zeros than this is suspicious
@@ -97,7 +100,6 @@ def _row_groups(problem, chunk: int, rows: int) -> tuple:
     """Per packed row: its chunk point (-1: a row outside every sequence) and whether it lies in
     the last half of its sequence.  numpy arrays over the ``rows`` packed tokens; the number of
     chunk points = the longest sequence's chunk count."""
-    import numpy as np
     cid = np.full(rows, -1, dtype=np.int64)
     tail = np.zeros(rows, dtype=bool)
     for bos, eos in problem.seq_bounds():
@@ -130,7 +132,6 @@ def sequence_blocks(lens, block: int = SLICE_ROWS) -> list:
 def _block_ids(problem, rows: int, blocks: list):
     """Per packed row: its sequence n (-1 outside every sequence) and its block's index in
     ``blocks`` (-1 outside)."""
-    import numpy as np
     seq = np.full(rows, -1, dtype=np.int64)
     blk = np.full(rows, -1, dtype=np.int64)
     bounds = problem.seq_bounds()
@@ -234,8 +235,7 @@ def block_rows(view: torch.Tensor, budget: Optional[int] = None) -> int:
     of the view's device (``kda_ref.budget.block_budget``: a share of the device's total memory
     divided by the workers sharing it) over METRIC_BYTES_PER_ELEMENT per element; at least 1."""
     if budget is None:
-        from kda_ref.budget import block_budget
-        budget = block_budget(view.device)
+        budget = kda_budget.block_budget(view.device)   # through the module: tests set a small budget
     per_row = max(1, view.shape[1] * view.shape[2]) * METRIC_BYTES_PER_ELEMENT
     return max(1, int(budget) // per_row)
 

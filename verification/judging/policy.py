@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
+from verification.errors import KernelFailure, bad_input_errors
+
 # ---- exit codes ------------------------------------------------------------------------------
 EXIT_OK = 0            # verified: every judged cell passed (or is a listed known failure), one at least
 EXIT_FAIL = 1          # a kernel failure: a cell failed, was mistrusted, crashed or raised
@@ -77,7 +79,6 @@ def exit_code(statuses: Optional[Iterable[str]] = None, *, error: Optional[BaseE
     bad-input cell (a file ``check`` could not read: the user's input, not the kernel) 2,
     then cells of which none was judged 2, else 0."""
     if error is not None:
-        from verification.errors import KernelFailure, bad_input_errors
         if isinstance(error, KeyboardInterrupt):
             return EXIT_INTERRUPTED
         if isinstance(error, bad_input_errors()):

@@ -71,7 +71,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional
 
+import yaml
+
 from verification.errors import ToleranceError
+from verification.running.cases import NUMERIC_PARAMS
 
 TOP_KEYS = ("schema", "entries", "known_failures")
 KNOWN_FIELDS = ("backend", "route", "case", "reason", "evidence")
@@ -238,7 +241,6 @@ def _err(path, line, msg):
 
 def _fields(node, allowed: tuple, what: str, path: str) -> dict:
     """{field: (value, line)} of one YAML mapping node; an unknown or repeated field is an error."""
-    import yaml
 
     if not isinstance(node, yaml.MappingNode):
         raise _err(path, node.start_mark.line + 1, f"{what}: expected a mapping of fields")
@@ -254,7 +256,6 @@ def _fields(node, allowed: tuple, what: str, path: str) -> dict:
 
 def parse_tolerances(text: str, path: str = "<string>") -> ToleranceDB:
     """Validate and load the YAML text of a tolerance file."""
-    import yaml
 
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
@@ -340,7 +341,6 @@ def parse_tolerances(text: str, path: str = "<string>") -> ToleranceDB:
 def _param_conditions(value, line: int, entry: str, path: str) -> tuple:
     """The ParamConditions of a known failure's ``params`` field (module docstring), or a
     ToleranceError naming the file and line, the entry, the field, what was expected and what came."""
-    from verification.running.cases import NUMERIC_PARAMS
 
     form = f"a number or a comparison '<op><number>' with op one of {', '.join(PARAM_OPS)}"
     if not isinstance(value, dict) or not value:

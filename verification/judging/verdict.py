@@ -74,10 +74,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from verification.judging.metrics import compare, dtype_name, tensor_metrics
+import torch
+
 from verification.judging.baselines import TAP_TENSORS, _tensors, emulate_taps, in_range_view, recipe_chunk, tap_metrics
+from verification.judging.metrics import compare, dtype_name, tensor_metrics
 from verification.judging.policy import JUDGED_METRICS, NOT_APPLICABLE, OUT_OF_CONTRACT
-from verification.judging.record import encode
+from verification.judging.record import decode_number as num, encode
 NEGLIGIBLE_SLICE = 1e-2     # a slice whose rms is below this fraction of the tensor's is judged on the tensor's scale
 SLICE_FLOOR_SHARE = 1.0     # a slice is held to at least the whole tensor's baseline error
 SLICE_KINDS = {"seq_head": ("sequence", "head"), "seq_block": ("sequence", "tokens"),
@@ -305,7 +307,6 @@ def expected_dtypes(name: str, problem, route) -> tuple[tuple, str]:
     it declares one, else fp32 or the initial state's dtype (a kernel keeping an fp32 state
     returns fp32 whatever it was given); state_cache the cache's own dtype.  ((), "") for a
     tensor without a rule."""
-    import torch
     if name == "o":
         return (problem.v.dtype,), "the problem's v dtype"
     if name == "final_state":
@@ -536,7 +537,6 @@ def decide(verdict, *, guard=None, contract: Optional[str] = None, known_failure
 def out_of_contract_reason(contract: str, status: str, reason: str, metrics: Optional[dict]) -> str:
     """What the kernel did outside its contract: raised (``reason``), or returned values (o rel_l2
     and tail, NaN/Inf and exact-zero fractions of o and the state against the oracle's)."""
-    from verification.judging.record import decode_number as num
     if status == "error":
         did = reason
     else:

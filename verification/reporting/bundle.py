@@ -43,15 +43,27 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shlex
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
+
+import kda_kernels
+from kda_kernels.aiter import KERNEL_SETS, parse_route
+from kda_kernels.fla import CHUNK_ROUTES
+from kda_ref.workspace import workspace
+from verification.investigating.shrink import _f, shape_text, size, underlying_status
+from verification.judging.record import encode
+from verification.reporting.problem_file import save_outputs, save_problem
+from verification.reporting.provenance import device_info, git_info, software_info
 
 OWN_BACKENDS = ("emulator", "emulator-bad", "triton")
 CHECKED = ("o", "final_state", "state_cache", "ws_inv")     # ws_inv: the stored-inverse tap
 
 
 def underlying_status_of(rec: dict) -> str:
-    from verification.investigating.shrink import underlying_status
     return underlying_status(rec)
 LIBRARY = {"moonshot": "flash_kda", "fla": "fla", "aiter": "aiter"}
 
@@ -66,7 +78,6 @@ def checks_from_record(rec: dict) -> list[dict]:
     against that slice's threshold.  Each check says whether it failed when the bundle was made
     (``failed``); the repro reproduces when any check fails, so a failure that changes form between
     processes (memory a kernel leaves unwritten) still reproduces, and a pass does not."""
-    from verification.investigating.shrink import _f
     out = []
     if underlying_status_of(rec) == "error":           # the kernel raised: the repro holds it to that
         out.append({"tensor": "run", "measure": "raises", "threshold": 0.0,
@@ -606,10 +617,8 @@ def route_flags(backend: str, route) -> dict:
     """The literal settings repro.py needs for a route (what the adapter derives from its name)."""
     flags = dict(getattr(route, "flags", ()) or ())
     if backend == "fla" and route.name != "fused_recurrent":
-        from kda_kernels.fla import CHUNK_ROUTES
         return {"chunk_kwargs": dict(CHUNK_ROUTES[route.name])}
     if backend == "aiter":
-        from kda_kernels.aiter import KERNEL_SETS, parse_route
         r = parse_route(route.name)
         if r["entry"] == "chunk_kda":
             return {"entry": "chunk_kda", "kernels": r["kernels"]}
@@ -644,21 +653,17 @@ def _cpu(t):
 
 
 def _fmt(x) -> str:
-    from verification.investigating.shrink import _f
     v = _f(x)
     return "nan" if math.isnan(v) else ("inf" if math.isinf(v) else f"{v:.3g}")
 
 
 def environment(backend_version: str, device: str) -> dict:
-    from verification.reporting.provenance import device_info, git_info, software_info
     return {"device": device_info(device), "software": software_info(), "kda_verify_git": git_info(),
             "library": backend_version}
 
 
 def write_bundle(out_dir, result, loaded, route, case, device: str, command: str) -> dict:
     """Write the bundle of a ShrinkResult into ``out_dir``; returns the shrink.json dict."""
-    from verification.reporting.problem_file import save_outputs, save_problem
-    from verification.investigating.shrink import shape_text, size
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     fin, orig = result.final, result.original
@@ -669,7 +674,6 @@ def write_bundle(out_dir, result, loaded, route, case, device: str, command: str
     taps = {} if crashed else (getattr(fin.outputs, "taps", None) or {})
     what = "float64 oracle (kda_ref.truth, chunked C=64)"
     if "ws_inv" in taps:                   # the tap is judged against the oracle's exact inverse at its C
-        from kda_ref.workspace import workspace
         C = int(taps["ws_inv"].shape[-1])
         truth["ws_inv"] = _cpu(workspace(p, C=C, inverse="exact").ws_inv)
         what += f"; ws_inv: kda_ref.workspace's exact (I - L)^-1 at C={C}"
@@ -708,7 +712,6 @@ def write_bundle(out_dir, result, loaded, route, case, device: str, command: str
         "repro_command": "python repro.py",
     }
     data["repro_check"] = verify_repro(out, device, checks)
-    from verification.judging.record import encode
     (out / "shrink.json").write_text(json.dumps(encode(data), indent=1, allow_nan=False), encoding="utf-8")
     (out / "REPORT.md").write_text(report_md(data, p), encoding="utf-8")
     return data
@@ -719,12 +722,7 @@ def verify_repro(out: Path, device: str, checks: list, timeout_s: float = 600.0)
     another (empty, temporary) one, with this kda-verify's kda_kernels / kda_ref first on the
     path and then this process's (a backend given as package.module:factory imports there too): {"exit": code, "reproduced": exit 1 (or, for a crash check, a process that died: any
     exit but 0, 1, 2), "last_line": its last output line}."""
-    import os
-    import subprocess
-    import sys
-    import tempfile
 
-    import kda_kernels
     root = str(Path(kda_kernels.__file__).resolve().parent.parent)
     path = [root] + [x for x in sys.path if x and os.path.isdir(x) and x != root]   # what shrink itself imports from
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))

@@ -15,8 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 from pathlib import Path
 from typing import Optional
+
+from verification.judging.tolerances import load_tolerances
+from verification.running.run_progress import clip_words
 
 BEGIN = "<!-- findings register: made by `python -m verification.reporting.findings --write` from tolerances.yaml; do not edit by hand -->"
 END = "<!-- end of the findings register -->"
@@ -30,7 +34,6 @@ HEADER = ("| # | backend / route | case (parameters) | seen on | why it fails | 
 
 def rows(db=None) -> list[dict]:
     """One dict per known failure of ``db`` (default: the shipped tolerances.yaml), in file order."""
-    from verification.judging.tolerances import load_tolerances
     db = load_tolerances() if db is None else db
     return [{"backend": kf.backend, "route": kf.route, "case": kf.case, "params": kf.describe_params(),
              "seen_on": kf.seen_on, "reason": kf.reason, "evidence": kf.evidence, "shrink": kf.shrink,
@@ -65,9 +68,7 @@ def terminal(items: list[dict], width: int = WIDTH, shown: int = SHOWN) -> str:
     parameters, where seen), its reason and evidence cut to ``shown`` characters and wrapped to
     ``width``, the command that reproduces it on a line of its own, and a pointer to the full text
     (its tolerances.yaml line; --markdown prints the whole table, as docs/findings.md holds it)."""
-    import textwrap
 
-    from verification.running.run_progress import clip_words
     out = []
     for i, r in enumerate(items, 1):
         case = r["case"] + (f" ({r['params']})" if r["params"] else "")

@@ -38,7 +38,13 @@ import math
 import os
 from typing import Optional
 
-from kda_ref.problem import BETA_KINDS, GATE_KINDS, STATE_LAYOUTS, Problem, ProblemError
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from kda_ref.problem import (BETA_KINDS, FLOAT_DTYPES, FLOAT_NAMES, GATE_KINDS, Problem, ProblemError,
+                             STATE_LAYOUTS, shape_of)
+from kda_ref.workspace import SUPPORTED_C
+from verification.errors import UsageError
 
 PROBLEM_FORMAT = "kda-verify-problem/1"
 OUTPUTS_FORMAT = "kda-verify-outputs/1"
@@ -49,7 +55,6 @@ META_KEYS = ("scale", "lower_bound", "gate", "beta", "qk_l2norm", "state_layout"
 
 
 def _usage(msg: str) -> Exception:
-    from verification.errors import UsageError
     return UsageError(msg)
 
 
@@ -62,7 +67,6 @@ def _bool(x: bool) -> str:
 
 
 def _save(path: str, tensors: dict, metadata: dict):
-    from safetensors.torch import save_file
     clean = {n: t.detach().contiguous().clone() for n, t in tensors.items() if t is not None}
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
@@ -71,7 +75,6 @@ def _save(path: str, tensors: dict, metadata: dict):
 
 def _open(path: str, what: str):
     """(tensors, metadata) of a safetensors file, with one-line errors."""
-    from safetensors import safe_open
     if not os.path.isfile(path):
         raise _usage(f"{what}: expected an existing safetensors file, got {path!r} (no such file)")
     try:
@@ -203,8 +206,6 @@ def check_outputs(tensors: dict, problem: Optional[Problem], path: str) -> None:
     """Raise ProblemError naming the first output tensor of ``path`` whose dtype is not a float
     one or whose shape is not the one the problem gives it (the table in the module docstring);
     without a problem only ws_inv's own form is checked.  Tensors that are not judged pass."""
-    from kda_ref.problem import FLOAT_DTYPES, FLOAT_NAMES, shape_of
-    from kda_ref.workspace import SUPPORTED_C
     for name in ("o", "final_state", "state_cache", "ws_inv"):
         t = tensors.get(name)
         if t is not None and t.dtype not in FLOAT_DTYPES:

@@ -17,6 +17,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy
+import torch
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -48,7 +51,6 @@ def _nvidia_driver() -> str:
 
 def device_info(device: str | None = None) -> dict:
     """The accelerator a run used: name, capability, driver, runtime; {"type": "cpu"} on CPU."""
-    import torch
 
     dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     info = {"device": str(dev), "type": dev.type}
@@ -71,10 +73,8 @@ def device_info(device: str | None = None) -> dict:
 
 
 def software_info() -> dict:
-    import numpy
-    import torch
-
     try:
+        # lazy: a probe of what is installed (docs/design.md, Imports)
         import triton
         triton_version = triton.__version__
     except Exception as e:  # noqa: BLE001 - any import failure is worth recording as such

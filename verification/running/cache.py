@@ -34,8 +34,11 @@ computes a value, others that want it wait on its lock (``computing``) and then 
 from __future__ import annotations
 
 import ast
+import dataclasses
+import fcntl
 import hashlib
 import os
+import platform
 import tempfile
 import time
 import weakref
@@ -44,6 +47,8 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+
+from kda_ref.chunked import default_block_bytes
 
 FORMAT = "1"                      # the entries' layout; a change here misses everything stored before
 FULL_HASH_BYTES = 64 * 2 ** 20    # a tensor up to this size is hashed whole
@@ -156,7 +161,6 @@ def device_kind(device) -> str:
     dev = torch.device(device)
     if dev.type == "cuda" and torch.cuda.is_available():
         return f"cuda:{torch.cuda.get_device_name(dev)}:{torch.version.cuda}"
-    import platform
     return f"{dev.type}:{platform.machine()}"
 
 
@@ -193,7 +197,6 @@ def problem_key(problem, case=None) -> str:
     hit = _PROBLEM_KEYS.get(id(problem))
     if hit is not None and hit[0]() is problem:
         return hit[1]
-    import dataclasses
     h = hashlib.sha256(f"problem {FORMAT} torch {torch.__version__}\0".encode())
     h.update(code_version(*CASE_ENTRY).encode())
     if case is not None:
@@ -216,7 +219,6 @@ def problem_key(problem, case=None) -> str:
 
 def truth_key(problem, case=None) -> str:
     """The key of the problem's default truth (streamed, C = 64) with this oracle code."""
-    from kda_ref.chunked import default_block_bytes
     dev = problem.q.device
     parts = ["truth", problem_key(problem, case), code_version(*TRUTH_ENTRY), str(default_block_bytes(dev))]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()
@@ -301,7 +303,6 @@ def computing(kind: str, key: str, timeout_s: float = LOCK_WAIT_S):
     for (the value is computed again, as without the cache); released when the block ends."""
     fd = None
     if enabled():
-        import fcntl
         path = cache_dir() / f"v{FORMAT}" / "locks" / f"{kind}-{key}.lock"
         try:
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -24,6 +24,7 @@ import torch
 
 from kda_ref import problems
 from kda_ref.problem import Problem
+from verification.errors import UsageError
 
 SUITES = ("smoke", "default", "k3-prefill", "stress", "fuzz", "long", "norm")
 # The numeric fields of kda_ref.problems.ProblemSpec: the ones a known failure in tolerances.yaml may
@@ -37,7 +38,6 @@ DEFAULT_SHAPES = ((1, 256, 12), (1, 512, 12), (1, 1664, 12), (1, 2048, 12), (1, 
 
 
 def _usage_error(msg: str) -> Exception:
-    from verification.errors import UsageError
     return UsageError(msg)
 
 

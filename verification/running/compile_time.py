@@ -88,6 +88,7 @@ _CLOCK: Optional[CompileClock] = None
 def install(clock: CompileClock) -> CompileClock:
     """Chain the clock's hooks into triton.knobs (Triton >= 3.4 has them)."""
     try:
+        # lazy: a probe of what is installed (docs/design.md, Imports)
         import triton
         knobs = triton.knobs
         comp, rt = knobs.compilation, knobs.runtime

@@ -8,19 +8,19 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
+
 from verification.errors import UsageError
 
 
 def default_device() -> str:
     """cuda if torch sees a CUDA device, else cpu."""
-    import torch
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def check_device(device: Optional[str], arg: str = "--device") -> str:
     """``device`` (None: ``default_device()``) when it is cpu or an available CUDA device
     (cuda, cuda:N with N below the device count); else a UsageError naming ``arg``."""
-    import torch
     if device is None:
         return default_device()
     try:

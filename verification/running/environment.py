@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+from importlib import metadata
 from typing import Optional
 
 from verification.errors import UsageError
@@ -31,13 +32,13 @@ def range_text() -> str:
 def installed_triton() -> Optional[str]:
     """The version string of the installed ``triton`` module, or None when there is none.  Read
     from the package metadata (importing triton costs a third of a second), else from the module."""
-    from importlib import metadata
     for dist in _DISTRIBUTIONS:
         try:
             return metadata.version(dist)
         except metadata.PackageNotFoundError:
             continue
     try:
+        # lazy: a probe of what is installed (docs/design.md, Imports)
         import triton
     except ImportError:
         return None

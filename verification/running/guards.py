@@ -26,10 +26,13 @@ unread slots, the untouched unreferenced slots and padding of the cache it retur
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+
+from kda_kernels.base import TakesBuffers, copy_with_padding
 
 GUARD_BYTES = 4096
 GUARD_BYTE = 0x5A
@@ -278,7 +281,6 @@ def _sync(device) -> None:
 
 
 def _timed(report: GuardReport, fn, problem, *args, **kwargs):
-    import time
     _sync(problem.device)
     t0 = time.perf_counter()
     out = fn(problem, *args, **kwargs)
@@ -290,7 +292,6 @@ def _timed(report: GuardReport, fn, problem, *args, **kwargs):
 def guarded_run(backend, problem, route, **run_kwargs):
     """Run ``backend.run(problem, route)`` under the guards above; returns (Outputs, GuardReport).
     The Problem given is not modified (its cache is copied)."""
-    from kda_kernels.base import TakesBuffers, copy_with_padding
 
     report = GuardReport()
     supports = isinstance(backend, TakesBuffers) and bool(backend.accepts_buffers)

@@ -26,6 +26,7 @@ machine that uses the same directory, and a process that dies releases it.  With
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import sys
 import tempfile
@@ -33,6 +34,8 @@ import time
 from typing import Optional
 
 import torch
+
+from kda_ref.budget import device_total_bytes, sharing_workers
 
 CELL_BYTES_PER_ELEMENT = 25
 LOCK_DIR_ENV = "KDA_VERIFY_LOCK_DIR"
@@ -54,7 +57,6 @@ def cell_bytes(case) -> int:
 
 
 def _total(device) -> int:
-    from kda_ref.budget import device_total_bytes
     return device_total_bytes(device)
 
 
@@ -70,7 +72,6 @@ def no_room(case, device) -> Optional[str]:
 def is_big(case, device, workers: Optional[int] = None) -> bool:
     """Whether ``case`` needs more than its worker's share of the device (total / workers), with
     more than one worker sharing it."""
-    from kda_ref.budget import sharing_workers
     w = sharing_workers() if workers is None else max(1, int(workers))
     return w > 1 and cell_bytes(case) > _total(device) // w
 
@@ -97,6 +98,7 @@ class BigCaseLock:
             self.case_id = case_id
             return 0.0
         try:
+            # lazy: a probe of what is installed (docs/design.md, Imports)
             import fcntl
         except ImportError:           # not POSIX: nothing to lock with
             self.case_id = case_id
@@ -118,7 +120,6 @@ class BigCaseLock:
 
     def release(self) -> None:
         if self._fd is not None:
-            import fcntl
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
         self._fd, self.case_id = None, None

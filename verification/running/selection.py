@@ -7,7 +7,14 @@ Shared by ``kda-verify run`` (and calibrate, export, shrink) and the pytest plug
 from __future__ import annotations
 
 import fnmatch
+import os
 import sys
+import warnings
+
+import torch
+
+from verification.errors import UsageError
+from verification.running.cases import fuzz_options, get_suite
 
 
 def split_list(values) -> list[str]:
@@ -21,8 +28,6 @@ def split_list(values) -> list[str]:
 def fuzz_args(args, suites: list[str], names=("--fuzz-n", "--fuzz-seed")) -> tuple:
     """(n, seed) of the fuzz draw from --fuzz-n / --fuzz-seed (None: not given), checked: an
     integer >= 1 (>= 0 for the seed), and only together with the fuzz suite."""
-    from verification.running.cases import fuzz_options
-    from verification.errors import UsageError
     n, seed = getattr(args, "fuzz_n", None), getattr(args, "fuzz_seed", None)
     checked = fuzz_options(n, seed, names=names)
     for value, name, got in ((n, names[0], checked[0]), (seed, names[1], checked[1])):
@@ -37,8 +42,6 @@ def select_cases(suites: list[str], patterns: list[str] | None, long: bool = Tru
     """The cases of the suites, in suite order, filtered by --case patterns (each must match).
     long=False drops the suites' long cases unless a pattern names them; fuzz_n / fuzz_seed
     size and seed the fuzz suite's draw (None: 20 cases, seed 0)."""
-    from verification.running.cases import get_suite
-    from verification.errors import UsageError
 
     cases, seen = [], set()
     for s in suites:
@@ -68,9 +71,7 @@ def setup_interpreter(backends: list[str], device: str) -> str | None:
     CUDA: TRITON_INTERPRET=1, set before our kernels are first built (the interpreter replaces
     them at import).  Returns the line to print, or None when nothing was changed (CUDA present,
     a non-CPU device, TRITON_INTERPRET already set by the user, or no triton backend)."""
-    import os
 
-    import torch
     if "triton" not in backends or torch.cuda.is_available() or not str(device).startswith("cpu"):
         return None
     if "TRITON_INTERPRET" in os.environ:
@@ -80,7 +81,6 @@ def setup_interpreter(backends: list[str], device: str) -> str | None:
     os.environ["TRITON_INTERPRET"] = "1"
     # NumPy's overflow / invalid-value warnings from the interpreter's own arithmetic on the padded
     # lanes of a tile are not a verdict: the outputs are judged against the oracle (NaN, Inf included)
-    import warnings
     warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"triton\.runtime\.interpreter")
     return ("no CUDA device: the triton backend runs in Triton's CPU interpreter (TRITON_INTERPRET=1; "
             "slow, small problems only)")

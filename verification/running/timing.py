@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
+from verification.judging.record import as_record
+
 CELL_PARTS = ("build", "oracle", "baseline", "cache", "compile", "kernel", "guards", "metrics")
 PARTS = CELL_PARTS + ("report", "other")
 NOTES = {"kernel": "the kernel calls, compile excluded", "guards": "memory guards around the calls",
@@ -88,7 +90,6 @@ def add_warmup(sums: dict, warm: Optional[dict]) -> dict:
 
 def record_sums(records: Iterable) -> dict:
     """``cell_sums`` of records (verification.judging.record.Record or their dict form)."""
-    from verification.judging.record import as_record
     return cell_sums(as_record(r).timings for r in records)
 
 

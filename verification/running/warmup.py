@@ -24,10 +24,16 @@ under Triton's interpreter unless asked.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Iterable, Optional
+
+from verification.running.compile_time import compile_clock
+from verification.running.room import no_room
+from verification.running.run_cell import _fresh_state, _sync
 
 NO_COMPILE = ("emulator", "emulator-bad", "fla-naive", "transformers", "moonshot")   # no Triton JIT
 DEFAULT_WAIT_S = 240.0
@@ -69,7 +75,6 @@ SHORT_T = 512
 def shortened(case):
     """The case with a dense sequence cut to at most SHORT_T tokens (+ T mod 64, so T's
     divisibility stays): the same signature, a quick build and call."""
-    import dataclasses
     T = case.params.get("T")
     if "lens" in case.params or T is None or int(T) <= SHORT_T:
         return case
@@ -139,8 +144,6 @@ def run_share(todo: list, call: Callable[[object, object, object], None]) -> int
 def kernel_call(device: str) -> Callable:
     """One kernel call of a route on a case's Problem, its outputs discarded (what compiles it)."""
     def call(lb, route, case):
-        from verification.running.room import no_room
-        from verification.running.run_cell import _fresh_state, _sync
         if no_room(case, device) is not None:
             return
         problem = shortened(case).build(device=device)
@@ -156,9 +159,7 @@ def warm_up(cells: list, worker_id: str, workers: int, run_id: str, device: str,
     """This worker's share of the session's variants, then the barrier.  Returns {"variants": all,
     "mine": this worker's, "s": seconds in its calls, "wait_s", "compiles", "compile_s"} (None when
     there is nothing to do)."""
-    import tempfile
 
-    from verification.running.compile_time import compile_clock
     index = worker_index(worker_id)
     every = variants(cells)
     if index is None or not every:

@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from kda_ref.trace import DECODE, PAD, PREFILL, SPEC, CacheSpec
+from kda_ref.trace_gen import generate, trace_from_rows
+from verification.running.cases import stable_seed
 
 SUITE = "serving"
 # K = V = 128: the decode kernels' tiles (aiter's gfx950 decode takes K = V = 128 only); H = HV = 2
@@ -71,16 +73,12 @@ class ServingCase:
 
 
 def _gen(scenario: Optional[str], **knobs) -> Callable:
-    from kda_ref.trace_gen import generate
-
     def make(seed):
         return generate(seed, scenario, **{**SMALL, **knobs})
     return make
 
 
 def _rows(cache: dict, steps: list, **opts) -> Callable:
-    from kda_ref.trace_gen import trace_from_rows
-
     def make(seed):
         return trace_from_rows(CacheSpec(**{**dict(HV=2, K=128, V=128, pad="null0", guard_rows=2), **cache}).check(),
                                steps, seed=seed,
@@ -125,13 +123,11 @@ def _empty_before_later() -> list:
 
 def _atom_1750(seed):
     """Prompts shorter than one 64-token chunk (1..63, in one chunk each), then decodes."""
-    from kda_ref.trace_gen import generate
     return generate(seed, "short-prompts", prompt=(1, 63), chunk=64, decodes=(2, 6), layout="vk",
                     pad="null0", **SMALL)
 
 
 def serving_suite() -> list:
-    from verification.running.cases import stable_seed
     C = []
 
     def add(name, make, **kw):

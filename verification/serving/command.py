@@ -14,16 +14,31 @@ suites, more than one --backend, --decode-* without --suite serving, --isolate.
 """
 from __future__ import annotations
 
+import fnmatch
+import json
 import sys
 import time
+from pathlib import Path
+
+from verification.commands.run import finish
+from verification.errors import UsageError, writable_dir
+from verification.judging.record import (RESULTS_FILE, RUN_FILE, append_record, cell_key, encode as jsonable,
+                                         read_records, read_runs, repair_partial_line)
+from verification.judging.tolerances import load_tolerances
+from verification.reporting import provenance
+from verification.running.devices import check_device
+from verification.running.run_progress import Progress, RunSummary
+from verification.running.run_select import check_resume, load
+from verification.running.run_store import note_interrupted as _note_interrupted
+from verification.running.selection import split_list
+from verification.serving.cases import get_serving_suite
+from verification.serving.cells import TraceCache, cell_names, pairings, run_serving_cell
 
 SUITE = "serving"
 
 
 def check_serving_args(args, suites: list) -> None:
     """The refusals of the module docstring that need no backend loaded."""
-    from verification.errors import UsageError
-    from verification.running.selection import split_list
     if SUITE not in suites:
         for opt, val in (("--decode-backend", getattr(args, "decode_backend", None)),
                          ("--decode-route", getattr(args, "decode_route", None))):
@@ -48,10 +63,7 @@ def check_serving_args(args, suites: list) -> None:
 
 def select_serving_cases(patterns: list, long: bool) -> list:
     """The serving cases, filtered by --case patterns (exact id or glob; each must match)."""
-    import fnmatch
 
-    from verification.errors import UsageError
-    from verification.serving.cases import get_serving_suite
     cases = get_serving_suite(long=long or bool(patterns))
     if not patterns:
         return cases
@@ -67,9 +79,6 @@ def select_serving_cases(patterns: list, long: bool) -> list:
 
 def plan_cells(args, device: str):
     """(prefill LoadedBackend, decode LoadedBackend, [(rp, rd)], cases, selection)."""
-    from verification.running.run_select import load
-    from verification.running.selection import split_list
-    from verification.serving.cells import pairings
     spec_a = split_list(args.backend)[0]
     spec_b = (split_list(getattr(args, "decode_backend", None)) or [spec_a])[0]
     la = load(spec_a)
@@ -79,7 +88,6 @@ def plan_cells(args, device: str):
     long = args.long == "yes" or (args.long == "auto" and device.startswith("cuda"))
     cases = select_serving_cases(split_list(args.case), long)
     if not long and not split_list(args.case):
-        from verification.serving.cases import get_serving_suite
         left = len(get_serving_suite(long=True)) - len(cases)
         if left:
             print(f"kda-verify run: {left} long case(s) of suite serving left out on {device} (--long yes runs them "
@@ -92,20 +100,7 @@ def plan_cells(args, device: str):
 
 def run_serving(args) -> int:
     """The serving suite's ``run`` (module docstring)."""
-    from pathlib import Path
 
-    from verification.reporting import provenance
-    from verification.running.devices import check_device
-    from verification.errors import UsageError, writable_dir
-    from verification.judging.record import RESULTS_FILE, append_record, read_records, repair_partial_line
-    from verification.judging.record import encode as jsonable
-    from verification.running.run_progress import Progress, RunSummary
-    from verification.running.run_select import check_resume
-    from verification.running.run_store import note_interrupted as _note_interrupted
-    from verification.serving.cells import TraceCache, cell_names, run_serving_cell
-    from verification.judging.record import cell_key
-    from verification.running.selection import split_list
-    import json
 
     started = time.perf_counter()
     check_serving_args(args, split_list(args.suite))
@@ -114,10 +109,8 @@ def run_serving(args) -> int:
     device = check_device(args.device)
     la, lb, pairs, cases, selection = plan_cells(args, device)
     if args.tolerances:
-        from verification.judging.tolerances import load_tolerances
         db = load_tolerances(args.tolerances)
     else:
-        from verification.judging.tolerances import load_tolerances
         db = load_tolerances(None)
     cells = [(rp, rd, c) for c in cases for rp, rd in pairs]
     keys = [cell_key(*cell_names(la, lb, rp, rd)[:2], c.id) for rp, rd, c in cells]
@@ -138,7 +131,6 @@ def run_serving(args) -> int:
     prov["backends"] = {x.name: {"spec": x.spec, "version": x.version, "available": x.available, "reason": x.reason}
                         for x in {id(la): la, id(lb): lb}.values()}
     prov["cases"] = {c.id: {"suite": c.suite, "seed": c.seed} for c in cases}
-    from verification.judging.record import read_runs, RUN_FILE
     runs = read_runs(out) if args.resume else []
     runs.append(jsonable(prov))
     (out / RUN_FILE).write_text(json.dumps({"runs": runs}, indent=1, allow_nan=False))
@@ -159,5 +151,4 @@ def run_serving(args) -> int:
     except KeyboardInterrupt:
         summary.not_run = len(cells) - len({r["key"] for r in read_records(results)} & wanted)
         _note_interrupted(out, len(cells), summary.not_run)
-    from verification.commands.run import finish
     return finish(args, summary, started, reason_chars=400, breakdown_line=False)

@@ -39,7 +39,10 @@ from typing import Optional
 
 import torch
 
+from kda_ref.chunked import prepare_tokens
+from kda_ref.recurrence import token_step
 from kda_ref.trace import SPEC
+from verification.serving.judge import _writer
 
 F64 = torch.float64
 ORDER = {"vk": "V-first", "kv": "K-first"}
@@ -108,8 +111,6 @@ def slot_hypothesis(spec, content: torch.Tensor, truth_kfirst: torch.Tensor, ite
 def replay_tokens(tr, tok0: int, T: int, S0: torch.Tensor) -> tuple:
     """(o [T, HV, V], the state after the last token, K-first) float64: packed tokens tok0 ..
     tok0 + T - 1 by the token recurrence from K-first S0."""
-    from kda_ref.chunked import prepare_tokens
-    from kda_ref.recurrence import token_step
     pp = prepare_tokens(tr.problem_view(), tok0, tok0 + T, None)
     decay = torch.exp(pp.a)
     S = S0.to(F64).clone()
@@ -145,7 +146,6 @@ def padding_hypothesis(tr, st, run, item) -> Optional[str]:
 def clobber_hypothesis(tr, st, run, item) -> Optional[str]:
     """The failing row's read slot changed by a call that ran before the row's own call in the
     same step (none should: no slot is written by one row and read by another in a step)."""
-    from verification.serving.judge import _writer
     rp = next((x for x in st.plan.rows if x.row == item.row), None)
     if rp is None or rp.read is None:
         return None

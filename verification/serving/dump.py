@@ -43,6 +43,22 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from kda_kernels.base import Route
+from kda_kernels.trace_calls import group_rows
+from kda_ref.problem import ProblemError
+from kda_ref.trace import load_trace, save_trace
+from kda_ref.trace_oracle import trace_oracle
+from verification.errors import UsageError
+from verification.judging.tolerances import load_tolerances
+from verification.running.run_cell import SELF_JUDGED
+from verification.running.run_select import LoadedBackend
+from verification.serving.cases import get_serving_suite
+from verification.serving.cells import TraceCache, baseline_pairing, run_serving_cell
+from verification.serving.execute import CallFailed, Pairing, Side, TraceRun, compact, fresh_cache
+from verification.serving.judge import changed_mask, measure
 
 DUMP_FORMAT = "kda-verify-trace-dump/1"
 MANIFEST = "manifest.json"
@@ -57,7 +73,6 @@ def is_dump(path) -> bool:
 
 
 def _bad(msg: str):
-    from verification.errors import UsageError
     raise UsageError(msg)
 
 
@@ -76,7 +91,6 @@ class RecordingSide:
         return self.inner.trace_accepts(trace, route)
 
     def run_call(self, call, route):
-        from verification.serving.judge import changed_mask
         before = call.cache.clone()
         out = self.inner.run_call(call, route)
         idx = torch.nonzero(changed_mask(before, call.cache)).flatten()
@@ -90,10 +104,7 @@ def write_dump(out_dir, tr, prefill_lb, decode_lb, rp, rd, case_id: str, device:
     """Run trace ``tr`` on the pairing (prefill_lb, rp) x (decode_lb, rd) and write the dump into
     ``out_dir`` (module docstring).  A call that raises ends the run: the manifest's ``error``
     names it (check then records the cell as ``error``, as run does).  Returns the manifest."""
-    from safetensors.torch import save_file
 
-    from kda_ref.trace import save_trace
-    from verification.serving.execute import CallFailed, Pairing, Side, TraceRun
     out = Path(out_dir)
     (out / "steps").mkdir(parents=True, exist_ok=True)
     sink: dict = {}
@@ -153,7 +164,6 @@ class Dump:
 
 
 def _read_st(path: Path, what: str) -> dict:
-    from safetensors import safe_open
     if not path.is_file():
         _bad(f"{path}: expected {what}, got no such file")
     try:
@@ -166,9 +176,6 @@ def _read_st(path: Path, what: str) -> dict:
 def load_dump(path) -> Dump:
     """Read and validate every file of a dump before anything runs; a bad or missing file is one
     UsageError line naming the file, what was expected and what came."""
-    from kda_kernels.trace_calls import group_rows
-    from kda_ref.problem import ProblemError
-    from kda_ref.trace import load_trace
     root = Path(path)
     mpath = root / MANIFEST
     if not mpath.is_file():
@@ -204,8 +211,6 @@ def load_dump(path) -> Dump:
         got = "none" if c is None else f"{str(c.dtype).replace('torch.', '')} {list(c.shape)}"
         _bad(f"{root / man['initial_cache']}: expected 'cache' {spec.dtype} [{spec.buffer_numel}] (the trace's "
              f"cache buffer), got {got}")
-    from verification.serving.execute import fresh_cache
-    from verification.serving.judge import changed_mask
     differ = int(changed_mask(fresh_cache(spec), c).sum())
     if differ:
         _bad(f"{root / man['initial_cache']}: expected the buffer verification.serving.execute.fresh_cache makes "
@@ -310,7 +315,6 @@ class DumpCase:
 def _case_of(d: Dump) -> DumpCase:
     cid = str(d.manifest.get("case") or f"serving/{d.path.name}")
     params = d.manifest.get("params") if isinstance(d.manifest.get("params"), dict) else {}
-    from verification.serving.cases import get_serving_suite
     for c in get_serving_suite(long=True):
         if c.id == cid:
             return DumpCase(id=cid, trace=d.trace, seed=c.seed, params=dict(c.params), drift=c.drift,
@@ -320,10 +324,6 @@ def _case_of(d: Dump) -> DumpCase:
 
 def check_dump(path, db=None, device: str = "cpu") -> dict:
     """The cell record of a dump, judged as run judges a serving cell (module docstring)."""
-    from kda_kernels.base import Route
-    from verification.running.run_select import LoadedBackend
-    from verification.serving.cells import TraceCache, run_serving_cell
-    from verification.judging.tolerances import load_tolerances
     d = load_dump(path)
     db = load_tolerances(None) if db is None else db
     lbs, routes = {}, {}
@@ -345,7 +345,6 @@ def check_dump(path, db=None, device: str = "cpu") -> dict:
     rec = run_serving_cell(la, lb, rp, rd, case, db, cache, device=device)
     rec["repro"] = f"kda-verify check {d.path}"
     if rec.pop("self_judged", None):      # the dump was judged against an independent emulator run, not itself
-        from verification.running.run_cell import SELF_JUDGED
         rec["reason"] = rec.get("reason", "").replace(f"{SELF_JUDGED}; ", "").replace(SELF_JUDGED, "")
     if d.manifest["steps"] < d.trace.steps and rec.get("status") == "pass":   # never a pass on part of a trace
         rec.update(status="error", reason=f"the dump holds {d.manifest['steps']} of {d.trace.steps} steps")
@@ -358,10 +357,6 @@ def baseline_rows(tr, rp, rd, device: str = "cpu") -> Optional[list]:
     then says why, as run does).  check computes them itself so that a dump recorded from the
     emulator is judged against an independent emulator run, not against itself (run's
     ``same_pairing`` shortcut would make the dump its own baseline and let any error pass)."""
-    from kda_ref.trace_oracle import trace_oracle
-    from verification.serving.cells import baseline_pairing
-    from verification.serving.execute import CallFailed, TraceRun, compact
-    from verification.serving.judge import measure
     base, why = baseline_pairing(rp, rd)
     if base is None:
         return None

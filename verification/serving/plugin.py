@@ -12,6 +12,12 @@ run --suite serving`` does (verification.serving.cells.run_serving_cell)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
+
+from verification.errors import UsageError
+from verification.running.run_select import load
+from verification.serving.cells import TraceCache, cell_names, pairings, run_serving_cell
+from verification.serving.command import check_serving_args, select_serving_cases
 
 _TRACES = None      # the TraceCache of this process (cells run case-major within a case's xdist group)
 
@@ -32,7 +38,6 @@ class ServingRoute:
 
     def run(self, case, db, device: str) -> dict:
         global _TRACES
-        from verification.serving.cells import TraceCache, run_serving_cell
         if _TRACES is None:
             _TRACES = TraceCache()
         return run_serving_cell(self.prefill_lb, self.decode_lb, self.rp, self.rd, case, db, _TRACES, device=device)
@@ -42,12 +47,7 @@ def serving_cells(suites: list, backends: list, routes: list, decode_backends: l
                   patterns: list, long: bool) -> list:
     """[(prefill LoadedBackend, ServingRoute, case)] of the options (module docstring); bad
     options raise UsageError (the plugin's options item reports it)."""
-    from types import SimpleNamespace
 
-    from verification.errors import UsageError
-    from verification.running.run_select import load
-    from verification.serving.cells import cell_names, pairings
-    from verification.serving.command import check_serving_args, select_serving_cases
     args = SimpleNamespace(backend=backends or ["emulator"], decode_backend=decode_backends or None,
                            decode_route=decode_routes or None, isolate=False, fuzz_n=None, fuzz_seed=None)
     try:

@@ -86,8 +86,10 @@ def plot_drift(records: list, path: Path) -> Optional[Path]:
     if not cells:
         return None
     try:
+        # lazy: optional dependency (docs/design.md, Imports)
         import matplotlib
         matplotlib.use("Agg", force=True)
+        # lazy: optional dependency (docs/design.md, Imports)
         import matplotlib.pyplot as plt
     except ImportError:
         return None

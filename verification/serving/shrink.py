@@ -36,6 +36,7 @@ directory (``verification.reporting.bundle.verify_repro``).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shlex
@@ -45,8 +46,18 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
+from safetensors.torch import save_file
 
+from kda_ref.problem import ProblemError
 from kda_ref.trace import PAD, PREFILL, Trace, validate_trace
+from kda_ref.trace_oracle import trace_oracle
+from verification.judging.metrics import dtype_name
+from verification.judging.record import encode as jsonable
+from verification.judging.verdict import NEGLIGIBLE_SLICE
+from verification.reporting.bundle import environment, verify_repro
+from verification.serving.cells import tolerances_for
+from verification.serving.dump import write_dump
+from verification.serving.execute import PairingResult, pairing_refusal, run_pairing
 
 DEFAULT_MAX_RUNS = 200
 
@@ -120,8 +131,6 @@ def subtrace(tr: Trace, rows: list, lens: Optional[dict] = None, heads: Optional
     """The trace of ``rows`` (trace row numbers, in order) with row n cut to its first ``lens[n]``
     tokens, steps left without a row dropped, and the value heads ``heads`` (None: all); None when
     the result is not a consistent trace."""
-    from kda_ref.problem import ProblemError
-    import dataclasses
     lens = lens or {}
     rt = tr.row_tokens().tolist()
     bounds = tr.step_rows.tolist()
@@ -259,9 +268,6 @@ class TraceShrinker:
         self.runs = 0
 
     def attempt(self, tr: Trace) -> TraceAttempt:
-        from verification.judging.metrics import dtype_name
-        from verification.serving.cells import tolerances_for
-        from verification.serving.execute import PairingResult, pairing_refusal, run_pairing
         self.runs += 1
         why = pairing_refusal(tr, self.pairing)
         if why:
@@ -327,8 +333,6 @@ def checks_and_truth(att: TraceAttempt) -> tuple:
     """(checks, truth tensors) of repro.py from the final attempt's failing items: the first
     MAX_CHECKS, each with what the verdict recorded (threshold, observed) and the references the
     repro needs (o rows and slot contents, float64, from the oracle)."""
-    from kda_ref.trace_oracle import trace_oracle
-    from verification.judging.verdict import NEGLIGIBLE_SLICE
     items = [att.result.first_failure] + [i for i in att.result.failures if i is not att.result.first_failure]
     items = [i for i in items if i is not None][:MAX_CHECKS]
     want = {i.step for i in items}
@@ -484,11 +488,7 @@ if __name__ == "__main__":
 def write_trace_bundle(out_dir, res: TraceShrinkResult, prefill_lb, decode_lb, rp, rd, case_id: str,
                        device: str, command: str) -> dict:
     """Write the bundle of a TraceShrinkResult (module docstring); returns the shrink.json dict."""
-    from safetensors.torch import save_file
 
-    from verification.reporting.bundle import environment, verify_repro
-    from verification.judging.record import encode as jsonable
-    from verification.serving.dump import write_dump
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     fin, orig = res.final, res.original
