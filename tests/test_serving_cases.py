@@ -60,3 +60,19 @@ def test_correct_backend_passes(case):
     assert res.steps == tr.steps
     if case.drift:
         assert res.drift["decode_steps"] >= 120 and res.drift["worst"]["request"] in (0, 1)
+
+
+def test_a_long_trace_runs_each_decode_route_once_and_a_short_one_every_pairing():
+    """A long trace verifies the decode kernel's drift over 10^4 steps: it runs after the first
+    prefill route only (each prefill route is verified by the short cases), unless --route chose
+    the prefill routes; a short trace runs the whole cross product."""
+    from types import SimpleNamespace
+
+    from verification.serving.cells import case_pairs
+    a1, a2, a3, d1, d2 = (SimpleNamespace(name=n) for n in ("a1", "a2", "a3", "d1", "d2"))
+    pairs = [(a, d) for a in (a1, a2, a3) for d in (d1, d2)]
+    long, short = SimpleNamespace(long=True), SimpleNamespace(long=False)
+    assert case_pairs(short, pairs) == pairs
+    assert case_pairs(long, pairs) == [(a1, d1), (a1, d2)]
+    assert case_pairs(long, pairs, routes_chosen=True) == pairs
+    assert case_pairs(long, []) == []

@@ -78,6 +78,18 @@ def pairings(prefill_lb, decode_lb, routes: Optional[list], decode_routes: Optio
     return [(a, b) for a in rp for b in rd]
 
 
+def case_pairs(case, pairs: list, routes_chosen: bool = False) -> list:
+    """The pairings a case runs: all of ``pairs``, but a long trace (``case.long``: 10^4 decode
+    steps whose prefill is its first step) runs each decode route once, after the first prefill
+    route, unless the prefill routes were chosen (--route).  What a long trace verifies is the
+    decode kernel's drift; each prefill route is verified by the short cases, and on an H200 a long
+    cell took 64-141 s, once per prefill route (up to 12 routes of a backend)."""
+    if not getattr(case, "long", False) or routes_chosen:
+        return list(pairs)
+    first = pairs[0][0] if pairs else None
+    return [(a, b) for a, b in pairs if a is first]
+
+
 def cell_names(prefill_lb, decode_lb, rp, rd) -> tuple:
     """(backend, route, recipe) of a cell's record."""
     backend = prefill_lb.name if prefill_lb.name == decode_lb.name else f"{prefill_lb.name}+{decode_lb.name}"

@@ -32,7 +32,7 @@ from verification.running.run_select import check_resume, load
 from verification.running.run_store import note_interrupted as _note_interrupted
 from verification.running.selection import split_list
 from verification.serving.cases import get_serving_suite
-from verification.serving.cells import TraceCache, cell_names, pairings, run_serving_cell
+from verification.serving.cells import TraceCache, case_pairs, cell_names, pairings, run_serving_cell
 
 SUITE = "serving"
 
@@ -112,7 +112,7 @@ def run_serving(args) -> int:
         db = load_tolerances(args.tolerances)
     else:
         db = load_tolerances(None)
-    cells = [(rp, rd, c) for c in cases for rp, rd in pairs]
+    cells = [(rp, rd, c) for c in cases for rp, rd in case_pairs(c, pairs, bool(split_list(args.route)))]
     keys = [cell_key(*cell_names(la, lb, rp, rd)[:2], c.id) for rp, rd, c in cells]
     wanted = set(keys)
     check_resume(args.out, args.resume, selection, wanted)

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 from verification.errors import UsageError
 from verification.running.run_select import load
-from verification.serving.cells import TraceCache, cell_names, pairings, run_serving_cell
+from verification.serving.cells import TraceCache, case_pairs, cell_names, pairings, run_serving_cell
 from verification.serving.command import check_serving_args, select_serving_cases
 
 _TRACES = None      # the TraceCache of this process (cells run case-major within a case's xdist group)
@@ -63,7 +63,7 @@ def serving_cells(suites: list, backends: list, routes: list, decode_backends: l
     cases = select_serving_cases(patterns, long)
     out = []
     for c in cases:
-        for rp, rd in pairs:
+        for rp, rd in case_pairs(c, pairs, bool(routes)):
             r = ServingRoute(la, lb, rp, rd)
             out.append((SimpleNamespace(name=cell_names(la, lb, rp, rd)[0], available=True, reason="", spec=la.spec),
                         r, c))
