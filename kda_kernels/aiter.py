@@ -76,7 +76,7 @@ import torch
 from kda_kernels.emulator import CHUNK_KDA_GLUON_RECIPES
 from kda_ref.problem import Problem
 from . import _autotune_pin
-from .base import Outputs, Route, copy_with_padding
+from .base import Outputs, Route, copy_with_padding, set_library_switch
 from .trace_support import copy_back, paged_problem, problem_of_trace, trace_refusal
 
 LAYOUTS = (
@@ -228,7 +228,7 @@ class AiterBackend:
     def _load(self):
         if self._mod is not None or self._why is not None:
             return self._mod
-        os.environ.setdefault("AITER_TRITON_ONLY", "1")
+        set_library_switch("aiter")
         errors = []
         for layout, path in LAYOUTS:
             try:
@@ -250,7 +250,7 @@ class AiterBackend:
         if self._ck_why == "":
             self._ck_why = "aiter's chunk_kda was not given to this adapter"
             return None
-        os.environ.setdefault("AITER_TRITON_ONLY", "1")
+        set_library_switch("aiter")
         try:
             self._ck = importlib.import_module(CHUNK_KDA)
         except Exception as e:  # ModuleNotFoundError (an older tree), or its arch probe failing
@@ -679,7 +679,7 @@ class AiterBackend:
         (``self._kda_why`` says why)."""
         if self._kda is not None or self._kda_why:
             return self._kda
-        os.environ.setdefault("AITER_TRITON_ONLY", "1")
+        set_library_switch("aiter")
         try:
             self._kda = importlib.import_module(KDA_DECODE)
         except Exception as e:  # ModuleNotFoundError (an older tree), or its arch probe failing

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import os
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Protocol, runtime_checkable
 
@@ -236,3 +237,24 @@ def load_backend(spec: str, **kwargs) -> Backend:
         raise BackendError(f"--backend: {spec!r} made an object without {', '.join(missing)} "
                            f"(the Backend protocol, kda_kernels/base.py)")
     return backend
+
+
+# ----------------------------------------------------------------------------------------
+# The environment switches a kernel library reads when it is imported: the one place they are set
+# ----------------------------------------------------------------------------------------
+LIBRARY_SWITCHES = {
+    # fla: its own Triton kernels, not its FlashKDA dispatch (the routes verify fla's kernels);
+    # forced, since a caller's FLA_FLASH_KDA=1 would silently verify another library
+    "fla": ("FLA_FLASH_KDA", "0", True),
+    # aiter: its Triton modules only (its C++ extensions need a ROCm build); a caller's own value kept
+    "aiter": ("AITER_TRITON_ONLY", "1", False),
+}
+
+
+def set_library_switch(library: str) -> None:
+    """Set the environment switch of ``library`` (LIBRARY_SWITCHES) before it is imported."""
+    name, value, forced = LIBRARY_SWITCHES[library]
+    if forced:
+        os.environ[name] = value
+    else:
+        os.environ.setdefault(name, value)

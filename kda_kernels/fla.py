@@ -66,7 +66,7 @@ import torch
 from kda_ref.preprocess import beta_activation, l2norm
 from kda_ref.problem import Problem
 from . import _autotune_pin
-from .base import Outputs, Route
+from .base import Outputs, Route, set_library_switch
 from .trace_support import gather_states, has_padding_rows, problem_of_trace, scatter_states
 
 CHUNK_ROUTES = {
@@ -121,7 +121,7 @@ def launched_configs(record: dict) -> dict:
 
 def _import_fla():
     """Import fla's KDA ops with its FlashKDA dispatch switched off (before the import)."""
-    os.environ["FLA_FLASH_KDA"] = "0"
+    set_library_switch("fla")
     with warnings.catch_warnings():  # fla warns at import on a machine without a GPU; available() says so
         warnings.simplefilter("ignore")
         # lazy: optional dependency (docs/design.md, Imports)

@@ -82,3 +82,33 @@ def test_shrink_recorder_keeps_the_capabilities():
             proto = CAPABILITIES[cap]
             for member in [m for m in vars(proto) if not m.startswith("_")] + list(getattr(proto, "__annotations__", {})):
                 inspect.getattr_static(rec, member)        # raises AttributeError if only __getattr__ had it
+
+
+def test_the_library_switches_are_set_in_one_place():
+    """FLA_FLASH_KDA and AITER_TRITON_ONLY are set only through kda_kernels.base.set_library_switch
+    (fla forced to its own Triton kernels, aiter's default kept if the caller set one)."""
+    import os
+    import re
+    from pathlib import Path
+
+    from kda_kernels.base import LIBRARY_SWITCHES, set_library_switch
+    root = Path(__file__).resolve().parents[1]
+    setters = re.compile(r"os\.environ(\.setdefault\(|\[)\s*[\"'](FLA_FLASH_KDA|AITER_TRITON_ONLY)[\"']")
+    found = [f"{p.relative_to(root)}" for pkg in ("kda_kernels", "verification", "kda_verify")
+             for p in (root / pkg).rglob("*.py") if setters.search(p.read_text(encoding="utf-8"))
+             and p.name != "base.py" and p.name != "bundle.py"]     # bundle.py: inside a standalone repro script's text
+    assert found == []
+    old = {k: os.environ.get(k) for k in ("FLA_FLASH_KDA", "AITER_TRITON_ONLY")}
+    try:
+        os.environ["FLA_FLASH_KDA"] = "1"
+        os.environ["AITER_TRITON_ONLY"] = "0"
+        set_library_switch("fla")
+        set_library_switch("aiter")
+        assert os.environ["FLA_FLASH_KDA"] == "0" and os.environ["AITER_TRITON_ONLY"] == "0"
+        assert set(LIBRARY_SWITCHES) == {"fla", "aiter"}
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -46,6 +46,7 @@ import torch
 
 from kda_kernels import _autotune_pin
 from kda_kernels.aiter import PIN_RULE
+from kda_kernels.base import set_library_switch
 
 ARCHS = ("gfx942", "gfx950", "gfx1250")
 FLASH_KDA = "aiter.ops.triton._triton_kernels.chunk_delta_attn.flash_kda"
@@ -158,7 +159,7 @@ def load_aiter(arch: str = "gfx950"):
     """aiter's flash_kda module from PYTHONPATH, imported as on an ``arch`` machine without one:
     a stand-in ``arch_info`` and, for the import only, a driver answering that target."""
     _check_not_interpreted()
-    os.environ.setdefault("AITER_TRITON_ONLY", "1")
+    set_library_switch("aiter")
     if FLASH_KDA in sys.modules:
         return sys.modules[FLASH_KDA]
     set_stub_arch(arch)
