@@ -138,11 +138,6 @@ LAZY_ALLOWED = {
     # tests/test_triton_bench.py reads bench.DEFAULT_SHAPES): left for bench's own rewrite
     ("verification/investigating/bench.py", "verification.running.cases"),
 }
-# files being rewritten elsewhere at the time this rule came in: their function-level imports are
-# moved with those rewrites, after which each leaves this list
-LAZY_PENDING = {
-    "verification/commands/check.py", "verification/commands/run.py",
-}
 LOCAL_TOPS = set(PACKAGES)
 # the parser imports every command module (for its arguments), so --help would import everything a
 # command runs: a command module imports the repository's machinery in its functions (the standard
@@ -173,7 +168,7 @@ def function_level_imports(path: Path, rel: str) -> list:
 
 def lazy_violations(rel: str, imports: list) -> list:
     """The function-level imports of a repository or standard-library module not allowed for ``rel``."""
-    if rel in LAZY_PENDING or (rel, "*") in LAZY_ALLOWED:
+    if (rel, "*") in LAZY_ALLOWED:
         return []
     command = rel.startswith(COMMANDS)
     return [f"{rel}:{line}: {mod}" for line, mod in imports
@@ -203,4 +198,3 @@ def test_the_check_sees_a_function_level_import(tmp_path):
                                            f"{rel}:7: verification.judging.metrics"]
     assert lazy_violations("verification/commands/m.py", found) == ["verification/commands/m.py:5: json"]
     assert lazy_violations("verification/pytest_plugin.py", found) == []
-    assert lazy_violations("verification/commands/check.py", found) == []
