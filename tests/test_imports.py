@@ -138,17 +138,6 @@ LAZY_ALLOWED = {
     # tests/test_triton_bench.py reads bench.DEFAULT_SHAPES): left for bench's own rewrite
     ("verification/investigating/bench.py", "verification.running.cases"),
 }
-# files being rewritten elsewhere at the time this rule came in: their function-level imports are
-# moved with those rewrites, after which each leaves this list
-LAZY_PENDING = {
-    "verification/running/run_select.py", "verification/running/run_cell.py", "verification/running/run_isolated.py",
-    "verification/running/run_store.py", "verification/running/run_progress.py", "verification/running/run_matrix.py",
-    "verification/reporting/report_load.py", "verification/reporting/report_summary.py",
-    "verification/reporting/report_plots.py", "verification/reporting/report_render.py", "verification/judging/record.py",
-    "verification/investigating/calibrate.py", "verification/commands/check.py", "verification/commands/run.py",
-    "verification/serving/execute.py", "verification/serving/judge.py", "verification/serving/cells.py",
-    "kda_ref/trace_oracle.py", "kda_ref/recurrence.py",
-}
 LOCAL_TOPS = set(PACKAGES)
 # the parser imports every command module (for its arguments), so --help would import everything a
 # command runs: a command module imports the repository's machinery in its functions (the standard
@@ -179,7 +168,7 @@ def function_level_imports(path: Path, rel: str) -> list:
 
 def lazy_violations(rel: str, imports: list) -> list:
     """The function-level imports of a repository or standard-library module not allowed for ``rel``."""
-    if rel in LAZY_PENDING or (rel, "*") in LAZY_ALLOWED:
+    if (rel, "*") in LAZY_ALLOWED:
         return []
     command = rel.startswith(COMMANDS)
     return [f"{rel}:{line}: {mod}" for line, mod in imports
@@ -209,4 +198,3 @@ def test_the_check_sees_a_function_level_import(tmp_path):
                                            f"{rel}:7: verification.judging.metrics"]
     assert lazy_violations("verification/commands/m.py", found) == ["verification/commands/m.py:5: json"]
     assert lazy_violations("verification/pytest_plugin.py", found) == []
-    assert lazy_violations("verification/running/run_cell.py", found) == []

@@ -9,8 +9,6 @@ import sys
 from pathlib import Path
 
 from verification.commands.run import add_fuzz_arguments
-from verification.investigating.calibrate import (collect_groups, earlier_provenance, earlier_records, is_long, measure,
-                                    measured_where, proposal_diff, proposal_yaml, propose, proposed_file)
 from verification.judging.policy import exit_code
 
 NAME = "calibrate"
@@ -40,6 +38,9 @@ def add_arguments(p):
 
 def run(args) -> int:
     # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
+    from verification.investigating.calibrate import (collect_groups, earlier_provenance, earlier_records, is_long,
+                                                      measure, measured_where, proposal_diff, proposal_yaml, propose,
+                                                      proposed_file)
     from verification.reporting import provenance
     from verification.running.selection import fuzz_args, select_cases, split_list
     from verification.running.devices import check_device

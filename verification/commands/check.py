@@ -37,9 +37,12 @@ file, what was expected and what came, exit 2.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
+import time
+from pathlib import Path
 
 NAME = "check"
 HELP = "judge a kernel's dumped outputs against the oracle, a recipe's baseline and tolerances.yaml"
@@ -95,8 +98,7 @@ def table(verdict) -> str:
 
 
 def run(args) -> int:
-    from pathlib import Path
-
+    # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
     from kda_kernels.emulator import RECIPES
     from kda_ref.problem import validate
     from verification.errors import UsageError
@@ -136,6 +138,7 @@ def run(args) -> int:
         print(table(verdict))
         print(f"{verdict.status.upper()}: {verdict.reason}")
     sys.stdout.flush()
+    # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
     from verification.judging.policy import exit_code
     return exit_code([verdict.status])
 
@@ -152,6 +155,7 @@ def _case_of(problem, stem: str):
     cid = str(meta.get("case") or stem.replace("__", "/", 1))
     params, seed = {}, meta.get("seed")
     try:
+        # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
         from verification.running.cases import get_case
         c = get_case(cid)
         params, seed = dict(c.params), c.seed
@@ -168,8 +172,7 @@ def check_route(backend_name: str, route_name, recipe: str):
     as run finds --route (a name the backend lacks is a UsageError naming --route and the
     choices), claiming ``recipe``; any other backend name (the default ``external``), or no
     route named, gives a plain Route of that name (default: the recipe's) claiming ``recipe``."""
-    import dataclasses
-
+    # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
     from kda_kernels.base import BackendError, Route
     from verification.running.run_select import load, resolve_routes
     if not route_name:
@@ -187,6 +190,7 @@ def judge_files(problem, outs: dict, recipe: str, backend_name: str, route_name,
     every recipe's baseline on request, verification.judging.verdict.judge under the route ``check_route``
     gives for ``route_name`` (--route or the outputs file's; None: none named).  Returns
     (verdict, baseline)."""
+    # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
     from kda_kernels.emulator import RECIPES
     from kda_ref.truth import truth
     from verification.errors import UsageError
@@ -219,9 +223,7 @@ def judge_files(problem, outs: dict, recipe: str, backend_name: str, route_name,
 
 def run_dir(args) -> int:
     """check over directories (module docstring)."""
-    import time
-    from pathlib import Path
-
+    # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
     from kda_kernels.emulator import RECIPES
     from kda_ref.problem import ProblemError, validate
     from verification.errors import UsageError
@@ -336,8 +338,7 @@ def run_dir(args) -> int:
 # ----------------------------------------------------------------------------------------
 def run_dump(args) -> int:
     """check of a trace dump (module docstring)."""
-    from pathlib import Path
-
+    # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
     from verification.running.devices import check_device
     from verification.errors import UsageError
     from verification.judging.policy import exit_code, headline
@@ -360,6 +361,7 @@ def run_dump(args) -> int:
     else:
         print(verdict_line(rec))
         print(headline([rec]))
+        # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
         from verification.judging.policy import FAILING
         from verification.running.run_progress import clip_words
         if rec.get("status") in FAILING:        # as run's summary names a failing cell

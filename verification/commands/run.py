@@ -19,8 +19,13 @@ interpreter (TRITON_INTERPRET=1) before Triton is first imported, and says so.
 """
 from __future__ import annotations
 
+import json
 import sys
+import time
+from pathlib import Path
 
+from kda_kernels.base import BUILTIN_BACKENDS
+from verification.running.cases import SUITES
 from verification.running.selection import fuzz_args, select_cases, setup_interpreter, split_list
 
 NAME = "run"
@@ -38,8 +43,6 @@ kda-verify run --backend emulator --suite smoke --out runs/r1 --resume --isolate
 
 
 def add_arguments(p):
-    from kda_kernels.base import BUILTIN_BACKENDS
-    from verification.running.cases import SUITES
     p.add_argument("--backend", action="append", required=True, metavar="BACKEND",
                    help=f"built-in name ({', '.join(BUILTIN_BACKENDS)}) or package.module:factory; "
                         "repeatable or comma-separated")
@@ -89,8 +92,7 @@ def add_fuzz_arguments(p):
 
 
 def run(args) -> int:
-    import time
-
+    # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
     from verification.reporting import provenance
     from verification.running.cases import FUZZ_N, FUZZ_SEED
     from verification.errors import Interrupted, UsageError, writable_dir
@@ -100,6 +102,7 @@ def run(args) -> int:
     from verification.running.run_select import check_resume, load, plan
 
     started = time.perf_counter()
+    # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
     from verification.serving.command import SUITE, check_serving_args, run_serving
     check_serving_args(args, split_list(args.suite))
     if SUITE in split_list(args.suite):     # the serving suite pairs trace routes: its own loop (verification/serving)
@@ -115,6 +118,7 @@ def run(args) -> int:
     device = check_device(args.device)
     backends = split_list(args.backend)
     if getattr(args, "no_cache", False):
+        # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
         from verification.running.cache import turn_off
         turn_off()
     note = setup_interpreter(backends, device)
@@ -135,6 +139,7 @@ def run(args) -> int:
                   f"(--long yes runs them here)", file=sys.stderr)
     db = None
     if args.tolerances:
+        # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
         from verification.judging.tolerances import load_tolerances
         db = load_tolerances(args.tolerances)
     # every option checked before --out is made: a bad backend, route or resume creates nothing
@@ -167,8 +172,7 @@ def finish(args, summary, started: float, reason_chars: int = 240, breakdown_lin
     """The end of a ``run`` (the matrix or the serving suite): the headline, the failing cells with
     their repro lines, the report and the time breakdown, then Interrupted (exit 130) for a run
     Ctrl-C stopped, else the exit code of verification.judging.policy, with the nothing-verified line."""
-    import time
-
+    # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
     from verification.errors import Interrupted
     from verification.judging.policy import exit_code, headline, nothing_verified_reason
     from verification.running.run_progress import clip_words
@@ -183,11 +187,13 @@ def finish(args, summary, started: float, reason_chars: int = 240, breakdown_lin
         print(f"             repro: {r.get('repro', '').replace('--out DIR', f'--out {args.out}/repro')}")
     if len(summary.failed) > shown:
         print(f"  ... and {len(summary.failed) - shown} more failing cells (see the report)")
+    # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
     from verification.running import timing
     sums = timing.record_sums(summary.fresh)
     if args.no_report:
         bd = timing.breakdown(sums, wall_s=time.perf_counter() - started)
     else:
+        # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
         from verification.reporting.report_render import write_report
         paths = write_report(args.out, timing={"started": started, "sums": sums})
         bd = paths["timing"]
@@ -211,9 +217,7 @@ def finish(args, summary, started: float, reason_chars: int = 240, breakdown_lin
 def save_breakdown(out_dir, bd: dict) -> None:
     """Keep the breakdown with this invocation's provenance in DIR/run.json (kda-verify report
     DIR shows it again)."""
-    import json
-    from pathlib import Path
-
+    # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
     from verification.judging.record import RUN_FILE
     from verification.judging.record import encode as jsonable
     p = Path(out_dir) / RUN_FILE

@@ -23,14 +23,27 @@ run recorded in DIR/run.json (the records' own device field where there is no ru
 from __future__ import annotations
 
 import difflib
+import fnmatch
 import io
+import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from verification.errors import UsageError
+import yaml
+
+from verification.errors import ToleranceError, UsageError
 from verification.judging.policy import JUDGED_METRICS
+from verification.judging.record import as_records, read_records
+from verification.judging.record import decode_number as as_float
+from verification.judging.tolerances import Tolerance, ToleranceDB
+from verification.judging.verdict import known_failure_entry
+from verification.running.cases import get_case
+from verification.running.run_matrix import run_matrix
+
+
 NEW_FLOOR = 1.0e-6
 
 
@@ -59,11 +72,6 @@ class Group:
 
 def collect_groups(records: list, db) -> dict[tuple, Group]:
     """Group every measured (cell, tensor) by the entry of ``db`` governing it."""
-    from verification.judging.record import decode_number as as_float
-    from verification.errors import ToleranceError
-    from verification.judging.verdict import known_failure_entry
-
-    from verification.judging.record import as_records
     groups: dict[tuple, Group] = {}
     for r in as_records(records):
         if r.status in ("skipped", "crashed", "error", "known-fail"):
@@ -115,9 +123,6 @@ def propose(g: Group, headroom: float, where: str) -> dict:
 def _yaml_scalar(v) -> str:
     """One YAML 1.1 scalar: floats always with a dot (1.0e-6), strings plain where that
     reads back the same, else double-quoted."""
-    import json
-
-    import yaml
     if isinstance(v, bool) or v is None:
         return json.dumps(v)
     if isinstance(v, (int, float)):
@@ -163,9 +168,6 @@ def _entry_spans(lines: list[str], db) -> dict[str, tuple[int, int]]:
 def _update_entry(block: list[str], entry: dict) -> list[str]:
     """An entry's lines with only the fields whose value changes rewritten (the others keep
     their text, comments and quoting), and new fields added at its end."""
-    import re
-
-    import yaml
     field_re = re.compile(r"^(\s*(?:-\s+)?)([A-Za-z_]+):(\s*)(.*)$")
     first = field_re.match(block[0])
     base_indent = len(first.group(1)) if first else 0
@@ -238,10 +240,6 @@ def proposal_yaml(proposals: list[dict], header: str) -> str:
 
 def earlier_records(out_dir: str, backend: str, routes: list, cases: list) -> list:
     """The records of an earlier run's directory, of one backend (optionally some routes / cases)."""
-    import fnmatch
-
-    from verification.judging.record import read_records
-
     d = Path(out_dir)
     files = sorted(d.glob("results*.jsonl")) if d.is_dir() else []
     if not files:
@@ -257,7 +255,6 @@ def earlier_records(out_dir: str, backend: str, routes: list, cases: list) -> li
 
 def is_long(case_id: str) -> bool:
     """Whether a recorded case id names one of the long cases (False when it is unknown here)."""
-    from verification.running.cases import get_case
     try:
         return False if case_id.startswith("fuzz/") else bool(get_case(case_id).long)     # fuzz cases are short
     except Exception:  # noqa: BLE001 - an id from another version of the suites
@@ -267,7 +264,6 @@ def is_long(case_id: str) -> bool:
 def earlier_provenance(out_dir: str):
     """The provenance of the latest run recorded in DIR/run.json (``{"runs": [...]}``, one entry
     per invocation, or a single provenance object), or None when there is no readable run.json."""
-    import json
     p = Path(out_dir) / "run.json"
     try:
         prov = json.loads(p.read_text())
@@ -309,8 +305,6 @@ def measured_where(prov: dict, earlier, records: list[dict], out_dir) -> tuple[s
 def measure(backend: str, cases: list, routes: Optional[list], device: str) -> list:
     """The records of every cell of ``backend`` on ``cases``, judged against a catch-all entry:
     calibration needs every cell's numbers, whatever tolerances.yaml says."""
-    from verification.running.run_matrix import run_matrix
-    from verification.judging.tolerances import Tolerance, ToleranceDB
     measure_db = ToleranceDB([(("*", "*", "*", "*"), Tolerance(m=math.inf, floor=math.inf, cap=math.inf,
                               reason="calibration: measure only", calibrated_on="-", key="*/*/*/*"))],
                              "<calibrate>")

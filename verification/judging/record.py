@@ -27,9 +27,13 @@ import dataclasses
 import json
 import math
 import os
+import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
+
+from verification.judging.metrics import dtype_name
 
 RECORD_VERSION = 1
 RESULTS_FILE = "results.jsonl"     # one run's records (pytest -m verify under xdist: results-gwN.jsonl)
@@ -66,7 +70,6 @@ def encode(x):
 
 
 def _is_tensor(x) -> bool:
-    import sys
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(x, torch.Tensor)
 
@@ -235,7 +238,6 @@ def new_record(*, backend: str, backend_spec: str, backend_version: str, route: 
                extra: Optional[dict] = None) -> Record:
     """The one constructor of a cell's Record, not yet judged (run, the isolated child, check's
     directory form and the serving suite all start here): its key, encoded params and the time."""
-    import time
     return Record(key=cell_key(backend, route, case), backend=backend, backend_spec=backend_spec,
                   backend_version=backend_version, route=route, recipe=recipe, case=case, suite=suite,
                   seed=seed, params=encode(dict(params or {})), device=str(device), repro=repro,
@@ -251,7 +253,6 @@ def problem_shape(problem) -> dict:
 def set_problem(rec: Record, problem, shape_key) -> Record:
     """What a record says of its Problem: ``shape``, ``shape_key`` (list) and ``dtype`` (the
     tolerance's key: the input dtype, bf16 / fp16 / fp32)."""
-    from verification.judging.metrics import dtype_name
     rec.shape = problem_shape(problem)
     rec.shape_key = list(shape_key)
     rec.dtype = dtype_name(problem.v.dtype)

@@ -16,11 +16,14 @@ import math
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
+
 from verification.judging.policy import FAILING, UNJUDGED
 from verification.judging.record import Record, as_records
 from verification.judging.record import decode_number as as_float
 from verification.reporting.report_summary import (clip, finite_pos, long_lines, long_points, o_margin, route_label, tensor_err,
                                          tokens_text, worst_cells)
+from verification.serving.report import plot_drift
 
 
 PLOTS = ("error_vs_T", "worst_chunks", "margin_heatmap", "long_context", "serving_drift")
@@ -32,8 +35,10 @@ STATUS_COLOURS = {"pass": "#2e7d32", "fail": "#c62828", "mistrusted": "#ef6c00",
 
 
 def _plt():
+    # lazy: optional dependency (docs/design.md, Imports)
     import matplotlib
     matplotlib.use("Agg", force=True)
+    # lazy: optional dependency (docs/design.md, Imports)
     import matplotlib.pyplot as plt
     return plt
 
@@ -69,6 +74,7 @@ def _t_slots(Ts: list[int]) -> list[int]:
 
 
 def _t_axis(ax, distinct: list[int], label: bool = True) -> None:
+    # lazy: optional dependency (docs/design.md, Imports)
     from matplotlib.ticker import FixedLocator, NullLocator
     ax.xaxis.set_major_locator(FixedLocator(range(len(distinct))))
     ax.xaxis.set_minor_locator(NullLocator())
@@ -249,6 +255,7 @@ def worst_chunks_figure(records: list[Record], n: int = 6):
     if not worst:
         return None
     plt = _plt()
+    # lazy: optional dependency (docs/design.md, Imports)
     from matplotlib.ticker import MaxNLocator
     fig, ax = plt.subplots(figsize=(11, 5.0 + 0.22 * len(worst)), dpi=110, layout="constrained")
     colours = _route_colours(plt, len(worst))
@@ -305,9 +312,10 @@ def margin_heatmap_figure(records: list[Record]):
     cols = list(dict.fromkeys(r.case for r in records))
     if not rows or not cols:
         return None
-    import numpy as np
     plt = _plt()
+    # lazy: optional dependency (docs/design.md, Imports)
     from matplotlib.colors import TwoSlopeNorm
+    # lazy: optional dependency (docs/design.md, Imports)
     from matplotlib.patches import Patch
 
     grid = np.full((len(rows), len(cols)), np.nan)
@@ -418,7 +426,9 @@ def long_context_figure(records: list[Record]):
     if not pts:
         return None
     plt = _plt()
+    # lazy: optional dependency (docs/design.md, Imports)
     from matplotlib.lines import Line2D
+    # lazy: optional dependency (docs/design.md, Imports)
     from matplotlib.ticker import FixedLocator, NullFormatter
     labels = sorted({p["label"] for p in pts})
     colour = dict(zip(labels, _route_colours(plt, len(labels))))
@@ -502,8 +512,7 @@ def plot_long_context(records: list[Record], path: Path) -> Optional[Path]:
 
 
 def plot_serving_drift(records: list[Record], path: Path) -> Optional[Path]:
-    from verification.serving.report import plot_drift      # the serving cells' drift curve
-    return plot_drift(records, path)
+    return plot_drift(records, path)      # the serving cells' drift curve
 
 
 PLOT_FUNCS = {"error_vs_T": plot_error_vs_T, "worst_chunks": plot_worst_chunks, "margin_heatmap": plot_margin_heatmap,

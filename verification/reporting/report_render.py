@@ -28,6 +28,9 @@ from verification.reporting.report_load import load_provenance, load_results, no
 from verification.reporting.report_plots import STATUS_COLOURS, make_plots
 from verification.reporting.report_summary import (FAIL_COLS, LONG_COLS, NUM_COLS, TABLE_COLS, cell_name, cell_rows, failing_row,
                                          fmt_g, long_growth_rows, reason_tail, skip_groups, summarize)
+from verification.running import timing as timing_mod
+from verification.running.timing import PARTS, part_note
+from verification.serving.report import serving_sections
 
 
 OUT_OF_CONTRACT = "Out of contract (outside the documented range of the kernel or the range of its recipe)"
@@ -90,8 +93,7 @@ def sections(summary: dict, records: list[Record], prov: dict, plots: dict, out_
                                 "and their ratio (growth = large / small)."),
                        ("table", list(LONG_COLS), growth)]
         out.append(("Plots", blocks))
-    from verification.serving.report import serving_sections    # serving-trace cells: their own table
-    out += serving_sections(records)
+    out += serving_sections(records)    # serving-trace cells: their own table
     rows = cell_rows(records)
     out.append(("Cells", [("table", [h for _, h in TABLE_COLS], [[str(row[k]) for k, _ in TABLE_COLS] for row in rows])]))
     repro = [_repro(r, out_dir) for r in records if r.status != "skipped" and r.repro]
@@ -99,7 +101,6 @@ def sections(summary: dict, records: list[Record], prov: dict, plots: dict, out_
         out.append(("Repro", [("text", "One command per cell (the same --out may be reused with --resume):"),
                               ("code", "\n".join(repro))]))
     if breakdown:
-        from verification.running.timing import PARTS, part_note
         busy = breakdown["busy_s"] if breakdown["busy_s"] > 0 else 1.0
         out.append(("Where the time went", [
             ("text", f"Wall {breakdown['wall_s']:.1f} s for {breakdown['cells']} cells"
@@ -248,7 +249,6 @@ def write_report(out_dir, records: Optional[list[Record]] = None, provenance: Op
     plots = make_plots(records, out / "plots")
     bd = prov.get("time_breakdown") if isinstance(prov, dict) else None
     if timing is not None:
-        from verification.running import timing as timing_mod
         now = time.perf_counter()
         bd = timing_mod.breakdown(timing["sums"], wall_s=now - timing["started"], report_s=now - t_report,
                                   workers=timing.get("workers"))

@@ -15,20 +15,33 @@ out-of-memory is the cell's ``resource-error``, never a kernel failure.
 """
 from __future__ import annotations
 
+import gc
+import importlib
 import shlex
 import time
 import traceback
 from collections import OrderedDict
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from verification.judging.policy import DEFAULT_RECIPE, JUDGED, RESOURCE_ERROR
+from kda_kernels.base import applicable, out_of_contract
+from verification.judging import verdict as verdict_mod
 from verification.judging.baselines import BaselineCache, recipe_baselines
+from verification.judging.metrics import compare
+from verification.judging.policy import DEFAULT_RECIPE, JUDGED, RESOURCE_ERROR
 from verification.judging.record import Record, new_record, scalar_metrics, set_judged, set_problem
 from verification.judging.record import encode as jsonable
+from verification.running import cache as disk
+from verification.running import room
+from verification.running.compile_time import compile_clock
+from verification.running.guards import guarded_run
 from verification.running.run_select import LoadedBackend, as_loaded
+
+# the module, read at each call (tests patch its ``truth``); ``kda_ref.truth`` is also the function
+truth_module = importlib.import_module("kda_ref.truth")
 
 
 STDERR_TAIL_CHARS = 4000
@@ -41,7 +54,6 @@ def _sync(device) -> None:
 
 
 def _no_lock():
-    from contextlib import nullcontext
     return nullcontext()
 
 
@@ -68,9 +80,8 @@ class TruthCache:
         """Before building ``case``: leaving a large case drops it, returns its memory to the
         device and releases the big-case lock; a case over this worker's share of the device
         (verification.running.room.is_big) first takes that lock (the seconds waited: lock_wait_s)."""
-        from verification.running.room import BigCaseLock, is_big
         leaving = self._big is not None and self._big.held and self._big.case_id != case.id
-        big = str(self.device).startswith("cuda") and is_big(case, self.device)
+        big = str(self.device).startswith("cuda") and room.is_big(case, self.device)
         if leaving or big:                  # the memory of other cases goes back to the device first
             self.forget_others(case.id)
             _free_memory(self.device)
@@ -78,7 +89,7 @@ class TruthCache:
             self._big.release()
         if big:
             if self._big is None:
-                self._big = BigCaseLock(self.device)
+                self._big = room.BigCaseLock(self.device)
             self.lock_wait_s[case.id] = self._big.hold(case.id)
 
     def _remember(self, store: OrderedDict, key, value):
@@ -128,8 +139,6 @@ class TruthCache:
             self._truths.move_to_end(case.id)
             t, s = self._truths[case.id]
             return p, t, s, False
-        from kda_ref.truth import truth as oracle
-        from verification.running import cache as disk
         self._make_room(self._truths, case.id)
         d0 = time.perf_counter()             # keys, the wait for another process's computation, the load
         key = disk.truth_key(p, case) if disk.enabled() else None
@@ -143,7 +152,7 @@ class TruthCache:
                     return p, t, 0.0, False
             _sync(self.device)
             t0 = time.perf_counter()
-            t = oracle(p)
+            t = truth_module.truth(p)
             _sync(self.device)
             s = time.perf_counter() - t0
             self.computed[case.id] = self.computed.get(case.id, 0) + 1
@@ -226,7 +235,6 @@ def is_out_of_memory(e: BaseException) -> bool:
 
 
 def _free_memory(device) -> None:
-    import gc
     gc.collect()
     if torch.device(device).type == "cuda" and torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -309,8 +317,7 @@ def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: Base
     if not backend.available:
         rec.status, rec.reason = "skipped", f"backend unavailable: {backend.reason or 'no reason given'}"
         return rec
-    from verification.running.room import no_room
-    why = no_room(case, device)
+    why = room.no_room(case, device)
     if why is not None:                  # decided from the case's size: nothing of it is built
         rec.status, rec.reason = "skipped", why
         return rec
@@ -327,10 +334,8 @@ def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: Base
         timings["lock_wait_s"] = truth_cache.lock_wait_s[case.id]
     _set_problem(rec, case, problem)
     try:
-        from kda_kernels.base import applicable
         ok, why = applicable(backend.backend, problem, route)
         # a documented-but-unchecked range the problem violates: the cell runs, never passes or fails
-        from kda_kernels.base import out_of_contract
         contract = out_of_contract(backend.backend, problem, route) if ok else None
     except Exception as e:  # noqa: BLE001
         ok, why = False, f"accepts() raised {type(e).__name__}: {e}"
@@ -355,7 +360,6 @@ def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: Base
     finally:
         add_disk_timings(timings, disk0, truth_cache, baseline_cache)
     # the kernel (Triton compilation inside the call is measured apart: compile_s)
-    from verification.running.compile_time import compile_clock
     clock = compile_clock()
     clock.forget_pending()
     c0, n0, h0 = clock.seconds, clock.compiles, clock.cache_hits
@@ -367,7 +371,6 @@ def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: Base
         t0 = time.perf_counter()
         guard = None
         if guards_default(device) if guards is None else guards:
-            from verification.running.guards import guarded_run
             outputs, guard = guarded_run(backend.backend, run_problem, route)
         else:
             outputs = backend.backend.run(run_problem, route)
@@ -400,8 +403,6 @@ def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: Base
     rec.info = jsonable(getattr(outputs, "info", {}) or {})
     # metrics and verdict
     try:
-        from verification.judging.metrics import compare
-        from verification.judging.verdict import decide, judge, known_failure_entry
         t0 = time.perf_counter()
 
         def judging():
@@ -411,7 +412,7 @@ def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: Base
                     return recipe_baselines(baseline_cache, case, problem, truth, timings)
                 finally:
                     add_disk_timings(timings, d0, truth_cache, baseline_cache)
-            v = judge(backend.name, route, problem, outputs, truth, baseline, db, recipe_baselines=lift)
+            v = verdict_mod.judge(backend.name, route, problem, outputs, truth, baseline, db, recipe_baselines=lift)
             return v, getattr(v, "metrics", None) or compare(outputs.tensors(), truth.tensors(), problem)
 
         verdict, metrics = harness_call(judging, device)
@@ -424,8 +425,8 @@ def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: Base
     if guard is not None:
         rec.guards = jsonable(guard.as_record())
     # the final status: verification.judging.verdict.decide, the one place that decides it
-    kf = None if contract else known_failure_entry(db, rec.backend, rec.route, rec.case, rec.params)
-    return decide(verdict, guard=guard, contract=contract, known_failure=kf, metrics=rec.metrics).apply_to(rec)
+    kf = None if contract else verdict_mod.known_failure_entry(db, rec.backend, rec.route, rec.case, rec.params)
+    return verdict_mod.decide(verdict, guard=guard, contract=contract, known_failure=kf, metrics=rec.metrics).apply_to(rec)
 
 
 @dataclass
@@ -439,19 +440,17 @@ def mark_out_of_contract(rec: Record, contract: str) -> Record:
     """Record a judged (or raised) cell as outside the kernel's documented-but-unchecked range:
     verification.judging.verdict.decide with ``contract``; the verdict it would have had is kept in
     ``contract_verdict``."""
-    from verification.judging.verdict import decide
-    return decide(_Said(rec.status, rec.reason), contract=contract, metrics=rec.metrics).apply_to(rec)
+    return verdict_mod.decide(_Said(rec.status, rec.reason), contract=contract, metrics=rec.metrics).apply_to(rec)
 
 
 def apply_known_failure(rec: Record, db) -> Record:
     """Mark a failing cell that tolerances.yaml lists as a known failure ``known-fail`` (with the
     entry's reason); note on a passing one that the entry may be stale (verification.judging.verdict.decide
     with the register's entry)."""
-    from verification.judging.verdict import decide, known_failure_entry
-    kf = known_failure_entry(db, rec.backend, rec.route, rec.case, rec.params)
+    kf = verdict_mod.known_failure_entry(db, rec.backend, rec.route, rec.case, rec.params)
     if kf is None:
         return rec
-    return decide(_Said(rec.status, rec.reason), known_failure=kf).apply_to(rec)
+    return verdict_mod.decide(_Said(rec.status, rec.reason), known_failure=kf).apply_to(rec)
 
 
 SELF_JUDGED = "emulator judged against its own recipe (err = baseline, margin 1): only the cap judges"

@@ -19,9 +19,13 @@ from typing import Optional
 
 import torch
 
-from verification.judging.policy import DEFAULT_RECIPE
+from kda_kernels.base import applicable
+from kda_ref.truth import Truth
 from verification.judging.baselines import BaselineCache
+from verification.judging.policy import DEFAULT_RECIPE
 from verification.judging.record import Record, scalar_metrics
+from verification.judging.tolerances import load_tolerances
+from verification.running.room import no_room
 from verification.running.run_cell import (STDERR_TAIL_CHARS, TruthCache, _base_record, _errored, _resource_errored,
                                    _set_problem, harness_call, is_out_of_memory, run_cell, use_device)
 from verification.running.run_select import LoadedBackend, load
@@ -70,13 +74,11 @@ class IsolatedRunner:
         return path, oracle_s
 
     def run(self, lb: LoadedBackend, route, case, device: str) -> Record:
-        from verification.running.room import no_room
         rec0 = _base_record(lb, route, case, device)
         if not lb.available or no_room(case, device) is not None:
             return run_cell(lb, route, case, self.truth_cache, self.baseline_cache, None, device)
         try:
             problem = self.truth_cache.problem(case)
-            from kda_kernels.base import applicable
             ok, why = applicable(lb.backend, problem, route)
         except Exception as e:  # noqa: BLE001
             ok, why = False, f"accepts() raised {type(e).__name__}: {e}"
@@ -147,9 +149,6 @@ def _child_main(spec_path: str, out_path: str) -> int:
     device = spec["device"]
     use_device(device)
     data = torch.load(spec["case_file"], weights_only=False, map_location=device)
-    from kda_ref.truth import Truth
-    from verification.judging.tolerances import load_tolerances
-
     problem = data["problem"]
     truth = Truth(**{k: v.to(device) for k, v in data["truth"].items()
                      if k in ("o", "final_state", "state_cache")})

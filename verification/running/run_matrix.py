@@ -11,9 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
+from verification.errors import Interrupted, UsageError
 from verification.judging.baselines import BaselineCache
-from verification.running.devices import default_device
 from verification.judging.record import Record, cell_key
+from verification.judging.tolerances import load_tolerances
+from verification.running.devices import default_device
 from verification.running.run_cell import TruthCache, note_self_judged, run_cell, use_device
 from verification.running.run_isolated import IsolatedRunner
 from verification.running.run_progress import Progress, RunSummary
@@ -40,8 +42,6 @@ def run_matrix(backends: Iterable, cases: list, out_dir=None, *, routes: Optiona
     Ctrl-C (KeyboardInterrupt) during the cells raises errors.Interrupted carrying the summary,
     whose ``not_run`` counts the selected cells without a record; run.json's entry of this
     invocation says ``interrupted`` too."""
-    from verification.errors import Interrupted, UsageError
-
     device = device or default_device()
     use_device(device)
     loaded = [as_loaded(b) for b in backends]
@@ -53,7 +53,6 @@ def run_matrix(backends: Iterable, cases: list, out_dir=None, *, routes: Optiona
     cells = plan(loaded, routes, cases)
     wanted = {cell_key(lb.name, r.name, c.id) for lb, r, c in cells}
     if db is None:
-        from verification.judging.tolerances import load_tolerances
         db = load_tolerances(tolerances_path)
     summary = RunSummary(out_dir=Path(out_dir) if out_dir is not None else None, selected=len(cells))
     done_keys: set = set()

@@ -3,10 +3,13 @@ for (``resolve_routes``), the case-major cell list (``plan``) and the resume che
 directory against the selection recorded there (``check_resume``)."""
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from kda_kernels.base import LooksUpRoutes, Route, load_backend
+from verification.errors import UsageError
 from verification.judging.record import RESULTS_FILE, read_records, read_runs
 
 
@@ -42,7 +45,6 @@ def probe(backend, spec: str, from_spec: bool) -> LoadedBackend:
 
 def module_exists(mod_name: str) -> bool:
     """Whether ``mod_name`` can be imported here (found, not imported)."""
-    import importlib.util
     try:
         return importlib.util.find_spec(mod_name) is not None
     except (ImportError, ValueError):
@@ -51,7 +53,6 @@ def module_exists(mod_name: str) -> bool:
 
 def load(spec: str) -> LoadedBackend:
     """Load a backend by built-in name or package.module:factory and ask where it stands."""
-    from kda_kernels.base import load_backend
     return probe(load_backend(spec), spec, from_spec=True)
 
 
@@ -69,8 +70,6 @@ def resolve_routes(lb: LoadedBackend, wanted: Optional[list[str]] = None, strict
     not among backend.routes() goes to backend.route(name) where the backend parses route
     specs; otherwise it is a UsageError naming --route and the choices (with strict=False
     it is left out: another backend of the run may have it)."""
-    from kda_kernels.base import LooksUpRoutes, Route
-    from verification.errors import UsageError
     try:
         have = list(lb.backend.routes())
     except Exception as e:  # noqa: BLE001 - an unavailable backend may not list routes
@@ -103,7 +102,6 @@ def resolve_routes(lb: LoadedBackend, wanted: Optional[list[str]] = None, strict
 
 def plan(backends: list[LoadedBackend], routes: Optional[list[str]], cases: list) -> list[tuple]:
     """The cells, case-major: [(LoadedBackend, Route, Case), ...]."""
-    from verification.errors import UsageError
     strict = len(backends) == 1
     per_backend = [(lb, resolve_routes(lb, routes, strict=strict)) for lb in backends]
     if routes and not strict:
@@ -143,7 +141,6 @@ def check_resume(out_dir, resume: bool, selection: Optional[dict] = None, wanted
     (``selection``: {option: value} of what picks the cells, e.g. {"--backend": [...], "--suite":
     [...]}, compared regardless of order).  Where DIR records no selection, a resume whose cells
     (``wanted``, cell keys) leave out a cell already recorded is refused.  Reads only."""
-    from verification.errors import UsageError
     results = Path(out_dir) / RESULTS_FILE
     if not results.is_file() or results.stat().st_size == 0:
         return

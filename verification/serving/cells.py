@@ -29,6 +29,12 @@ import shlex
 import time
 from typing import Optional
 
+from kda_kernels.base import BackendError, RunsTraces, load_backend
+from verification.errors import UsageError
+from verification.judging.metrics import dtype_name
+from verification.judging.record import decode_number, encode, new_record
+from verification.judging.verdict import decide, known_failure_entry
+from verification.running.run_cell import _errored, _Said, note_self_judged
 from verification.serving.execute import Pairing, Side, pairing_refusal, run_pairing, trace_groups
 
 BASELINE_ENV = "KDA_SERVING_BASELINE"     # a backend spec standing in for the emulator as the baseline
@@ -37,8 +43,6 @@ BASELINE_ENV = "KDA_SERVING_BASELINE"     # a backend spec standing in for the e
 def trace_routes_of(lb, option: str = "--backend") -> list:
     """The trace routes of a loaded backend, or a UsageError naming ``option`` when it has no
     RunsTraces."""
-    from kda_kernels.base import RunsTraces
-    from verification.errors import UsageError
     if not isinstance(lb.backend, RunsTraces):
         raise UsageError(f"{option} {lb.spec}: runs no serving-trace calls (no RunsTraces)")
     return list(lb.backend.trace_routes())
@@ -47,7 +51,6 @@ def trace_routes_of(lb, option: str = "--backend") -> list:
 def pick_routes(lb, names: Optional[list], groups: tuple, option: str, backend_option: str = "--backend") -> list:
     """The trace routes of ``lb`` running any of ``groups``, or the ones ``names`` picks (each
     must be a trace route of the backend and run one of the groups: else a UsageError)."""
-    from verification.errors import UsageError
     have = trace_routes_of(lb, backend_option)
     fits = [r for r in have if set(r.flag("groups", ()) or ()) & set(groups)]
     if not names:
@@ -98,7 +101,6 @@ def cell_names(prefill_lb, decode_lb, rp, rd) -> tuple:
 
 def baseline_pairing(rp, rd, spec: Optional[str] = None) -> tuple:
     """(Pairing of the baseline backend's trace routes named by the recipes, None) or (None, why)."""
-    from kda_kernels.base import BackendError, RunsTraces, load_backend
     spec = spec or os.environ.get(BASELINE_ENV) or "emulator"
     try:
         emu = load_backend(spec)
@@ -170,10 +172,6 @@ def run_serving_cell(prefill_lb, decode_lb, rp, rd, case, db, cache: TraceCache,
                      baseline_spec: Optional[str] = None, progress=None):
     """One cell's record (module docstring); never raises for a kernel's sake.  ``progress``: a
     stream that a long trace (LONG_STEPS steps or more) writes a line to every LONG_STEPS steps."""
-    from verification.judging.metrics import dtype_name
-    from verification.judging.record import encode, new_record
-    from verification.running.run_cell import _errored, _Said
-    from verification.judging.verdict import decide, known_failure_entry
     backend, route, recipe = cell_names(prefill_lb, decode_lb, rp, rd)
     rec = new_record(backend=backend,
                      backend_spec=prefill_lb.spec if prefill_lb.spec == decode_lb.spec
@@ -234,7 +232,6 @@ def run_serving_cell(prefill_lb, decode_lb, rp, rd, case, db, cache: TraceCache,
     rec["serving"] = encode(srv)
     status = {"not-applicable": "not-applicable"}.get(res.status, res.status)
     kf = known_failure_entry(db, rec["backend"], rec["route"], rec["case"], rec.get("params"))
-    from verification.running.run_cell import note_self_judged
     return note_self_judged(decide(_Said(status, res.reason), known_failure=kf).apply_to(rec))
 
 
@@ -253,6 +250,5 @@ def _step_note(stream, rec: dict, steps: int):
 
 
 def worst_margin_of(rec: dict) -> float:
-    from verification.judging.record import decode_number
     m = decode_number(rec.get("margin"))
     return m if not math.isnan(m) else -1.0

@@ -30,6 +30,7 @@ import torch
 from kda_kernels.trace_calls import GROUPS, assemble, group_rows, split_step
 from kda_ref.trace import Trace
 from kda_ref.trace_oracle import trace_oracle
+from verification.serving.diagnose import diagnose
 from verification.serving.judge import CallInfo, Item, changed_mask, judge_step, measure
 
 
@@ -245,7 +246,6 @@ def run_pairing(tr: Trace, pairing: Pairing, tols: dict, baseline: Optional[Pair
     naming the step and the call.
 
     On the CPU the run holds torch to one thread (``_one_thread_on_cpu``)."""
-    from verification.serving.diagnose import diagnose
     res = PairingResult(status="pass")
     kr = TraceRun(tr, pairing, device=device)
     itself = baseline is not None and baseline_rows is None and same_pairing(pairing, baseline)
