@@ -449,6 +449,40 @@ class ShrinkResult:
         return len(self.trace) > 0
 
 
+def greedy_reduce(first, families, candidates, out_of_runs, on_step) -> tuple:
+    """The greedy loop of every shrink (a dense problem here; a serving trace in
+    verification/serving/shrink.py): family by family, take the first candidate whose attempt
+    keeps the first failure's signature and try that family again from it; stop after a round
+    over every family keeps nothing, or when the runs are spent.
+
+    ``first``: the failing attempt (``.signature``); ``families`` [(name, steps)];
+    ``candidates(steps, cur)`` yields (description, attempt) where ``attempt()`` runs the
+    reduction and returns its attempt, or None for a candidate that is no reduction (nothing
+    run); ``out_of_runs()``; ``on_step(family, description, kept attempt)``.  Returns (the last
+    kept attempt, "max-runs" or "no step keeps the failure")."""
+    sig, cur = first.signature, first
+    while not out_of_runs():
+        kept_any = False
+        for fam, steps in families:
+            while not out_of_runs():
+                kept = None
+                for desc, attempt in candidates(steps, cur):
+                    if out_of_runs():
+                        break
+                    att = attempt()
+                    if att is not None and sig.keeps(att.signature):
+                        kept = (desc, att)
+                        break
+                if kept is None:
+                    break
+                desc, cur = kept
+                kept_any = True
+                on_step(fam, desc, cur)
+        if not kept_any:
+            break
+    return cur, ("max-runs" if out_of_runs() else "no step keeps the failure")
+
+
 class Shrinker:
     """Runs one (backend, route) on a case and its reductions through ``run_cell``."""
 
@@ -490,52 +524,33 @@ class Shrinker:
         if not first.signature.failing:
             return ShrinkResult(first, first, [], self.runs, time.perf_counter() - t0, "the cell does not fail")
         sig = first.signature
-        cur = first
         trace = []
-        stopped = "no step keeps the failure"
         k = 0
-        while True:
-            kept_any = False
-            for fam, steps in FAMILIES:
-                while True:
-                    if self.runs >= max_runs:
-                        break
-                    ctx = self._context(cur)
-                    kept = None
-                    for desc, make in steps(cur.problem, ctx):
-                        if self.runs >= max_runs:
-                            break
-                        try:
-                            cand = make()
-                        except ValueError:
-                            continue
-                        if cand.is_empty or size(cand) >= size(cur.problem):
-                            continue
-                        k += 1
-                        pc = ProblemCase(name=f"{case.name}~shrink{k}", suite=case.suite, seed=case.seed,
-                                         problem=cand, params=dict(getattr(case, "params", {}) or {}),
-                                         suite_opts=dict(getattr(case, "suite_opts", {}) or {}))
-                        att = self.attempt(pc)
-                        if sig.keeps(att.signature):
-                            kept = (desc, att)
-                            break
-                    if kept is None:
-                        break
-                    desc, cur = kept
-                    kept_any = True
-                    step = {"step": len(trace) + 1, "family": fam, "op": desc, "shape": shape_text(cur.problem),
-                            "size": size(cur.problem), "failure": cur.signature.describe(), "run": self.runs}
-                    trace.append(step)
-                    self.log(f"  step {step['step']} (run {self.runs}): {desc} -> {step['shape']}: "
-                             f"{step['failure']}")
-                if self.runs >= max_runs:
-                    stopped = "max-runs"
-                    break
-            if self.runs >= max_runs:
-                stopped = "max-runs"
-                break
-            if not kept_any:
-                break
+
+        def candidates(steps, cur):
+            ctx = self._context(cur)
+            for desc, make in steps(cur.problem, ctx):
+                def attempt(make=make):
+                    nonlocal k
+                    try:
+                        cand = make()
+                    except ValueError:
+                        return None
+                    if cand.is_empty or size(cand) >= size(cur.problem):
+                        return None
+                    k += 1
+                    return self.attempt(ProblemCase(name=f"{case.name}~shrink{k}", suite=case.suite, seed=case.seed,
+                                                    problem=cand, params=dict(getattr(case, "params", {}) or {}),
+                                                    suite_opts=dict(getattr(case, "suite_opts", {}) or {})))
+                yield desc, attempt
+
+        def on_step(fam, desc, cur):
+            step = {"step": len(trace) + 1, "family": fam, "op": desc, "shape": shape_text(cur.problem),
+                    "size": size(cur.problem), "failure": cur.signature.describe(), "run": self.runs}
+            trace.append(step)
+            self.log(f"  step {step['step']} (run {self.runs}): {desc} -> {step['shape']}: {step['failure']}")
+
+        cur, stopped = greedy_reduce(first, FAMILIES, candidates, lambda: self.runs >= max_runs, on_step)
         if self.isolate and cur.outputs is None and cur.signature.status != "crashed":
             again = self.attempt(ProblemCase(name=f"{case.name}~final", suite=case.suite, seed=case.seed,
                                              problem=cur.problem, params=dict(getattr(case, "params", {}) or {})),

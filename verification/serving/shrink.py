@@ -54,6 +54,7 @@ from kda_ref.trace_oracle import trace_oracle
 from verification.judging.metrics import dtype_name
 from verification.judging.record import encode as jsonable
 from verification.judging.verdict import NEGLIGIBLE_SLICE
+from verification.investigating.shrink import greedy_reduce
 from verification.reporting.bundle import environment, verify_repro
 from verification.serving.cells import tolerances_for
 from verification.serving.dump import write_dump
@@ -284,35 +285,21 @@ class TraceShrinker:
         if not first.signature.failing:
             out.runs, out.seconds, out.stopped = self.runs, time.perf_counter() - t0, "the cell does not fail"
             return out
-        sig, cur = first.signature, first
-        out.stopped = "no step keeps the failure"
-        while self.runs < max_runs:
-            kept_any = False
-            for fam, steps in FAMILIES:
-                while self.runs < max_runs:
-                    kept = None
-                    for desc, make in steps(cur.trace):
-                        if self.runs >= max_runs:
-                            break
-                        cand = make()
-                        if cand is None or not smaller(cand, cur.trace):
-                            continue
-                        att = self.attempt(cand)
-                        if sig.keeps(att.signature):
-                            kept = (desc, att)
-                            break
-                    if kept is None:
-                        break
-                    desc, cur = kept
-                    kept_any = True
-                    step = {"step": len(out.trace) + 1, "family": fam, "op": desc, "size": size_of(cur.trace),
-                            "failure": cur.signature.describe(), "run": self.runs}
-                    out.trace.append(step)
-                    self.log(f"  step {step['step']} (run {self.runs}): {desc} -> {describe_size(cur.trace)}")
-            if not kept_any:
-                break
-        if self.runs >= max_runs:
-            out.stopped = "max-runs"
+
+        def candidates(steps, cur):
+            for desc, make in steps(cur.trace):
+                def attempt(make=make):
+                    cand = make()
+                    return self.attempt(cand) if cand is not None and smaller(cand, cur.trace) else None
+                yield desc, attempt
+
+        def on_step(fam, desc, cur):
+            step = {"step": len(out.trace) + 1, "family": fam, "op": desc, "size": size_of(cur.trace),
+                    "failure": cur.signature.describe(), "run": self.runs}
+            out.trace.append(step)
+            self.log(f"  step {step['step']} (run {self.runs}): {desc} -> {describe_size(cur.trace)}")
+
+        cur, out.stopped = greedy_reduce(first, FAMILIES, candidates, lambda: self.runs >= max_runs, on_step)
         out.final, out.runs, out.seconds = cur, self.runs, time.perf_counter() - t0
         return out
 
