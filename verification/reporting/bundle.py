@@ -387,7 +387,11 @@ def main(argv):
     print(outcome(failed))
     return 1 if failed else 0
 
+'''
 
+# the end of every repro script (this module's and verification/serving/shrink.py's): a failure of
+# the script itself exits 2, never the 1 of REPRODUCED
+REPRO_MAIN = r'''
 if __name__ == "__main__":
     try:
         code = main(sys.argv[1:])
@@ -642,7 +646,7 @@ def repro_source(backend: str, route, checks: list, spec: str = "") -> str:
         body = KERNEL_OWN.format(spec=spec or backend, route=route.name)
     head = REPRO_HEAD.format(backend=backend, route=route.name, flags=json.dumps(route_flags(backend, route)),
                              checks=json.dumps(checks), needs=needs)
-    return head + body + REPRO_TAIL
+    return head + body + REPRO_TAIL + REPRO_MAIN
 
 
 # ----------------------------------------------------------------------------------------

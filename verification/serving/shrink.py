@@ -55,7 +55,7 @@ from verification.judging.metrics import dtype_name
 from verification.judging.record import encode as jsonable
 from verification.judging.verdict import NEGLIGIBLE_SLICE
 from verification.investigating.shrink import greedy_reduce
-from verification.reporting.bundle import environment, verify_repro
+from verification.reporting.bundle import REPRO_MAIN, environment, verify_repro
 from verification.serving.cells import tolerances_for
 from verification.serving.dump import write_dump
 from verification.serving.execute import PairingResult, pairing_refusal, run_pairing
@@ -458,17 +458,6 @@ def main(argv):
     print("REPRODUCED" if failed else "NOT REPRODUCED")
     return 1 if failed else 0
 
-
-if __name__ == "__main__":
-    try:
-        code = main(sys.argv[1:])
-    except Exception:  # noqa: BLE001 - the repro's own failure must not read as exit 1, REPRODUCED
-        import traceback
-        traceback.print_exc()
-        print("repro: error: the repro itself failed (above), so it cannot tell whether the bug reproduces",
-              file=sys.stderr)
-        code = 2
-    sys.exit(code)
 '''
 
 
@@ -488,7 +477,7 @@ def write_trace_bundle(out_dir, res: TraceShrinkResult, prefill_lb, decode_lb, r
     libs = sorted({s["backend"] for s in sides.values()} & {"fla", "aiter", "moonshot", "cudnn"})
     src = REPRO.format(prefill_label=f"{prefill_lb.name}:{rp.name}", decode_label=f"{decode_lb.name}:{rd.name}",
                        sides=json.dumps(sides), checks=json.dumps(jsonable(checks)),
-                       needs=f" and the kernel's library ({', '.join(libs)})" if libs else "")
+                       needs=f" and the kernel's library ({', '.join(libs)})" if libs else "") + REPRO_MAIN
     (out / "repro.py").write_text(src, encoding="utf-8")
     data = {"case": case_id, "prefill": sides["prefill"], "decode": sides["decode"], "device": str(device),
             "original": {"size": size_of(orig.trace), "status": orig.result.status, "reason": orig.result.reason,
