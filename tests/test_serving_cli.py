@@ -208,3 +208,17 @@ def test_padding_write_over_a_slot_read_later_in_the_step_is_named(capsys, tmp_p
     assert rec.reason.startswith("slot overwritten before it was read: call decode emulator-bad:pad-writes-last-slot "
                                     "(no row of it names slot 6; its padding row(s) [15]")
     assert "changed slot 6 in step 4 before spec emulator-bad:pad-writes-last-slot read it for request 3" in rec.reason
+
+
+def test_one_pairing_names_the_option_of_a_backend_that_cannot_run():
+    """capture's and shrink's serving forms load their two sides through serving.cells.one_pairing:
+    the decode side is the prefill backend unless another is named, an unnamed route the side's
+    first trace route, and a backend that cannot run here a BackendError naming its option."""
+    import pytest
+
+    from kda_kernels.base import BackendError
+    from verification.serving import cells
+    la, lb, rp, rd = cells.one_pairing("emulator", None, None, None)
+    assert lb is la and "prefill" in rp.flag("groups") and set(rd.flag("groups")) & {"decode", "spec"}
+    with pytest.raises(BackendError, match="^--decode-backend: "):
+        cells.one_pairing("emulator", "moonshot", None, None)     # flash_kda needs a GPU build

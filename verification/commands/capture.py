@@ -264,8 +264,7 @@ def run_serving(args) -> int:
     from verification.running.devices import check_device
     from verification.errors import UsageError, writable_dir
     from verification.judging.policy import exit_code
-    from verification.running.run_select import load
-    from verification.serving.cells import pick_routes
+    from verification.serving.cells import one_pairing
     from verification.serving.command import select_serving_cases
     from verification.serving.dump import write_dump
     from verification.serving.execute import Pairing, Side, pairing_refusal
@@ -279,16 +278,7 @@ def run_serving(args) -> int:
         raise UsageError("--case: expected exactly one of --case serving/ID and --inputs TRACE.safetensors with "
                          f"--suite serving, got {'both' if args.case else 'neither'}")
     device = check_device(args.device)
-    la = load(args.backend)
-    lb = la if not args.decode_backend or args.decode_backend == args.backend else load(args.decode_backend)
-    for x, opt in ((la, "--backend"), (lb, "--decode-backend")):
-        if not x.available:
-            # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
-            from kda_kernels.base import BackendError
-            raise BackendError(f"{opt}: {x.name} cannot run here: {x.reason}")
-    rp = pick_routes(la, [args.route] if args.route else None, ("prefill",), "--route")[0]
-    rd = pick_routes(lb, [args.decode_route] if args.decode_route else None, ("decode", "spec"), "--decode-route",
-                     "--decode-backend" if lb is not la else "--backend")[0]
+    la, lb, rp, rd = one_pairing(args.backend, args.decode_backend, args.route, args.decode_route)
     if args.case:
         case = select_serving_cases([args.case], long=True)[0]
         tr, case_id, params = case.build(), case.id, dict(case.params)

@@ -191,11 +191,9 @@ def run(args) -> int:
 def run_serving(args) -> int:
     """shrink of a serving cell (module docstring)."""
     # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
-    from kda_kernels.base import BackendError
     from verification.running.devices import check_device
     from verification.errors import UsageError, writable_dir
-    from verification.running.run_select import load
-    from verification.serving.cells import baseline_pairing, pick_routes
+    from verification.serving.cells import baseline_pairing, one_pairing
     from verification.serving.command import select_serving_cases
     from verification.serving.execute import Pairing, Side, pairing_refusal
     from verification.serving.shrink import TraceShrinker, describe_size, shrink_command, write_trace_bundle
@@ -218,14 +216,7 @@ def run_serving(args) -> int:
         raise UsageError(f"--max-runs: expected an integer >= 1, got {args.max_runs!r}")
     case = select_serving_cases([args.case], long=True)[0]
     device = check_device(args.device)
-    la = load(args.backend)
-    lb = la if not args.decode_backend or args.decode_backend == args.backend else load(args.decode_backend)
-    for x, opt in ((la, "--backend"), (lb, "--decode-backend")):
-        if not x.available:
-            raise BackendError(f"{opt}: {x.name} cannot run here: {x.reason}")
-    rp = pick_routes(la, [args.route], ("prefill",), "--route")[0]
-    rd = pick_routes(lb, [args.decode_route], ("decode", "spec"), "--decode-route",
-                     "--decode-backend" if lb is not la else "--backend")[0]
+    la, lb, rp, rd = one_pairing(args.backend, args.decode_backend, args.route, args.decode_route)
     pairing = Pairing(Side(la.backend, rp), Side(lb.backend, rd))
     tr = case.build()
     why = pairing_refusal(tr, pairing)

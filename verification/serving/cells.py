@@ -35,6 +35,7 @@ from verification.judging.metrics import dtype_name
 from verification.judging.record import decode_number, encode, new_record
 from verification.judging.verdict import decide, known_failure_entry
 from verification.running.run_cell import _errored, _Said, note_self_judged
+from verification.running.run_select import load
 from verification.serving.execute import Pairing, Side, pairing_refusal, run_pairing, trace_groups
 
 BASELINE_ENV = "KDA_SERVING_BASELINE"     # a backend spec standing in for the emulator as the baseline
@@ -91,6 +92,24 @@ def case_pairs(case, pairs: list, routes_chosen: bool = False) -> list:
         return list(pairs)
     first = pairs[0][0] if pairs else None
     return [(a, b) for a, b in pairs if a is first]
+
+
+def one_pairing(backend: str, decode_backend: Optional[str], route: Optional[str],
+                decode_route: Optional[str]) -> tuple:
+    """(prefill LoadedBackend, decode LoadedBackend, prefill Route, decode Route) of one cell named
+    by its options (capture's and shrink's ``--backend --decode-backend --route --decode-route``):
+    the decode side is the prefill backend unless another is named; an unnamed route is the
+    side's first trace route running its calls.  A backend that cannot run here is a
+    BackendError naming its option; a route that does not fit, the UsageError of pick_routes."""
+    la = load(backend)
+    lb = la if not decode_backend or decode_backend == backend else load(decode_backend)
+    for x, opt in ((la, "--backend"), (lb, "--decode-backend")):
+        if not x.available:
+            raise BackendError(f"{opt}: {x.name} cannot run here: {x.reason}")
+    rp = pick_routes(la, [route] if route else None, ("prefill",), "--route")[0]
+    rd = pick_routes(lb, [decode_route] if decode_route else None, ("decode", "spec"), "--decode-route",
+                     "--decode-backend" if lb is not la else "--backend")[0]
+    return la, lb, rp, rd
 
 
 def cell_names(prefill_lb, decode_lb, rp, rd) -> tuple:
