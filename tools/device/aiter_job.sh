@@ -33,15 +33,7 @@ mkdir -p "$OUT"
 LOG="$OUT/log.txt"
 exec > >(tee -a "$LOG") 2>&1
 T0=$(date +%s)
-step() {   # step NAME TIMEOUT_S CMD...: run CMD bounded, log its wall time and exit status
-  local name=$1 lim=$2; shift 2
-  echo; echo "=== $name (limit ${lim}s, at +$(( $(date +%s) - T0 ))s): $*"
-  local t=$(date +%s)
-  if [ "$DRY" = 1 ] && [ "$name" != setup ]; then echo "(dry run)"; return 0; fi
-  timeout "$lim" "$@"; local rc=$?
-  echo "=== $name: exit $rc after $(( $(date +%s) - t ))s"
-  return 0
-}
+. "$(dirname "$0")/lib.sh"      # step NAME TIMEOUT_S CMD...
 PY=python3
 step setup 60 bash -c '
   python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "pip install -e . failed: using PYTHONPATH"

@@ -34,15 +34,7 @@ DIRECT_ARGS=${DIRECT_ARGS:-}
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/log.txt") 2>&1
 T0=$(date +%s)
-step() {   # step NAME TIMEOUT_S CMD...: run CMD bounded, log its wall time and exit status
-  local name=$1 lim=$2; shift 2
-  echo; echo "=== $name (limit ${lim}s, at +$(( $(date +%s) - T0 ))s): $*"
-  local t=$(date +%s)
-  if [ "$DRY" = 1 ] && [ "$name" != setup ]; then echo "(dry run)"; return 0; fi
-  timeout "$lim" "$@"; local rc=$?
-  echo "=== $name: exit $rc after $(( $(date +%s) - t ))s"
-  return 0
-}
+. "$(dirname "$0")/lib.sh"      # step NAME TIMEOUT_S CMD...
 pack() {   # pack NAME...: the tail of each run's output and its report, then one .tgz of both
   for d in "$@"; do
     [ -f "$OUT/$d.txt" ] || continue
