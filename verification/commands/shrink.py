@@ -26,6 +26,8 @@ import shlex
 import sys
 from pathlib import Path
 
+from verification.errors import UsageError
+
 NAME = "shrink"
 HELP = "reduce a failing cell to its smallest failing problem and write an upstream-ready bundle"
 EXAMPLES = """\
@@ -113,12 +115,7 @@ def run(args) -> int:
             if not val:
                 raise UsageError(f"{name}: expected with --case (or give --from-results DIR --cell KEY), got none")
         spec, route_name, case_id, fuzz_n, fuzz_seed = args.backend, args.route, args.case, args.fuzz_n, args.fuzz_seed
-    try:
-        max_runs = int(args.max_runs)
-    except ValueError:
-        max_runs = 0
-    if max_runs < 1:
-        raise UsageError(f"--max-runs: expected an integer >= 1, got {args.max_runs!r}")
+    max_runs = _max_runs(args)
     timeout = None
     if args.timeout is not None:
         try:
@@ -208,12 +205,7 @@ def run_serving(args) -> int:
     for name, val in (("--isolate", args.isolate), ("--fuzz-n", args.fuzz_n), ("--fuzz-seed", args.fuzz_seed)):
         if val:
             raise UsageError(f"{name}: expected without --suite serving, got it")
-    try:
-        max_runs = int(args.max_runs)
-    except ValueError:
-        max_runs = 0
-    if max_runs < 1:
-        raise UsageError(f"--max-runs: expected an integer >= 1, got {args.max_runs!r}")
+    max_runs = _max_runs(args)
     case = select_serving_cases([args.case], long=True)[0]
     device = check_device(args.device)
     la, lb, rp, rd = one_pairing(args.backend, args.decode_backend, args.route, args.decode_route)
@@ -244,3 +236,14 @@ def run_serving(args) -> int:
     print(f"repro.py in a fresh process: exit {rc['exit']}: " + (
           rc["last_line"] if rc["reproduced"] else f"did NOT reproduce ({rc['last_line']})"))
     return 0
+
+
+def _max_runs(args) -> int:
+    """--max-runs as an integer >= 1 (a UsageError naming it otherwise)."""
+    try:
+        max_runs = int(args.max_runs)
+    except ValueError:
+        max_runs = 0
+    if max_runs < 1:
+        raise UsageError(f"--max-runs: expected an integer >= 1, got {args.max_runs!r}")
+    return max_runs

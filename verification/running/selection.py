@@ -50,18 +50,25 @@ def select_cases(suites: list[str], patterns: list[str] | None, long: bool = Tru
             if c.id not in seen:
                 seen.add(c.id)
                 cases.append(c)
+    def miss(pat):
+        sample = ", ".join(c.id for c in cases[:6]) + (", ..." if len(cases) > 6 else "")
+        draw = next((c.suite_opts for c in cases if c.suite == "fuzz"), None)
+        note = (f" (fuzz ids depend on the draw: this one is --fuzz-n {draw['n']} --fuzz-seed {draw['seed']})"
+                if draw and pat.startswith("fuzz") else "")
+        return f"--case: expected a case id (or glob) of suite(s) {', '.join(suites)}, got {pat!r}{note}; ids look like: {sample}"
+    return match_cases(cases, patterns, miss)
+
+
+def match_cases(cases: list, patterns: list, miss) -> list:
+    """The cases that any of ``patterns`` names (an exact id or a glob), in the order of ``cases``;
+    all of them without patterns.  A pattern that names none raises UsageError(miss(pattern))."""
     if not patterns:
         return cases
     chosen = []
     for pat in patterns:
         hit = [c for c in cases if c.id == pat or fnmatch.fnmatchcase(c.id, pat)]
         if not hit:
-            sample = ", ".join(c.id for c in cases[:6]) + (", ..." if len(cases) > 6 else "")
-            draw = next((c.suite_opts for c in cases if c.suite == "fuzz"), None)
-            note = (f" (fuzz ids depend on the draw: this one is --fuzz-n {draw['n']} --fuzz-seed {draw['seed']})"
-                    if draw and pat.startswith("fuzz") else "")
-            raise UsageError(f"--case: expected a case id (or glob) of suite(s) {', '.join(suites)}, "
-                             f"got {pat!r}{note}; ids look like: {sample}")
+            raise UsageError(miss(pat))
         chosen.extend(c for c in hit if c not in chosen)
     return [c for c in cases if c in chosen]
 

@@ -14,7 +14,6 @@ suites, more than one --backend, --decode-* without --suite serving, --isolate.
 """
 from __future__ import annotations
 
-import fnmatch
 import json
 import sys
 import time
@@ -30,7 +29,7 @@ from verification.running.devices import check_device
 from verification.running.run_progress import Progress, RunSummary
 from verification.running.run_select import check_resume, load
 from verification.running.run_store import note_interrupted as _note_interrupted
-from verification.running.selection import split_list
+from verification.running.selection import match_cases, split_list
 from verification.serving.cases import get_serving_suite
 from verification.serving.cells import TraceCache, case_pairs, cell_names, pairings, run_serving_cell
 
@@ -65,16 +64,8 @@ def select_serving_cases(patterns: list, long: bool) -> list:
     """The serving cases, filtered by --case patterns (exact id or glob; each must match)."""
 
     cases = get_serving_suite(long=long or bool(patterns))
-    if not patterns:
-        return cases
-    chosen = []
-    for pat in patterns:
-        hit = [c for c in cases if c.id == pat or fnmatch.fnmatchcase(c.id, pat)]
-        if not hit:
-            raise UsageError(f"--case: expected a case id (or glob) of suite serving, got {pat!r}; ids look like: "
-                             f"{', '.join(c.id for c in cases[:5])}, ...")
-        chosen.extend(c for c in hit if c not in chosen)
-    return [c for c in cases if c in chosen]
+    return match_cases(cases, patterns, lambda pat: f"--case: expected a case id (or glob) of suite serving, got "
+                                                    f"{pat!r}; ids look like: {', '.join(c.id for c in cases[:5])}, ...")
 
 
 def plan_cells(args, device: str):
