@@ -100,16 +100,30 @@ def group_rows(phases: list) -> dict:
     return {k: v for k, v in out.items() if v}
 
 
-def split_step(tr: Trace, s: int, cache: torch.Tensor) -> list:
+def to_device(x: torch.Tensor, dev) -> torch.Tensor:
+    """``x`` (a host tensor) on ``dev`` without waiting for the device: a blocking host-to-device
+    copy synchronises the stream, which on a GPU shared by many processes waits out their time
+    slices, once per input of every call of a 10^4-step trace.  From pageable memory CUDA stages
+    the copy before returning, so ``x`` may be dropped at once."""
+    return x.to(dev, non_blocking=True) if torch.device(dev).type != "cpu" else x
+
+
+def trace_model(tr: Trace, dev) -> dict:
+    """The Problem options of ``tr`` (MODEL_FIELDS), tensors moved to ``dev``: what every call of
+    the trace carries as ``model`` (moved once per run, not once per step)."""
+    return {n: (to_device(x, dev) if isinstance(x, torch.Tensor) else x)
+            for n, x in ((n, getattr(tr, n)) for n in MODEL_FIELDS)}
+
+
+def split_step(tr: Trace, s: int, cache: torch.Tensor, model: Optional[dict] = None) -> list:
     """The PhaseCalls of step ``s`` in call order (prefill, decode, spec), inputs moved to
-    ``cache.device``."""
+    ``cache.device`` (``model``: ``trace_model(tr, cache.device)`` when the caller keeps it)."""
     a = tr.step(s)
     dev = cache.device
     r0 = int(tr.step_rows[s])
     cu = a["cu_seqlens"].to(torch.int64)
     groups = group_rows(a["row_phase"].tolist())
-    model = {n: getattr(tr, n) for n in MODEL_FIELDS}
-    model = {n: (x.to(dev) if isinstance(x, torch.Tensor) else x) for n, x in model.items()}
+    model = trace_model(tr, dev) if model is None else model
     calls = []
     for name in GROUPS:
         pos = groups.get(name)
@@ -123,11 +137,11 @@ def split_step(tr: Trace, s: int, cache: torch.Tensor) -> list:
         table = a["state_indices"][idx]
         calls.append(PhaseCall(
             group=name, step=s, rows=idx + r0, token_index=tok,
-            **{n: a[n][:, tok].to(dev) for n in TOKEN_FIELDS},
-            cu_seqlens=cu_g.to(torch.int32).to(dev),
-            state_indices=(table if name == "spec" else table[:, 0]).contiguous().to(dev),
-            has_initial_state=a["has_initial_state"][idx].to(dev),
-            num_accepted_tokens=a["num_accepted_tokens"][idx].to(dev) if name == "spec" else None,
+            **{n: to_device(a[n][:, tok], dev) for n in TOKEN_FIELDS},
+            cu_seqlens=to_device(cu_g.to(torch.int32), dev),
+            state_indices=to_device((table if name == "spec" else table[:, 0]).contiguous(), dev),
+            has_initial_state=to_device(a["has_initial_state"][idx], dev),
+            num_accepted_tokens=to_device(a["num_accepted_tokens"][idx], dev) if name == "spec" else None,
             cache=cache, spec=tr.cache, model=model))
     return calls
 
@@ -143,5 +157,5 @@ def assemble(calls: list, outs: list, tokens: int) -> torch.Tensor:
         dtype = torch.promote_types(dtype, out.dtype)
     o = torch.full((tokens,) + tuple(first.shape[2:]), float("nan"), dtype=dtype, device=first.device)
     for c, out in zip(calls, outs):
-        o[c.token_index.to(o.device)] = out[0].to(dtype)
+        o[to_device(c.token_index, o.device)] = out[0].to(dtype)
     return o

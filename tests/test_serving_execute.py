@@ -254,3 +254,25 @@ def test_the_unwritten_mask_is_the_complement_of_the_written_one_and_built_once(
         m = unwritten_mask(spec, slots)
         assert torch.equal(m, ~written_mask(spec, slots))
         assert unwritten_mask(spec, slots) is m
+
+
+def test_the_baseline_runs_on_the_host_whatever_the_kernels_device(monkeypatch):
+    """The baseline (the emulator's run of the recipes) runs on BASELINE_DEVICE, the host, not
+    beside the kernel: on the H200 its ~120 small operations per decode token, launched and waited
+    for on a GPU shared by 15 workers, kept a 10^4-step cell running past 170 s.  The kernel's run
+    here is asked for on "cpu:0" to tell the two apart."""
+    from verification.serving import execute
+    made = []
+    init = execute.TraceRun.__init__
+
+    def spy(self, tr, pairing, device="cpu", **kw):
+        made.append((pairing.prefill.name, str(device)))
+        init(self, tr, pairing, device=device, **kw)
+    monkeypatch.setattr(execute.TraceRun, "__init__", spy)
+    kernel, base = sb.ServingBackend("exact"), sb.ServingBackend("exact")
+    kernel.name, base.name = "kernel", "baseline"
+    p = Pairing(Side(kernel, _route(kernel, "exact-prefill")), Side(kernel, _route(kernel, "exact-decode")))
+    b = Pairing(Side(base, _route(base, "exact-prefill")), Side(base, _route(base, "exact-decode")))
+    res = run_pairing(chunked_spec_trace(), p, tolerances_for(DB, p, "fp32"), baseline=b, device="cpu:0")
+    assert res.status == "pass", res.reason
+    assert made == [("kernel", "cpu:0"), ("baseline", execute.BASELINE_DEVICE)] and execute.BASELINE_DEVICE == "cpu"

@@ -20,14 +20,13 @@ side to the other in another layout or dtype, a row that read the wrong state.
 from __future__ import annotations
 
 import functools
-import inspect
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 
-from kda_kernels.trace_calls import GROUPS, assemble, group_rows, split_step
+from kda_kernels.trace_calls import GROUPS, assemble, group_rows, split_step, trace_model
 from kda_ref.trace import Trace
 from kda_ref.trace_oracle import trace_oracle
 from verification.serving.diagnose import diagnose
@@ -139,12 +138,13 @@ class TraceRun:
     def __init__(self, tr: Trace, pairing: Pairing, device="cpu", record_writers: bool = True):
         self.trace, self.pairing = tr, pairing
         self.cache = fresh_cache(tr.cache, device=device)
+        self.model = trace_model(tr, self.cache.device)
         self.record_writers = record_writers
 
     def step(self, s: int) -> StepRun:
         tr = self.trace
         before = self.cache.clone()
-        calls = split_step(tr, s, self.cache)
+        calls = split_step(tr, s, self.cache, self.model)
         outs, infos = [], []
         T = int(tr.row_tokens()[int(tr.step_rows[s + 1])] - tr.row_tokens()[int(tr.step_rows[s])])
         for c in calls:
@@ -203,6 +203,12 @@ class PairingResult:
 
 MAX_FAILURES = 20
 DRIFT_POINTS = 400
+# Where the baseline (the emulator's run of the routes' recipes) runs, whatever device the kernel
+# runs on: its per-step errors are the recipes' rounding, not the device's, and on the host its
+# ~120 small operations per decode token neither launch GPU kernels nor wait on the device.  On
+# one H200 shared by 15 workers a 10^4-step decode cell ran past 170 s with the baseline beside
+# the kernel on the GPU.
+BASELINE_DEVICE = "cpu"
 
 
 def _better(a: Optional[Item], b: Item) -> Item:
@@ -211,19 +217,15 @@ def _better(a: Optional[Item], b: Item) -> Item:
     return b if (b.margin > a.margin or (math.isnan(a.margin) and not math.isnan(b.margin))) else a
 
 
-def _one_thread_on_cpu(fn):
-    """Run ``fn`` (whose ``device`` argument says where) on one torch thread when the device is
-    the CPU, restoring the caller's setting after: a step's arrays are a few hundred kB, and on
-    the shared 2-core machine torch's two threads contending with other processes made a decode
-    step of the long cases 100x slower (233 ms against 2.4 ms)."""
-    sig = inspect.signature(fn)
+def _one_torch_thread(fn):
+    """Run ``fn`` on one torch thread, restoring the caller's setting after.  The host's share of
+    a serving run (the oracle, the baseline: BASELINE_DEVICE, the judge) is arrays of a few
+    hundred kB, and with torch's threads contending with other processes (2 cores shared here; 16
+    shared by 15 workers on the H200's host) a decode step of the long cases ran 100x slower
+    (233 ms against 2.4 ms)."""
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
-        bound = sig.bind(*args, **kwargs)
-        bound.apply_defaults()
-        if torch.device(bound.arguments["device"]).type != "cpu":
-            return fn(*args, **kwargs)
         prev = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
@@ -233,7 +235,7 @@ def _one_thread_on_cpu(fn):
     return run
 
 
-@_one_thread_on_cpu
+@_one_torch_thread
 def run_pairing(tr: Trace, pairing: Pairing, tols: dict, baseline: Optional[Pairing] = None,
                 baseline_rows: Optional[list] = None, device="cpu", drift: bool = False,
                 on_step: Optional[Callable] = None) -> PairingResult:
@@ -243,13 +245,12 @@ def run_pairing(tr: Trace, pairing: Pairing, tols: dict, baseline: Optional[Pair
     ``tols``: {group: {"o": Tolerance, "state_cache": Tolerance}} (the route of each group's
     side).  ``drift``: keep the error of every decode step (downsampled to DRIFT_POINTS bins, the
     worst of each bin).  Never raises for a kernel's sake: a call that raises is status "error"
-    naming the step and the call.
-
-    On the CPU the run holds torch to one thread (``_one_thread_on_cpu``)."""
+    naming the step and the call.  The baseline runs on the host (BASELINE_DEVICE) whatever
+    ``device`` is, and the run holds torch to one thread (``_one_torch_thread``)."""
     res = PairingResult(status="pass")
     kr = TraceRun(tr, pairing, device=device)
     itself = baseline is not None and baseline_rows is None and same_pairing(pairing, baseline)
-    br = (TraceRun(tr, baseline, device=device, record_writers=False)
+    br = (TraceRun(tr, baseline, device=BASELINE_DEVICE, record_writers=False)
           if baseline_rows is None and not itself else None)
     rows_out = [] if (br is not None or itself) else None
     writers: dict = {}            # slot -> (side label, group, step, request) of its last write
@@ -273,7 +274,7 @@ def run_pairing(tr: Trace, pairing: Pairing, tols: dict, baseline: Optional[Pair
             res.status, res.reason = "error", str(e)
             res.steps = s
             return res
-        km = measure(st, r.o, r.after)
+        km = measure(st, r.o, r.after, before=r.before)
         if itself:                          # the kernel is its own baseline (the emulator): measured once
             rows_out.append(compact(km))
             base = rows_out[-1]

@@ -104,23 +104,34 @@ PHASE_NAMES = {0: "prefill", 1: "decode", 2: "spec", -1: "padding"}
 
 
 # ------------------------------------------------------------------------------ measuring
-def measure(truth, o: torch.Tensor, after: torch.Tensor) -> dict:
+def measure(truth, o: torch.Tensor, after: torch.Tensor, before: Optional[torch.Tensor] = None) -> dict:
     """The errors of one run on one step: {"rows": {trace row: (err, err_sq, ref_sq, count)},
     "step": err over every live token, "slots": {slot: rel_l2}} (module docstring).  Used for the
-    kernel and for the baseline alike."""
+    kernel and for the baseline alike.  With ``before`` (the buffer before the step) it also
+    counts the elements outside the written slots whose bits changed, ``"outside"`` (what
+    judge_step's bitwise check reads first), in the same transfer."""
     plan = truth.plan
     rows = plan.rows
     e2, r2, cnt = [], [], []
     bad = []
     view = truth.cache.view(after)
     written = list(truth.written)
+    outside = None
+    if before is not None:
+        outside = (changed_mask(before, after) & unwritten_mask(truth.cache, written, device=after.device)).sum()
     if o.device.type == "cpu" and after.device.type == "cpu":
         o, host = o.to(F64), [view[s].to(F64) for s in written]
+        outside = None if outside is None else int(outside)
     else:
-        # o and the written slots, float64 on the host in one transfer (one device sync per step,
-        # not one per row and one per slot); the same numbers as casting each piece on its own
+        # o, the written slots and the outside count, float64 on the host in one transfer (one
+        # device sync per step, not one per row, one per slot and one for the bitwise check);
+        # the same numbers as casting each piece on its own
         parts = [o.reshape(-1).to(F64)] + [view[s].reshape(-1).to(F64) for s in written]
+        if outside is not None:
+            parts.append(outside.reshape(1).to(F64))
         flat = (torch.cat(parts) if len(parts) > 1 else parts[0]).cpu()
+        if outside is not None:
+            flat, outside = flat[:-1], int(flat[-1])
         n_o = o.numel()
         o = flat[:n_o].view(o.shape)
         host = flat[n_o:].view((len(written),) + tuple(view.shape[1:])) if written else None
@@ -149,7 +160,10 @@ def measure(truth, o: torch.Tensor, after: torch.Tensor) -> dict:
         num = float(torch.linalg.vector_norm(x - ref))
         den = float(torch.linalg.vector_norm(ref))
         slots[s] = 0.0 if num == 0 else (math.inf if den == 0 else num / den)
-    return {"rows": out_rows, "step": step_err, "slots": slots}
+    out = {"rows": out_rows, "step": step_err, "slots": slots}
+    if outside is not None:
+        out["outside"] = outside
+    return out
 
 
 def changed_mask(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
@@ -253,9 +267,11 @@ def judge_step(truth, base: dict, o: torch.Tensor, before: torch.Tensor, after: 
             row_call[r] = c
     items = []
     # bitwise: nothing outside the written slots changes
-    ch = changed_mask(before, after)
-    outside = ch & unwritten_mask(spec, truth.written, device=ch.device)
-    if bool(outside.any()):
+    counted = kernel.get("outside")
+    if counted is None or counted > 0:
+        ch = changed_mask(before, after)
+        outside = ch & unwritten_mask(spec, truth.written, device=ch.device)
+    if (counted > 0) if counted is not None else bool(outside.any()):
         idx = torch.nonzero(outside).flatten().tolist()
         seen = {}
         for i in idx:
