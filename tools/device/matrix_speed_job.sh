@@ -26,6 +26,8 @@
 # tree is as slow as before (145 + 90 s per tree).  FLASH_KDA_BUILT=FILE.tgz (an installed flash_kda, as
 # house_job.sh returns it) skips the build; MOONSHOT=off leaves moonshot out of the matrix (then the
 # job takes about 6 minutes and the summary says so).
+# PHASES=1 runs every pytest with tools/device/worker_profile.py (OUT/phases-NAME: each worker's start-up,
+# collection and test phases; cProfile of the workers named in PROFILE_WORKERS, e.g. gw0,gw7).
 # Env: JOBS (16), BACKENDS (triton,fla,aiter,moonshot), SUITES (smoke,default,stress,k3-prefill),
 # AITER (.vendor/aiter-upstream), MOONSHOT (build | off), BUILD_JOBS (16), DEADLINE (540 s: no step runs
 # past it), T_COLD (200), T_WARM (150): one run's limit.  OUT gets log.txt, summary.txt and one
@@ -79,15 +81,21 @@ run() {   # run NAME TREE cold|warm LIMIT [JOBS]
   mkdir -p "$TRITON_CACHE_DIR"
   echo; echo "=== $name (limit ${lim}s, at +$(( $(date +%s) - T0 ))s)"
   local t=$(date +%s.%N)
-  ( cd "$tree" && PYTHONPATH=/tmp/site:$tree:$AITER timeout "$lim" python3 -m pytest -q -p no:cacheprovider \
-      -p no:kda_verify -p verification.pytest_plugin -m verify tests/test_verify_matrix.py -n "$jobs" --dist loadgroup \
-      --kda-backend "$BACKENDS" --kda-suite "$SUITES" --junitxml "$OUT/$name.xml" > "$OUT/$name.txt" 2>&1 )
+  local phases=() ppath=
+  if [ "${PHASES:-0}" = 1 ]; then   # tools/device/worker_profile.py: each worker's phases, cProfile of $PROFILE_WORKERS
+    phases=(-p worker_profile); ppath=$HERE/tools/device:
+    export KDA_PROFILE_OUT=$OUT/phases-$name KDA_PROFILE_WORKERS=${PROFILE_WORKERS:-}
+  fi
+  ( cd "$tree" && PYTHONPATH=$ppath/tmp/site:$tree:$AITER timeout "$lim" python3 -m pytest -q -p no:cacheprovider \
+      -p no:kda_verify -p verification.pytest_plugin "${phases[@]}" -m verify tests/test_verify_matrix.py -n "$jobs" \
+      --dist loadgroup --kda-backend "$BACKENDS" --kda-suite "$SUITES" --junitxml "$OUT/$name.xml" > "$OUT/$name.txt" 2>&1 )
   local rc=$? wall
   wall=$(python3 -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1]):.1f}')" "$t" "$(date +%s.%N)")
   echo "$name $wall $rc" >> /tmp/speed/walls.txt
   echo "=== $name: exit $rc, wall ${wall}s"
   grep -E "passed|failed" "$OUT/$name.txt" | tail -n 1
   sed -n '/kda-verify time breakdown/,$p' "$OUT/$name.txt" | head -n 14
+  [ "${PHASES:-0}" = 1 ] && python3 "$HERE/tools/device/worker_profile.py" "$OUT/phases-$name" | tail -n 20
 }
 mkdir -p /tmp/speed && : > /tmp/speed/walls.txt
 for r in $RUNS; do
