@@ -60,7 +60,7 @@ def _old_slice_sums(d: torch.Tensor, r: torch.Tensor, problem, tensor: str) -> O
         r2 = r.reshape(-1, HV, V).square().sum(-1)
         lens = [e - b for b, e in problem.seq_bounds()]
         blocks = sequence_blocks(lens)
-        seq_np, blk_np = _block_ids(problem, e2.shape[0], blocks)
+        seq_np, blk_np = _block_ids(problem.seq_bounds(), e2.shape[0], blocks)
         seq = torch.from_numpy(seq_np).to(d.device)
         blk = torch.from_numpy(blk_np).to(d.device)
         inside, in_block = seq >= 0, blk >= 0
@@ -136,7 +136,7 @@ def _old_tensor_metrics(x: torch.Tensor, ref: torch.Tensor, *, dtype: Optional[t
     if per_chunk:
         e2 = _packed_rows(d, problem).square().sum(1)                   # per packed row
         r2 = _packed_rows(rf, problem).square().sum(1)
-        cid_np, tail_np = _row_groups(problem, chunk, e2.shape[0])
+        cid_np, tail_np = _row_groups(problem.seq_bounds(), chunk, e2.shape[0])
         npts = int(cid_np.max()) + 1 if cid_np.size else 0
         cid = torch.from_numpy(cid_np).to(e2.device)
         inside = cid >= 0

@@ -77,7 +77,7 @@ from typing import Callable, Optional
 import torch
 
 from verification.judging.baselines import TAP_TENSORS, _tensors, emulate_taps, in_range_view, recipe_chunk, tap_metrics
-from verification.judging.metrics import compare, dtype_name, tensor_metrics
+from verification.judging.metrics import compare, dtype_name
 from verification.judging.policy import JUDGED_METRICS, NOT_APPLICABLE, OUT_OF_CONTRACT
 from verification.judging.record import decode_number as num, encode
 NEGLIGIBLE_SLICE = 1e-2     # a slice whose rms is below this fraction of the tensor's is judged on the tensor's scale
@@ -356,24 +356,21 @@ def judge(backend: str, route, problem, outputs, truth, baseline: dict, db,
     outs, refs = _tensors(outputs), _tensors(truth)
     dtype = dtype_name(problem.v.dtype)
     statuses, reasons, records, metrics, notes = [], [], {}, {}, []
-    for name, ref in refs.items():
+    shape_errors: dict = {}
+    measured = compare(outs, refs, problem, shape_errors=shape_errors)    # one device->host read for all
+    for name in refs:
         if name not in ("o", "final_state", "state_cache"):
             continue
         x = outs.get(name)
         tol = db.lookup(backend, route_name, dtype, name)
-        if x is None:
-            met = compare({}, {name: ref}, problem)[name]
-        else:
-            try:
-                met = tensor_metrics(x, ref, dtype=x.dtype, problem=problem, tensor=name)
-            except ValueError as e:
-                met = compare({}, {name: ref}, problem)[name]
-                records[name] = {"tolerance_key": tol.key, "err": math.nan, "threshold": math.nan,
-                                 "margin": math.inf, "metric": "shape", "baseline_err": math.nan}
-                metrics[name] = met
-                statuses.append("fail")
-                reasons.append(str(e))
-                continue
+        met = measured[name]
+        if name in shape_errors:
+            records[name] = {"tolerance_key": tol.key, "err": math.nan, "threshold": math.nan,
+                             "margin": math.inf, "metric": "shape", "baseline_err": math.nan}
+            metrics[name] = met
+            statuses.append("fail")
+            reasons.append(str(shape_errors[name]))
+            continue
         base = baseline.get(name)
         why = degenerate(base)
         kernel_broken = met.get("missing") or met["nan_frac"] > 0 or met["inf_frac"] > 0
