@@ -139,6 +139,25 @@ def test_pinned_during_the_call_and_restored_after(CFGS):
     assert inspect.getsourcefile(Autotuner.run).endswith("autotuner.py")   # Triton's own run is back
 
 
+def test_the_choice_is_made_once_per_list_and_rule(CFGS, monkeypatch):
+    """A 10^4-step serving trace pins every fla autotuner on each decode call: the rule runs once
+    per (config list, rule), not once per call; a new list (a library that rebuilt it) or another
+    rule is chosen again, and the choice is the rule's."""
+    tuner, _ = make_tuner(list(CFGS))
+    keys = []
+    rule = lambda i, c: (keys.append(i), pin.rule_key(i, c))[1]   # noqa: E731
+    for _ in range(3):
+        with pin.pinned({"k": tuner}, rule=rule) as record:
+            assert tuner.configs == [CFGS[3]]
+    assert len(keys) == len(CFGS) and record["k"]["config"] == "BLOCK=64 warps=4 stages=2"
+    tuner.configs = list(CFGS[:3])                                 # a new list: chosen again
+    with pin.pinned({"k": tuner}, rule=rule):
+        assert tuner.configs == [CFGS[1]]
+    assert len(keys) == len(CFGS) + 3
+    with pin.pinned({"k": tuner}, rule=pin.first_matching(BLOCK=32)):
+        assert tuner.configs == [CFGS[2]]
+
+
 def test_restored_when_the_call_raises(CFGS):
     tuner, _ = make_tuner(list(CFGS))
     Autotuner = _tt().Autotuner
