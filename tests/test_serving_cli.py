@@ -222,3 +222,35 @@ def test_one_pairing_names_the_option_of_a_backend_that_cannot_run():
     assert lb is la and "prefill" in rp.flag("groups") and set(rd.flag("groups")) & {"decode", "spec"}
     with pytest.raises(BackendError, match="^--decode-backend: "):
         cells.one_pairing("emulator", "moonshot", None, None)     # flash_kda needs a GPU build
+
+
+def _first_chunks(n_items: int, workers: int) -> list:
+    """The items xdist's ``--dist load`` sends each worker first (LoadScheduling.schedule): a
+    chunk of max(2, items / workers / 4) consecutive items per worker, round robin when there are
+    fewer than two per worker."""
+    if n_items < 2 * workers:
+        return [list(range(w, n_items, workers)) for w in range(workers)]
+    chunk = max(2, n_items // workers // 4)
+    return [list(range(w * chunk, min(n_items, (w + 1) * chunk))) for w in range(workers)]
+
+
+@pytest.mark.parametrize("workers,dist", [(5, "load"), (3, "load"), (16, "load"), (5, "loadgroup"), (0, "no")])
+def test_long_serving_cells_start_first_each_on_a_worker_of_its_own(workers, dist):
+    """On the H200 the two long cells of fla + fla were adjacent, went to one worker as its first
+    chunk and ran back to back (69 s of a 90 s run).  Scheduled, every long cell is in a different
+    worker's first chunk (load) or among the first units (loadgroup), and every cell is kept."""
+    from types import SimpleNamespace
+    from verification.pytest_plugin import _scheduled
+    from verification.serving.cases import serving_suite
+    cases = serving_suite()
+    assert sum(c.long for c in cases) >= 2
+    cells = [(SimpleNamespace(name="b"), SimpleNamespace(name=f"r{i}"), c) for c in cases for i in range(3 if not c.long else 1)]
+    out = _scheduled(cells, workers, dist)
+    assert sorted(id(x[2]) for x in out) == sorted(id(x[2]) for x in cells) and not any(g for *_, g in out)
+    where = [i for i, x in enumerate(out) if x[2].long]
+    if dist == "load":
+        chunks = _first_chunks(len(out), workers)
+        owners = [next(w for w, ch in enumerate(chunks) if i in ch) for i in where]
+        assert len(set(owners)) == len(where), (where, chunks)
+    else:
+        assert where == list(range(len(where)))

@@ -53,6 +53,7 @@ author's own tests: ``def test_my_kernel(kda_close): kda_close(my_kernel(problem
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -310,7 +311,9 @@ def pytest_pycollect_makeitem(collector, name, obj):
     except Exception as e:  # noqa: BLE001 - bad options: one failing item that says why
         return [VerifyConfigError.from_parent(collector, name=f"{name}[options]", error=e)]
     items = []
-    for lb, route, case, grouped in _scheduled(cells, pick_device(collector.config)):
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    dist = str(getattr(collector.config.option, "dist", "no") or "no")
+    for lb, route, case, grouped in _scheduled(cells, workers, dist):
         item = VerifyItem.from_parent(collector, name=f"{name}[{cell_id(lb.name, route.name, case.id)}]",
                                       cell=(lb, route, case))
         item.add_marker(MARKER)
@@ -320,7 +323,7 @@ def pytest_pycollect_makeitem(collector, name, obj):
     return items
 
 
-def _scheduled(cells: list, device: str) -> list:
+def _scheduled(cells: list, workers: int = 0, dist: str = "no") -> list:
     """[(backend, route, case, grouped)] in the order xdist hands them out.
 
     Dense cases: in plan order, every case one xdist group, so ``--dist loadgroup`` keeps a case's
@@ -330,15 +333,28 @@ def _scheduled(cells: list, device: str) -> list:
     instead of 71, ran out of device memory on 12 cells of the largest cases and took 137.9 s
     instead of 108.4 s.
 
-    Serving traces: the long cases (10^4 decode steps, one cell per prefill route) first and no
-    group, so their cells run side by side on different workers; a group would run every pairing
-    of a long trace one after another on one worker.  ``device`` is kept for a room-based rule."""
+    Serving traces: no group, the long cases (10^4 decode steps) first, each on a worker of its
+    own.  xdist's default ``--dist load`` hands each of ``workers`` workers a first chunk of
+    max(2, cells / workers / 4) consecutive items (xdist's LoadScheduling), so there the long
+    cells stand one chunk apart; every other mode (``loadgroup``: each ungrouped item its own
+    unit, one per worker to begin with) takes them one after another.  On the H200 the two long
+    cells of fla + fla, adjacent, went to one worker as its first chunk and ran back to back:
+    69 s of a 90 s run."""
+    # lazy: the pytest plugin loads into every pytest session (docs/design.md, Imports)
     from verification.serving.cases import ServingCase
     serving = [c for c in cells if isinstance(c[2], ServingCase)]
     if not serving:
         return [(lb, route, case, True) for lb, route, case in cells]
-    return [(lb, route, case, not isinstance(case, ServingCase))
-            for lb, route, case in sorted(cells, key=lambda c: not getattr(c[2], "long", False))]
+    long = [c for c in cells if getattr(c[2], "long", False)]
+    short = [c for c in cells if not getattr(c[2], "long", False)]
+    gap = max(2, len(cells) // workers // 4) if dist == "load" and workers > 1 else 1
+    out = []
+    for c in long:
+        out.append(c)
+        out.extend(short[:gap - 1])
+        del short[:gap - 1]
+    out.extend(short)
+    return [(lb, route, case, not isinstance(case, ServingCase)) for lb, route, case in out]
 
 
 class VerifyFailure(AssertionError):
