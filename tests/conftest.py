@@ -1,12 +1,16 @@
+"""Fixtures of the project's tests.  torch is imported where it is used, not here: under
+pytest-xdist the controller, which runs no test, loads this file before it starts the workers,
+and an import of torch there (seconds on a GPU host) delays every worker's start."""
 import os
 
 import pytest
-import torch
 
 
 @pytest.fixture
 def one_thread():
     """Tiny problems: one CPU thread is faster than several contending for the cores."""
+    # lazy: a torch import here would delay pytest-xdist's workers (module docstring)
+    import torch
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -29,4 +33,6 @@ def pytest_configure(config):
     problem's step ran 5-50x slower with two threads than with one under load)."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
     if os.environ.get("PYTEST_XDIST_WORKER") and workers > 1:
+        # lazy: a torch import here would delay pytest-xdist's workers (module docstring)
+        import torch
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
