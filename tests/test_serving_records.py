@@ -67,3 +67,25 @@ def test_emulator_records_are_unchanged(case_id):
         assert not _differences(_kept(rec), want), (rec["key"], _differences(_kept(rec), want)[:3])
         seen += 1
     assert seen == sum(1 for k in golden if k.endswith("|" + case_id)) and seen > 0
+
+
+def test_a_serving_cell_says_where_its_time_went():
+    """A serving cell's timings are in the parts of `kda-verify run`'s breakdown (before, the
+    whole run was one ``run_s`` and the breakdown put every second of the H200's serving run in
+    "other"): the trace's build on the cell that built it, the oracle, the baseline (cached on
+    the next cell of the same recipes), the kernel, the metrics; together about the run."""
+    from verification.running.timing import breakdown, cell_sums
+    lb = load("emulator")
+    case = next(c for c in get_serving_suite(long=False) if c.id == "serving/spec-accepts")
+    db, cache = load_tolerances(), TraceCache()
+    (rp, rd), = [(a, b) for a, b in pairings(lb, lb, None, None) if (a.name, b.name) == ("fla", "fla-recurrent")]
+    first = run_serving_cell(lb, lb, rp, rd, case, db, cache)["timings"]
+    again = run_serving_cell(lb, lb, rp, rd, case, db, cache)["timings"]
+    for t in (first, again):
+        parts = t["oracle_s"] + t["baseline_s"] + t["kernel_s"] + t["metrics_s"] + t.get("compile_s", 0.0)
+        assert t["kernel_s"] > 0 and t["oracle_s"] > 0 and t["metrics_s"] > 0
+        assert 0.8 * t["run_s"] <= parts <= t["run_s"] + 1e-6, t
+    assert first["build_cached"] is False and again["build_cached"] is True
+    assert first["baseline_cached"] is False and again["baseline_cached"] is True
+    bd = breakdown(cell_sums([first, again]), wall_s=first["run_s"] + again["run_s"])
+    assert bd["kernel_s"] > 0 and bd["oracle_s"] > 0 and bd["build_runs"] == 1

@@ -34,6 +34,7 @@ from verification.errors import UsageError
 from verification.judging.metrics import dtype_name
 from verification.judging.record import decode_number, encode, new_record
 from verification.judging.verdict import decide, known_failure_entry
+from verification.running.compile_time import compile_clock
 from verification.running.run_cell import _errored, _Said, note_self_judged
 from verification.running.run_select import load
 from verification.serving.execute import Pairing, Side, pairing_refusal, run_pairing, trace_groups
@@ -175,13 +176,21 @@ class TraceCache:
         self.trace = None
         self.groups = None
         self.baselines: dict = {}
+        self._fresh = False
 
     def get(self, case):
         if case.id != self.case_id:
             self.case_id, self.trace, self.baselines = case.id, None, {}
             self.trace = case.build()
             self.groups = trace_groups(self.trace)
+            self._fresh = True
         return self.trace
+
+    def built_now(self, case) -> bool:
+        """Whether the first ``get`` of this case's trace since it was built is this one's (asked
+        once per cell, after ``get``)."""
+        fresh, self._fresh = self._fresh, False
+        return fresh and case.id == self.case_id
 
 
 LONG_STEPS = 2000      # a trace of at least this many steps says how far it is every LONG_STEPS steps
@@ -223,6 +232,9 @@ def run_serving_cell(prefill_lb, decode_lb, rp, rd, case, db, cache: TraceCache,
         return rec
     key = (rp.recipe, rd.recipe)
     rows = cache.baselines.get(key)
+    clock = compile_clock()
+    clock.forget_pending()
+    c0, n0, h0 = clock.seconds, clock.compiles, clock.cache_hits
     t1 = time.perf_counter()
     try:
         res = run_pairing(tr, pairing, tolerances_for(db, pairing, rec["dtype"]),
@@ -232,8 +244,9 @@ def run_serving_cell(prefill_lb, decode_lb, rp, rd, case, db, cache: TraceCache,
         return _errored(rec, e, "serving trace run")
     if res.baseline_rows is not None and res.status != "error":
         cache.baselines[key] = res.baseline_rows
-    rec["timings"] = {"build_s": build_s, "run_s": time.perf_counter() - t1,
-                      "baseline_cached": rows is not None}
+    rec["timings"] = _timings(res.seconds, build_s, time.perf_counter() - t1, rows is not None, cache.built_now(case),
+                              compile_s=clock.seconds - c0, compiles=clock.compiles - n0,
+                              compile_cache_hits=clock.cache_hits - h0, compile_how=clock.how)
     tensors = {}
     if res.worst_o is not None:
         tensors["o"] = _item_record(res.worst_o)
@@ -252,6 +265,20 @@ def run_serving_cell(prefill_lb, decode_lb, rp, rd, case, db, cache: TraceCache,
     status = {"not-applicable": "not-applicable"}.get(res.status, res.status)
     kf = known_failure_entry(db, rec["backend"], rec["route"], rec["case"], rec.get("params"))
     return note_self_judged(decide(_Said(status, res.reason), known_failure=kf).apply_to(rec))
+
+
+def _timings(seconds: dict, build_s: float, run_s: float, baseline_cached: bool, built: bool, **compile_info) -> dict:
+    """A serving cell's ``timings`` in the parts of verification.running.timing: build (the trace,
+    when this cell built it), oracle (the truth's steps), baseline (the baseline's steps; cached
+    when an earlier cell's errors were reused), compile (Triton, inside the calls), kernel (the
+    pairing's steps less compile), metrics (measure and judge; on a GPU the calls run
+    asynchronously and the wait for them is in metrics, in the one transfer per step), and
+    ``run_s``, the whole of the run."""
+    compile_s = float(compile_info.get("compile_s") or 0.0)
+    return {"build_s": build_s, "build_cached": not built, "oracle_s": seconds["oracle"], "oracle_cached": False,
+            "baseline_s": seconds["baseline"], "baseline_cached": baseline_cached,
+            "kernel_s": max(0.0, seconds["kernel"] - compile_s), "metrics_s": seconds["metrics"],
+            "run_s": run_s, **compile_info}
 
 
 def _step_note(stream, rec: dict, steps: int):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -199,6 +200,9 @@ class PairingResult:
     drift: Optional[dict] = None                  # long-decode cases: error against decode step
     baseline_rows: Optional[list] = None          # the baseline's compact errors per step (reusable)
     not_applicable: list = field(default_factory=list)
+    # seconds: "kernel" (the pairing's steps: split, calls, copies), "baseline" (the baseline's
+    # steps and their measure), "oracle" (the truth's steps), "metrics" (measure, judge, the rest)
+    seconds: dict = field(default_factory=lambda: {"kernel": 0.0, "baseline": 0.0, "oracle": 0.0, "metrics": 0.0})
 
 
 MAX_FAILURES = 20
@@ -256,7 +260,15 @@ def run_pairing(tr: Trace, pairing: Pairing, tols: dict, baseline: Optional[Pair
     writers: dict = {}            # slot -> (side label, group, step, request) of its last write
     previous: dict = {}           # slot -> (step of its last write, its content before that write)
     drift_pts = [] if drift else None
-    for st in trace_oracle(tr):
+    sec = res.seconds
+    truths = iter(trace_oracle(tr))
+    while True:
+        t0 = time.perf_counter()
+        st = next(truths, None)
+        t1 = time.perf_counter()
+        sec["oracle"] += t1 - t0
+        if st is None:
+            break
         s = st.step
         if br is not None:
             try:
@@ -268,12 +280,16 @@ def run_pairing(tr: Trace, pairing: Pairing, tols: dict, baseline: Optional[Pair
             base = rows_out[-1]
         elif not itself:
             base = baseline_rows[s]
+        t2 = time.perf_counter()
+        sec["baseline"] += t2 - t1
         try:
             r = kr.step(s)
         except CallFailed as e:
             res.status, res.reason = "error", str(e)
             res.steps = s
             return res
+        t3 = time.perf_counter()
+        sec["kernel"] += t3 - t2
         km = measure(st, r.o, r.after, before=r.before)
         if itself:                          # the kernel is its own baseline (the emulator): measured once
             rows_out.append(compact(km))
@@ -310,6 +326,7 @@ def run_pairing(tr: Trace, pairing: Pairing, tols: dict, baseline: Optional[Pair
                 previous[slot] = (s, view_before[slot].clone())
         if on_step is not None:
             on_step(s, v)
+        sec["metrics"] += time.perf_counter() - t3
     res.baseline_rows = rows_out if rows_out is not None else baseline_rows
     if drift_pts is not None:
         res.drift = _drift_summary(drift_pts, tr)
