@@ -253,3 +253,16 @@ def test_the_kept_sequence_bounds_follow_an_in_place_change_of_cu_seqlens():
     _exactly(before_compare(outs, refs, p), again)
     assert again["o"]["slices"]["seq_block"]["labels"][:3] == [[0, 0, 15], [0, 16, 39], [1, 0, 4]]
     assert first["o"]["slices"]["seq_block"]["labels"][0] == [0, 0, 4]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+@pytest.mark.parametrize("state,seed,plant,dtypes", CELLS[:4], ids=lambda v: str(v))
+def test_on_a_gpu_the_metrics_are_exactly_the_ones_before(state, seed, plant, dtypes):
+    """The same on CUDA tensors, where the non-blocking copies and the one read really run."""
+    p, refs = _cell(state, seed=seed)
+    outs = _outputs(p, refs, seed=seed, plant=plant, dtypes=dtypes)
+    pc = p.to("cuda")
+    refs_c = {k: v.cuda() for k, v in refs.items()}
+    outs_c = {k: v.cuda() for k, v in outs.items()}
+    _exactly(before_compare(outs_c, refs_c, pc), compare(outs_c, refs_c, pc), "cuda")

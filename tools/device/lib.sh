@@ -13,3 +13,19 @@ step() {
   echo "=== $name: exit $rc after $(( $(date +%s) - t ))s"
   return 0
 }
+
+# bytecode_once DIR...: the bytecode of DIR... and of every module a matrix worker imports, compiled
+# once into $PYTHONPYCACHEPREFIX (default /tmp/pycache), as a pip install leaves it: the image's
+# site-packages (torch, triton, sympy, ...) carry no .pyc and take none (read-only, or written with
+# PYTHONDONTWRITEBYTECODE), so every pytest worker compiled ~2200 modules from source, about 7 s of
+# its start-up on the H200.  Prints how many .pyc torch has of its own, so the log says whether it
+# was needed.
+bytecode_once() {
+  export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/pycache}; unset PYTHONDONTWRITEBYTECODE
+  mkdir -p "$PYTHONPYCACHEPREFIX"
+  python3 -c "import importlib.util as u, pathlib as p; d = p.Path(u.find_spec('torch').origin).parent; print('torch .pyc of its own:', len(list(d.rglob('*.pyc'))), 'of', len(list(d.rglob('*.py'))), 'modules')"
+  python3 -m compileall -q -j 0 "$@" >/dev/null 2>&1
+  python3 -m pytest -q -p no:cacheprovider -p no:kda_verify -p verification.pytest_plugin -m verify \
+      tests/test_verify_matrix.py --collect-only --kda-backend "${BACKENDS:-triton,fla,aiter}" --kda-suite smoke >/dev/null 2>&1
+  echo "bytecode in $PYTHONPYCACHEPREFIX: $(find "$PYTHONPYCACHEPREFIX" -name '*.pyc' | wc -l) files"
+}

@@ -67,9 +67,10 @@ if [ "$MOONSHOT" = off ] || ! PYTHONPATH=/tmp/site python3 -c "import flash_kda"
   BACKENDS=$(echo ",$BACKENDS," | sed 's/,moonshot,/,/; s/^,//; s/,$//')
   echo "=== moonshot left out (MOONSHOT=$MOONSHOT, or flash_kda not importable): backends $BACKENDS"
 fi
-# the bytecode of every tree compiled now, so that no timed run pays for it
-python3 -m compileall -q -j 0 /tmp/site "$BEFORE" "$HERE/kda_kernels" "$HERE/kda_ref" "$HERE/verification" "$AITER" >/dev/null 2>&1
-PYTHONPATH=/tmp/site python3 -c "import torch, triton, fla.ops.kda" 2>/dev/null   # the imports' files read once
+# the bytecode of every tree and of what the workers import compiled now (lib.sh bytecode_once), so
+# that no timed run pays for it
+source "$HERE/tools/device/lib.sh"
+PYTHONPATH=/tmp/site:$HERE:$AITER bytecode_once /tmp/site "$BEFORE" "$HERE/kda_kernels" "$HERE/kda_ref" "$HERE/verification" "$AITER"
 echo "=== setup done at +$(( $(date +%s) - T0 ))s; backends $BACKENDS, suites $SUITES, -n $JOBS"
 
 run() {   # run NAME TREE cold|warm LIMIT [JOBS]

@@ -24,7 +24,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then python3 -m pip install -q --no-index --no
 export PYTHONPATH=/tmp/site:$PWD:$PWD/$AITER
 export TRITON_CACHE_DIR=/tmp/serving-speed/triton KDA_VERIFY_CACHE_DIR=/tmp/serving-speed/kda-verify
 rm -rf /tmp/serving-speed && mkdir -p "$TRITON_CACHE_DIR"
-python3 -m compileall -q -j 0 kda_ref kda_kernels verification "$AITER" /tmp/site >/dev/null 2>&1
+source tools/device/lib.sh
+bytecode_once kda_ref kda_kernels verification "$AITER" /tmp/site
 python3 -c "import torch, triton, fla; print('torch', torch.__version__, 'triton', triton.__version__, 'fla-core', fla.__version__)"
 echo "=== setup done at +$(( $(date +%s) - T0 ))s"
 
