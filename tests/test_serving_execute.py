@@ -276,3 +276,26 @@ def test_the_baseline_runs_on_the_host_whatever_the_kernels_device(monkeypatch):
     res = run_pairing(chunked_spec_trace(), p, tolerances_for(DB, p, "fp32"), baseline=b, device="cpu:0")
     assert res.status == "pass", res.reason
     assert made == [("kernel", "cpu:0"), ("baseline", execute.BASELINE_DEVICE)] and execute.BASELINE_DEVICE == "cpu"
+
+
+def _baseline_threads() -> list:
+    import threading
+    return [t for t in threading.enumerate() if t.name == "kda-verify baseline"]
+
+
+def test_the_baseline_thread_hands_over_its_failures_and_never_outlives_the_run():
+    """The baseline's steps run on a thread of their own (BaselineAhead).  A baseline call that
+    raises makes the cell not applicable, naming the baseline; a kernel that raises early ends
+    the run with the thread stopped (it was waiting on its full queue); an interrupt in the
+    baseline reaches the caller as the interrupt.  No thread is left behind."""
+    tr, p = chunked_spec_trace(), pairing()
+    tols = tolerances_for(DB, p, "fp32")
+    res = run_pairing(tr, p, tols, baseline=pairing("exact", "raising"))
+    assert res.status == "not-applicable" and res.reason.startswith(
+        "the baseline (emulator) failed: step 1 call decode serving-raising:exact-decode"), res.reason
+    long = generate(5, None, requests=1, max_batch=1, prompt=(4, 4), decodes=(300, 300), H=2, HV=2, K=8, V=8)
+    res = run_pairing(long, pairing("exact", "raising"), tolerances_for(DB, p, "fp32"), baseline=p)
+    assert res.status == "error" and res.steps == 1
+    with pytest.raises(KeyboardInterrupt):
+        run_pairing(tr, p, tols, baseline=pairing("exact", "interrupt"))
+    assert not _baseline_threads()

@@ -312,8 +312,7 @@ def pytest_pycollect_makeitem(collector, name, obj):
         return [VerifyConfigError.from_parent(collector, name=f"{name}[options]", error=e)]
     items = []
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
-    dist = str(getattr(collector.config.option, "dist", "no") or "no")
-    for lb, route, case, grouped in _scheduled(cells, workers, dist):
+    for lb, route, case, grouped in _scheduled(cells, workers):
         item = VerifyItem.from_parent(collector, name=f"{name}[{cell_id(lb.name, route.name, case.id)}]",
                                       cell=(lb, route, case))
         item.add_marker(MARKER)
@@ -323,7 +322,7 @@ def pytest_pycollect_makeitem(collector, name, obj):
     return items
 
 
-def _scheduled(cells: list, workers: int = 0, dist: str = "no") -> list:
+def _scheduled(cells: list, workers: int = 0) -> list:
     """[(backend, route, case, grouped)] in the order xdist hands them out.
 
     Dense cases: in plan order, every case one xdist group, so ``--dist loadgroup`` keeps a case's
@@ -335,11 +334,12 @@ def _scheduled(cells: list, workers: int = 0, dist: str = "no") -> list:
 
     Serving traces: no group, the long cases (10^4 decode steps) first, each on a worker of its
     own.  xdist's default ``--dist load`` hands each of ``workers`` workers a first chunk of
-    max(2, cells / workers / 4) consecutive items (xdist's LoadScheduling), so there the long
-    cells stand one chunk apart; every other mode (``loadgroup``: each ungrouped item its own
-    unit, one per worker to begin with) takes them one after another.  On the H200 the two long
-    cells of fla + fla, adjacent, went to one worker as its first chunk and ran back to back:
-    69 s of a 90 s run."""
+    max(2, cells / workers / 4) consecutive items (xdist's LoadScheduling), so the long cells
+    stand one such chunk apart; under ``loadgroup`` (each ungrouped item its own unit, one per
+    worker to begin with) they are still among the first units.  A worker does not know the
+    mode (xdist sets its ``dist`` option to "no"), so the spacing is the same for every mode.
+    On the H200 the two long cells of fla + fla, adjacent, went to one worker as its first chunk
+    and ran back to back: 69 s of a 90 s run."""
     # lazy: the pytest plugin loads into every pytest session (docs/design.md, Imports)
     from verification.serving.cases import ServingCase
     serving = [c for c in cells if isinstance(c[2], ServingCase)]
@@ -347,7 +347,7 @@ def _scheduled(cells: list, workers: int = 0, dist: str = "no") -> list:
         return [(lb, route, case, True) for lb, route, case in cells]
     long = [c for c in cells if getattr(c[2], "long", False)]
     short = [c for c in cells if not getattr(c[2], "long", False)]
-    gap = max(2, len(cells) // workers // 4) if dist == "load" and workers > 1 else 1
+    gap = max(2, len(cells) // workers // 4) if workers > 1 else 1
     out = []
     for c in long:
         out.append(c)

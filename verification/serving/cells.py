@@ -269,8 +269,9 @@ def run_serving_cell(prefill_lb, decode_lb, rp, rd, case, db, cache: TraceCache,
 
 def _timings(seconds: dict, build_s: float, run_s: float, baseline_cached: bool, built: bool, **compile_info) -> dict:
     """A serving cell's ``timings`` in the parts of verification.running.timing: build (the trace,
-    when this cell built it), oracle (the truth's steps), baseline (the baseline's steps; cached
-    when an earlier cell's errors were reused), compile (Triton, inside the calls), kernel (the
+    when this cell built it), oracle (the truth's steps), baseline (the wait for the baseline's
+    steps, which run on a thread of their own beside the kernel's; cached when an earlier cell's
+    errors were reused), compile (Triton, inside the calls), kernel (the
     pairing's steps less compile), metrics (measure and judge; on a GPU the calls run
     asynchronously and the wait for them is in metrics, in the one transfer per step), and
     ``run_s``, the whole of the run."""
