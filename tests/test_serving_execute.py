@@ -283,12 +283,26 @@ def _baseline_threads() -> list:
     return [t for t in threading.enumerate() if t.name == "kda-verify baseline"]
 
 
-def test_the_baseline_thread_hands_over_its_failures_and_never_outlives_the_run():
-    """The baseline's steps run on a thread of their own (BaselineAhead).  A baseline call that
+@pytest.mark.parametrize("beside", ["thread", "process"])
+def test_the_baseline_beside_hands_over_its_failures_and_never_outlives_the_run(beside, monkeypatch):
+    """The baseline's steps run beside the kernel's walk: on a thread (BaselineAhead), or for a
+    long trace in a forked process (BaselineProcess; here every trace).  A baseline call that
     raises makes the cell not applicable, naming the baseline; a kernel that raises early ends
-    the run with the thread stopped (it was waiting on its full queue); an interrupt in the
-    baseline reaches the caller as the interrupt.  No thread is left behind."""
+    the run with the thread or process stopped (it was blocked on its full queue or pipe); an
+    interrupt in the baseline reaches the caller as the interrupt; the rows are the ones run in
+    line (the verdict equal to the kernel's own).  Nothing is left behind."""
+    import multiprocessing
+    from verification.serving import execute
+    monkeypatch.setattr(execute, "BASELINE_PROCESS_STEPS", 0 if beside == "process" else 10 ** 9)
     tr, p = chunked_spec_trace(), pairing()
+    assert type(execute.baseline_ahead(tr, p)).__name__ == {"thread": "BaselineAhead", "process": "BaselineProcess"}[beside]
+    other = sb.ServingBackend("exact")
+    other.name = "baseline"
+    base = Pairing(Side(other, _route(other, "exact-prefill")), Side(other, _route(other, "exact-decode")))
+    beside_rows = run_pairing(tr, p, tolerances_for(DB, p, "fp32"), baseline=base)
+    inline = run_pairing(tr, p, tolerances_for(DB, p, "fp32"), baseline=p)      # its own baseline: in line
+    assert beside_rows.baseline_rows == inline.baseline_rows and len(inline.baseline_rows) == tr.steps
+    assert beside_rows.status == "pass" and beside_rows.worst.margin == inline.worst.margin
     tols = tolerances_for(DB, p, "fp32")
     res = run_pairing(tr, p, tols, baseline=pairing("exact", "raising"))
     assert res.status == "not-applicable" and res.reason.startswith(
@@ -298,4 +312,4 @@ def test_the_baseline_thread_hands_over_its_failures_and_never_outlives_the_run(
     assert res.status == "error" and res.steps == 1
     with pytest.raises(KeyboardInterrupt):
         run_pairing(tr, p, tols, baseline=pairing("exact", "interrupt"))
-    assert not _baseline_threads()
+    assert not _baseline_threads() and not multiprocessing.active_children()
