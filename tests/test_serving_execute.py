@@ -313,3 +313,29 @@ def test_the_baseline_beside_hands_over_its_failures_and_never_outlives_the_run(
     with pytest.raises(KeyboardInterrupt):
         run_pairing(tr, p, tols, baseline=pairing("exact", "interrupt"))
     assert not _baseline_threads() and not multiprocessing.active_children()
+
+
+def test_a_baseline_process_that_stalls_is_an_error_not_a_hung_cell(monkeypatch):
+    """A forked baseline that sends nothing for STALL_S (a child that deadlocked after the fork)
+    raises a RuntimeError that says so; the process is stopped and reaped.  The fork itself
+    raises no warning for the run's output."""
+    import multiprocessing
+    import time
+    import warnings
+    from verification.serving import execute
+
+    class Slow(sb.ServingBackend):
+        def run_call(self, call, route):
+            time.sleep(2.0)
+            return super().run_call(call, route)
+    slow = Slow("exact")
+    slow.name = "baseline"
+    base = Pairing(Side(slow, _route(slow, "exact-prefill")), Side(slow, _route(slow, "exact-decode")))
+    monkeypatch.setattr(execute, "BASELINE_PROCESS_STEPS", 0)
+    monkeypatch.setattr(execute.BaselineProcess, "STALL_S", 0.3)
+    p = pairing()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(RuntimeError, match=r"the baseline's process sent nothing for 0.3 s \(still running\)"):
+            run_pairing(chunked_spec_trace(), p, tolerances_for(DB, p, "fp32"), baseline=base)
+    assert not multiprocessing.active_children()

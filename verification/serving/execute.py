@@ -26,6 +26,7 @@ import multiprocessing
 import queue
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -465,17 +466,27 @@ class BaselineProcess:
     order, a failing call raised as CallFailed by ``next``, an interrupt as KeyboardInterrupt,
     anything else as a RuntimeError naming it."""
 
+    STALL_S = 120.0     # no batch for this long (a batch is 256 steps, about 0.5 s on the H200's host): an error
+
     def __init__(self, tr: Trace, baseline: Pairing):
         ctx = multiprocessing.get_context("fork")
         self.conn, child = ctx.Pipe(duplex=False)
         self.proc = ctx.Process(target=_baseline_child, args=(child, tr, baseline), name="kda-verify baseline",
                                 daemon=True)
-        self.proc.start()
+        with warnings.catch_warnings():
+            # Python 3.12 warns on any fork of a process with threads (torch's, CUDA's).  The child
+            # runs torch on the host, on one thread, as a DataLoader's forked workers do; a child
+            # that hangs anyway is an error after STALL_S, never a hung cell.
+            warnings.filterwarnings("ignore", message=r".*use of fork\(\) may lead to deadlocks", category=DeprecationWarning)
+            self.proc.start()
         child.close()
         self.rows: collections.deque = collections.deque()
 
     def next(self) -> dict:
         while not self.rows:
+            if not self.conn.poll(self.STALL_S):
+                raise RuntimeError(f"the baseline's process sent nothing for {self.STALL_S:g} s "
+                                   f"({'still running' if self.proc.is_alive() else f'exit code {self.proc.exitcode}'})")
             try:
                 kind, x = self.conn.recv()
             except EOFError:
