@@ -118,7 +118,7 @@ def measure(truth, o: torch.Tensor, after: torch.Tensor, before: Optional[torch.
     written = list(truth.written)
     outside = None
     if before is not None:
-        outside = (changed_mask(before, after) & unwritten_mask(truth.cache, written, device=after.device)).sum()
+        outside = changed_outside(truth.cache, written, before, after).sum()
     if o.device.type == "cpu" and after.device.type == "cpu":
         o, host = o.to(F64), [view[s].to(F64) for s in written]
         outside = None if outside is None else int(outside)
@@ -170,6 +170,12 @@ def changed_mask(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
     """bool [numel]: the elements whose bits differ (NaN equal to a NaN of the same bits)."""
     it = _INT[before.dtype]
     return before.view(it) != after.view(it)
+
+
+def changed_outside(spec, written, before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+    """bool [numel]: the elements outside the ``written`` slots whose bits changed (what the
+    bitwise check fails on)."""
+    return changed_mask(before, after) & unwritten_mask(spec, written, device=after.device)
 
 
 def written_mask(spec, slots, device=None) -> torch.Tensor:
@@ -267,11 +273,9 @@ def judge_step(truth, base: dict, o: torch.Tensor, before: torch.Tensor, after: 
             row_call[r] = c
     items = []
     # bitwise: nothing outside the written slots changes
-    counted = kernel.get("outside")
-    if counted is None or counted > 0:
-        ch = changed_mask(before, after)
-        outside = ch & unwritten_mask(spec, truth.written, device=ch.device)
-    if (counted > 0) if counted is not None else bool(outside.any()):
+    counted = kernel.get("outside")             # measure's count, read with the rest of the step
+    outside = changed_outside(spec, truth.written, before, after) if counted is None or counted else None
+    if counted if counted is not None else bool(outside.any()):
         idx = torch.nonzero(outside).flatten().tolist()
         seen = {}
         for i in idx:
