@@ -176,21 +176,13 @@ class TraceCache:
         self.trace = None
         self.groups = None
         self.baselines: dict = {}
-        self._fresh = False
 
     def get(self, case):
         if case.id != self.case_id:
             self.case_id, self.trace, self.baselines = case.id, None, {}
             self.trace = case.build()
             self.groups = trace_groups(self.trace)
-            self._fresh = True
         return self.trace
-
-    def built_now(self, case) -> bool:
-        """Whether the first ``get`` of this case's trace since it was built is this one's (asked
-        once per cell, after ``get``)."""
-        fresh, self._fresh = self._fresh, False
-        return fresh and case.id == self.case_id
 
 
 LONG_STEPS = 2000      # a trace of at least this many steps says how far it is every LONG_STEPS steps
@@ -217,6 +209,7 @@ def run_serving_cell(prefill_lb, decode_lb, rp, rd, case, db, cache: TraceCache,
             rec.update(status="skipped", reason=f"backend unavailable: {lb.reason or 'no reason given'}")
             return rec
     t0 = time.perf_counter()
+    built = cache.case_id != case.id            # this cell builds the trace (the cache holds one case's)
     try:
         tr = cache.get(case)
     except Exception as e:  # noqa: BLE001 - a case that cannot build is the harness's error, recorded
@@ -244,7 +237,7 @@ def run_serving_cell(prefill_lb, decode_lb, rp, rd, case, db, cache: TraceCache,
         return _errored(rec, e, "serving trace run")
     if res.baseline_rows is not None and res.status != "error":
         cache.baselines[key] = res.baseline_rows
-    rec["timings"] = _timings(res.seconds, build_s, time.perf_counter() - t1, rows is not None, cache.built_now(case),
+    rec["timings"] = _timings(res.seconds, build_s, time.perf_counter() - t1, rows is not None, built,
                               compile_s=clock.seconds - c0, compiles=clock.compiles - n0,
                               compile_cache_hits=clock.cache_hits - h0, compile_how=clock.how)
     tensors = {}
