@@ -278,24 +278,21 @@ def test_the_baseline_runs_on_the_host_whatever_the_kernels_device(monkeypatch):
     assert made == [("kernel", "cpu:0"), ("baseline", execute.BASELINE_DEVICE)] and execute.BASELINE_DEVICE == "cpu"
 
 
-def _baseline_threads() -> list:
-    import threading
-    return [t for t in threading.enumerate() if t.name == "kda-verify baseline"]
-
-
-@pytest.mark.parametrize("beside", ["thread", "process"])
+@pytest.mark.parametrize("beside", ["inline", "process"])
 def test_the_baseline_beside_hands_over_its_failures_and_never_outlives_the_run(beside, monkeypatch):
-    """The baseline's steps run beside the kernel's walk: on a thread (BaselineAhead), or for a
-    long trace in a forked process (BaselineProcess; here every trace).  A baseline call that
-    raises makes the cell not applicable, naming the baseline; a kernel that raises early ends
-    the run with the thread or process stopped (it was blocked on its full queue or pipe); an
-    interrupt in the baseline reaches the caller as the interrupt; the rows are the ones run in
-    line (the verdict equal to the kernel's own).  Nothing is left behind."""
+    """The baseline's steps run in line (BaselineInline), or for a long trace in a forked process
+    beside the kernel's walk (BaselineProcess; here every trace).  A baseline call that raises
+    makes the cell not applicable, naming the baseline; a kernel that raises early ends the run
+    with the process stopped (it was blocked on its full pipe); an interrupt in the baseline
+    reaches the caller as the interrupt; the rows are the same either way (the verdict equal to
+    the kernel's own).  Nothing is left behind."""
     import multiprocessing
     from verification.serving import execute
     monkeypatch.setattr(execute, "BASELINE_PROCESS_STEPS", 0 if beside == "process" else 10 ** 9)
     tr, p = chunked_spec_trace(), pairing()
-    assert type(execute.baseline_ahead(tr, p)).__name__ == {"thread": "BaselineAhead", "process": "BaselineProcess"}[beside]
+    made = execute.baseline_ahead(tr, p)
+    made.close()
+    assert type(made).__name__ == {"inline": "BaselineInline", "process": "BaselineProcess"}[beside]
     other = sb.ServingBackend("exact")
     other.name = "baseline"
     base = Pairing(Side(other, _route(other, "exact-prefill")), Side(other, _route(other, "exact-decode")))
@@ -312,7 +309,7 @@ def test_the_baseline_beside_hands_over_its_failures_and_never_outlives_the_run(
     assert res.status == "error" and res.steps == 1
     with pytest.raises(KeyboardInterrupt):
         run_pairing(tr, p, tols, baseline=pairing("exact", "interrupt"))
-    assert not _baseline_threads() and not multiprocessing.active_children()
+    assert not multiprocessing.active_children()
 
 
 def test_a_baseline_process_that_stalls_is_an_error_not_a_hung_cell(monkeypatch):

@@ -20,11 +20,10 @@ side to the other in another layout or dtype, a row that read the wrong state.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import math
 import multiprocessing
-import queue
-import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -255,183 +254,151 @@ def run_pairing(tr: Trace, pairing: Pairing, tols: dict, baseline: Optional[Pair
     side).  ``drift``: keep the error of every decode step (downsampled to DRIFT_POINTS bins, the
     worst of each bin).  Never raises for a kernel's sake: a call that raises is status "error"
     naming the step and the call.  The baseline runs on the host (BASELINE_DEVICE) whatever
-    ``device`` is, beside the kernel's walk (``baseline_ahead``), and the run holds torch to one
-    thread (``_one_torch_thread``).  ``seconds["baseline"]`` is the time the walk waited for it."""
+    ``device`` is (``baseline_ahead``: in line, or beside the walk for a long trace), and the run
+    holds torch to one thread (``_one_torch_thread``).  ``seconds["baseline"]`` is the time the
+    walk spent on the baseline (computing it, or waiting for it)."""
     res = PairingResult(status="pass")
     kr = TraceRun(tr, pairing, device=device)
     itself = baseline is not None and baseline_rows is None and same_pairing(pairing, baseline)
     ahead = (baseline_ahead(tr, baseline) if baseline_rows is None and not itself else None)
     rows_out = [] if (ahead is not None or itself) else None
-    try:
-        return _run_pairing(tr, pairing, tols, res, kr, ahead, itself, rows_out, baseline_rows, drift, on_step)
-    finally:
+    with contextlib.ExitStack() as stack:
         if ahead is not None:
-            ahead.close()
-
-
-def _run_pairing(tr, pairing, tols, res, kr, ahead, itself, rows_out, baseline_rows, drift, on_step):
-    """run_pairing's walk over the steps (its docstring)."""
-    writers: dict = {}            # slot -> (side label, group, step, request) of its last write
-    previous: dict = {}           # slot -> (step of its last write, its content before that write)
-    drift_pts = [] if drift else None
-    sec = res.seconds
-    truths = iter(trace_oracle(tr))
-    while True:
-        t0 = time.perf_counter()
-        st = next(truths, None)
-        t1 = time.perf_counter()
-        sec["oracle"] += t1 - t0
-        if st is None:
-            break
-        s = st.step
-        if ahead is not None:
-            try:
-                rows_out.append(ahead.next())
-            except CallFailed as e:
-                res.status, res.reason = "not-applicable", f"the baseline (emulator) failed: {e}"
-                return res
-            base = rows_out[-1]
-        elif not itself:
-            base = baseline_rows[s]
-        t2 = time.perf_counter()
-        sec["baseline"] += t2 - t1
-        try:
-            r = kr.step(s)
-        except CallFailed as e:
-            res.status, res.reason = "error", str(e)
-            res.steps = s
-            return res
-        t3 = time.perf_counter()
-        sec["kernel"] += t3 - t2
-        km = measure(st, r.o, r.after, before=r.before)
-        if itself:                          # the kernel is its own baseline (the emulator): measured once
-            rows_out.append(compact(km))
-            base = rows_out[-1]
-        v = judge_step(st, base, r.o, r.before, r.after, tols, r.calls, kernel=km)
-        res.steps = s + 1
-        for it in v.items:
-            if it.status == "not-applicable":
-                if len(res.not_applicable) < MAX_FAILURES:
-                    res.not_applicable.append(it)
-                continue
-            res.worst = _better(res.worst, it)
-            if it.kind == "o":
-                res.worst_o = _better(res.worst_o, it)
-            elif it.kind == "state":
-                res.worst_state = _better(res.worst_state, it)
-        failed = v.failed
-        if failed:
-            res.failing_steps += 1
-            if res.first_failure is None:
-                res.first_failure = failed[0]
+            stack.callback(ahead.close)        # a run that ends early stops the baseline beside it
+        writers: dict = {}            # slot -> (side label, group, step, request) of its last write
+        previous: dict = {}           # slot -> (step of its last write, its content before that write)
+        drift_pts = [] if drift else None
+        sec = res.seconds
+        truths = iter(trace_oracle(tr))
+        while True:
+            t0 = time.perf_counter()
+            st = next(truths, None)
+            t1 = time.perf_counter()
+            sec["oracle"] += t1 - t0
+            if st is None:
+                break
+            s = st.step
+            if ahead is not None:
                 try:
-                    res.diagnosis = diagnose(tr, st, v, r, pairing, writers, previous)
-                except Exception as e:  # noqa: BLE001 - a diagnosis that breaks must not hide the verdict
-                    res.diagnosis = f"(diagnosis failed: {type(e).__name__}: {e})"
-            res.failures.extend(failed[:max(0, MAX_FAILURES - len(res.failures))])
+                    rows_out.append(ahead.next())
+                except CallFailed as e:
+                    res.status, res.reason = "not-applicable", f"the baseline (emulator) failed: {e}"
+                    return res
+                base = rows_out[-1]
+            elif not itself:
+                base = baseline_rows[s]
+            t2 = time.perf_counter()
+            sec["baseline"] += t2 - t1
+            try:
+                r = kr.step(s)
+            except CallFailed as e:
+                res.status, res.reason = "error", str(e)
+                res.steps = s
+                return res
+            t3 = time.perf_counter()
+            sec["kernel"] += t3 - t2
+            km = measure(st, r.o, r.after, before=r.before)
+            if itself:                          # the kernel is its own baseline (the emulator): measured once
+                rows_out.append(compact(km))
+                base = rows_out[-1]
+            v = judge_step(st, base, r.o, r.before, r.after, tols, r.calls, kernel=km)
+            res.steps = s + 1
+            for it in v.items:
+                if it.status == "not-applicable":
+                    if len(res.not_applicable) < MAX_FAILURES:
+                        res.not_applicable.append(it)
+                    continue
+                res.worst = _better(res.worst, it)
+                if it.kind == "o":
+                    res.worst_o = _better(res.worst_o, it)
+                elif it.kind == "state":
+                    res.worst_state = _better(res.worst_state, it)
+            failed = v.failed
+            if failed:
+                res.failing_steps += 1
+                if res.first_failure is None:
+                    res.first_failure = failed[0]
+                    try:
+                        res.diagnosis = diagnose(tr, st, v, r, pairing, writers, previous)
+                    except Exception as e:  # noqa: BLE001 - a diagnosis that breaks must not hide the verdict
+                        res.diagnosis = f"(diagnosis failed: {type(e).__name__}: {e})"
+                res.failures.extend(failed[:max(0, MAX_FAILURES - len(res.failures))])
+            if drift_pts is not None:
+                _drift_point(drift_pts, st, v, base)
+            view_before = tr.cache.view(r.before)
+            for rp in st.plan.rows:
+                c = next((c for c in r.calls if rp.row in c.rows), None)
+                for _, slot in rp.writes:
+                    writers[slot] = (c.label if c else "", c.group if c else "", s, rp.request)
+                    previous[slot] = (s, view_before[slot].clone())
+            if on_step is not None:
+                on_step(s, v)
+            sec["metrics"] += time.perf_counter() - t3
+        res.baseline_rows = rows_out if rows_out is not None else baseline_rows
         if drift_pts is not None:
-            _drift_point(drift_pts, st, v, base)
-        view_before = tr.cache.view(r.before)
-        for rp in st.plan.rows:
-            c = next((c for c in r.calls if rp.row in c.rows), None)
-            for _, slot in rp.writes:
-                writers[slot] = (c.label if c else "", c.group if c else "", s, rp.request)
-                previous[slot] = (s, view_before[slot].clone())
-        if on_step is not None:
-            on_step(s, v)
-        sec["metrics"] += time.perf_counter() - t3
-    res.baseline_rows = rows_out if rows_out is not None else baseline_rows
-    if drift_pts is not None:
-        res.drift = _drift_summary(drift_pts, tr)
-    if res.first_failure is not None:
-        f = res.first_failure
-        res.status = "fail"
-        more = f"; {res.failing_steps} failing step(s) in all" if res.failing_steps > 1 else ""
-        res.reason = f"first failure at step {f.step}: {f.reason}{more}"
-        if res.diagnosis:
-            res.reason = f"{res.diagnosis}; {res.reason}"
-    elif res.not_applicable and res.worst is None:
-        res.status, res.reason = "not-applicable", res.not_applicable[0].reason
-    elif res.not_applicable:
-        res.status = "not-applicable"
-        res.reason = (f"{len(res.not_applicable)} item(s) not judged: {res.not_applicable[0].reason} "
-                      f"(the rest passed, worst margin {res.worst.margin:.3g})")
-    else:
-        w = res.worst
-        res.reason = (f"pass: {res.steps} steps, worst margin {w.margin:.3g} ({w.kind} {w.where})" if w
-                      else f"pass: {res.steps} steps, nothing to judge")
-    return res
+            res.drift = _drift_summary(drift_pts, tr)
+        if res.first_failure is not None:
+            f = res.first_failure
+            res.status = "fail"
+            more = f"; {res.failing_steps} failing step(s) in all" if res.failing_steps > 1 else ""
+            res.reason = f"first failure at step {f.step}: {f.reason}{more}"
+            if res.diagnosis:
+                res.reason = f"{res.diagnosis}; {res.reason}"
+        elif res.not_applicable and res.worst is None:
+            res.status, res.reason = "not-applicable", res.not_applicable[0].reason
+        elif res.not_applicable:
+            res.status = "not-applicable"
+            res.reason = (f"{len(res.not_applicable)} item(s) not judged: {res.not_applicable[0].reason} "
+                          f"(the rest passed, worst margin {res.worst.margin:.3g})")
+        else:
+            w = res.worst
+            res.reason = (f"pass: {res.steps} steps, worst margin {w.margin:.3g} ({w.kind} {w.where})" if w
+                          else f"pass: {res.steps} steps, nothing to judge")
+        return res
 
 
-class BaselineAhead:
-    """The baseline's run of a trace (the emulator's pairing, on BASELINE_DEVICE) on a thread of
-    its own, its steps' compact errors (``compact(measure(...))``) handed over in step order
-    through a bounded queue: ``next()`` is step 0's, then step 1's, ...; a step that raised
-    raises there (CallFailed: the baseline failed; anything else: the harness's error).  The
-    thread walks its own oracle of the trace.
+def _baseline_rows(tr: Trace, baseline: Pairing):
+    """The baseline's compact errors (``compact(measure(...))``) of every step of ``tr``, in step
+    order: the baseline pairing's run on BASELINE_DEVICE beside its own walk of the oracle.  A
+    call that raises raises CallFailed here."""
+    br = TraceRun(tr, baseline, device=BASELINE_DEVICE, record_writers=False)
+    for st in trace_oracle(tr):
+        b = br.step(st.step)
+        yield compact(measure(st, b.o, b.after))
 
-    Why: the baseline is the host's arithmetic (~120 small operations per decode token, about
-    1.8 ms per step on the H200's host), the kernel's side mostly waits for the GPU or launches;
-    one after the other, a 10^4-step cell spent 18-20 s of its 37-54 s in the baseline.  Torch's
-    operations release the GIL while they compute, so the two overlap.  The numbers are the
-    same as run in line: each step's baseline is a pure function of the trace and the recipes."""
 
-    DEPTH = 64
+class BaselineInline:
+    """The baseline's rows computed when asked (``next``), one step at a time in the walk's own
+    thread: a short trace's (``baseline_ahead``)."""
 
     def __init__(self, tr: Trace, baseline: Pairing):
-        self.q = queue.Queue(maxsize=self.DEPTH)
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self._walk, args=(tr, baseline), name="kda-verify baseline",
-                                       daemon=True)
-        self.thread.start()
-
-    def _put(self, item) -> bool:
-        while not self.stopping.is_set():
-            try:
-                self.q.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def _walk(self, tr: Trace, baseline: Pairing) -> None:
-        torch.set_num_threads(1)            # this thread's own setting (OpenMP keeps one per thread)
-        try:
-            br = TraceRun(tr, baseline, device=BASELINE_DEVICE, record_writers=False)
-            for st in trace_oracle(tr):
-                b = br.step(st.step)
-                if not self._put(("row", compact(measure(st, b.o, b.after)))):
-                    return
-        except BaseException as e:  # noqa: BLE001 - handed to the caller, raised there
-            self._put(("raised", e))
+        self.rows = _baseline_rows(tr, baseline)
 
     def next(self) -> dict:
-        kind, x = self.q.get()
-        if kind == "raised":
-            raise x
-        return x
+        return next(self.rows)
 
     def close(self) -> None:
-        """Stop the thread (a run that ended early leaves it waiting on a full queue) and wait for it."""
-        self.stopping.set()
-        self.thread.join()
+        self.rows.close()
 
 
 # A trace of at least this many steps runs its baseline in a forked process (BaselineProcess) where
-# the platform forks; a shorter one on a thread (BaselineAhead).
+# the platform forks; a shorter one in line (BaselineInline).
 BASELINE_PROCESS_STEPS = 2000
 
 
 def baseline_ahead(tr: Trace, baseline: Pairing):
-    """The baseline's run of ``tr`` beside the kernel's: a forked process for a long trace (the
-    emulator's ~120 small operations per decode token hold the GIL for their Python; on a thread
-    beside the kernel's walk, the H200's 10^4-step cells spent 22 s in the kernel's steps and 17 s
-    judging, against 12 s and 9 s with the baseline run in line, so the thread saved 3 s of 54),
-    a thread otherwise.  Both hand over the same rows in step order (``next``) and are
-    stopped by ``close``."""
+    """The baseline's run of ``tr`` for the kernel's walk: a forked process beside it for a long
+    trace, in line otherwise.  Both hand over the same rows in step order (``next``) and are
+    stopped by ``close``.
+
+    Why a process: the baseline is the host's arithmetic (~120 small operations per decode token,
+    about 1.8 ms per step on the H200's host); in line, a 10^4-step cell spent 18-20 s of its
+    37-54 s in it.  A thread does not help: the operations' Python holds the GIL, and beside the
+    kernel's walk the H200's long cells spent 22 s in the kernel's steps and 17 s judging, against
+    12 s and 9 s in line (3 s saved of 54).  In a forked process the walk waited under 1 s."""
     if tr.steps >= BASELINE_PROCESS_STEPS and "fork" in multiprocessing.get_all_start_methods():
         return BaselineProcess(tr, baseline)
-    return BaselineAhead(tr, baseline)
+    return BaselineInline(tr, baseline)
 
 
 def _baseline_child(conn, tr: Trace, baseline: Pairing) -> None:
@@ -442,10 +409,8 @@ def _baseline_child(conn, tr: Trace, baseline: Pairing) -> None:
     torch.set_num_threads(1)
     batch: list = []
     try:
-        br = TraceRun(tr, baseline, device=BASELINE_DEVICE, record_writers=False)
-        for st in trace_oracle(tr):
-            b = br.step(st.step)
-            batch.append(compact(measure(st, b.o, b.after)))
+        for row in _baseline_rows(tr, baseline):
+            batch.append(row)
             if len(batch) >= 256:
                 conn.send(("rows", batch))
                 batch = []
@@ -462,7 +427,7 @@ def _baseline_child(conn, tr: Trace, baseline: Pairing) -> None:
 
 
 class BaselineProcess:
-    """BaselineAhead's rows from a forked process (``baseline_ahead``): the same rows, the same
+    """``_baseline_rows`` from a forked process (``baseline_ahead``): the same rows, the same
     order, a failing call raised as CallFailed by ``next``, an interrupt as KeyboardInterrupt,
     anything else as a RuntimeError naming it."""
 
