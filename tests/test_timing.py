@@ -261,3 +261,18 @@ def test_pytest_xdist_sums_the_workers(tmp_path, tol):
     bd = json.loads((rep / "report.json").read_text())["time_breakdown"]
     assert bd["workers"] == 2 and bd["cells"] == 2
     _check_against_records(bd, records)
+
+
+def test_a_clock_mark_reads_what_was_compiled_since():
+    """run_cell and a serving cell read a cell's compiles as ``clock.since(clock.mark())``: the
+    seconds, compiles and cache hits after the mark only; the mark drops an unfinished launch."""
+    from types import SimpleNamespace
+    clock = compile_time.CompileClock()
+    clock.on_compile(SimpleNamespace(ir_initialization=1_000_000, store_results=0, lowering_stages=[]), cache_hit=False)
+    clock._pending = 123.0
+    mark = clock.mark()
+    assert clock._pending is None and mark == (1.0, 1, 0)
+    clock.on_compile(SimpleNamespace(ir_initialization=250_000, store_results=0, lowering_stages=[("ptx", 250_000)]),
+                     cache_hit=False)
+    clock.on_compile(SimpleNamespace(ir_initialization=0, store_results=0, lowering_stages=[]), cache_hit=True)
+    assert clock.since(mark) == {"compile_s": 0.5, "compiles": 1, "compile_cache_hits": 1}

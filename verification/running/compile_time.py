@@ -62,6 +62,18 @@ class CompileClock:
         """Drop an unfinished launch-preparation interval (a kernel whose load failed)."""
         self._pending = None
 
+    def mark(self) -> tuple:
+        """The clock's reading before a call (an unfinished launch interval dropped first), for
+        ``since``."""
+        self.forget_pending()
+        return self.seconds, self.compiles, self.cache_hits
+
+    def since(self, mark: tuple) -> dict:
+        """What was compiled since ``mark``: {"compile_s", "compiles", "compile_cache_hits"} (a
+        cell's timings)."""
+        s0, n0, h0 = mark
+        return {"compile_s": self.seconds - s0, "compiles": self.compiles - n0, "compile_cache_hits": self.cache_hits - h0}
+
     # ---- the hooks' bodies (public so tests can drive them without a GPU)
     def on_compile(self, times, cache_hit: bool) -> None:
         us = int(getattr(times, "ir_initialization", 0) or 0) + int(getattr(times, "store_results", 0) or 0)

@@ -361,8 +361,7 @@ def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: Base
         add_disk_timings(timings, disk0, truth_cache, baseline_cache)
     # the kernel (Triton compilation inside the call is measured apart: compile_s)
     clock = compile_clock()
-    clock.forget_pending()
-    c0, n0, h0 = clock.seconds, clock.compiles, clock.cache_hits
+    mark = clock.mark()
     timings["compile_how"] = clock.how
 
     def kernel_call():
@@ -390,8 +389,7 @@ def run_cell(backend, route, case, truth_cache: TruthCache, baseline_cache: Base
         outputs, kernel_s, guard = harness_call(kernel_call, device, before_retry=before_kernel_retry)
     except Exception as e:  # noqa: BLE001 - the kernel failing is a result, not a harness crash
         failure = e
-    timings.update(compile_s=clock.seconds - c0, compiles=clock.compiles - n0,   # whether it ran or raised
-                   compile_cache_hits=clock.cache_hits - h0)
+    timings.update(clock.since(mark))          # whether it ran or raised
     if failure is not None:
         where = f"{backend.name} {route.name} run"
         if is_out_of_memory(failure):   # an error, not a resource-error: it may be the kernel's own demand

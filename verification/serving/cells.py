@@ -226,8 +226,7 @@ def run_serving_cell(prefill_lb, decode_lb, rp, rd, case, db, cache: TraceCache,
     key = (rp.recipe, rd.recipe)
     rows = cache.baselines.get(key)
     clock = compile_clock()
-    clock.forget_pending()
-    c0, n0, h0 = clock.seconds, clock.compiles, clock.cache_hits
+    mark = clock.mark()
     t1 = time.perf_counter()
     try:
         res = run_pairing(tr, pairing, tolerances_for(db, pairing, rec["dtype"]),
@@ -238,8 +237,7 @@ def run_serving_cell(prefill_lb, decode_lb, rp, rd, case, db, cache: TraceCache,
     if res.baseline_rows is not None and res.status != "error":
         cache.baselines[key] = res.baseline_rows
     rec["timings"] = _timings(res.seconds, build_s, time.perf_counter() - t1, rows is not None, built,
-                              compile_s=clock.seconds - c0, compiles=clock.compiles - n0,
-                              compile_cache_hits=clock.cache_hits - h0, compile_how=clock.how)
+                              compile_how=clock.how, **clock.since(mark))
     tensors = {}
     if res.worst_o is not None:
         tensors["o"] = _item_record(res.worst_o)
@@ -262,9 +260,9 @@ def run_serving_cell(prefill_lb, decode_lb, rp, rd, case, db, cache: TraceCache,
 
 def _timings(seconds: dict, build_s: float, run_s: float, baseline_cached: bool, built: bool, **compile_info) -> dict:
     """A serving cell's ``timings`` in the parts of verification.running.timing: build (the trace,
-    when this cell built it), oracle (the truth's steps), baseline (the wait for the baseline's
-    steps, which run on a thread of their own beside the kernel's; cached when an earlier cell's
-    errors were reused), compile (Triton, inside the calls), kernel (the
+    when this cell built it), oracle (the truth's steps), baseline (the walk's time on the
+    baseline's steps: computed in line, or waited for from the process beside it; cached when an
+    earlier cell's errors were reused), compile (Triton, inside the calls), kernel (the
     pairing's steps less compile), metrics (measure and judge; on a GPU the calls run
     asynchronously and the wait for them is in metrics, in the one transfer per step), and
     ``run_s``, the whole of the run."""
