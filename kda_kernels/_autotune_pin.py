@@ -113,7 +113,7 @@ def _chosen(configs: list, rule) -> tuple:
         return hit[2], hit[3]
     config = choose_config(list(configs), rule)
     _CHOSEN[key] = (configs, len(configs), config, describe(config))
-    return config, _CHOSEN[key][3]
+    return _CHOSEN[key][2:]
 
 
 def describe(config) -> str:
