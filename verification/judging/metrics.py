@@ -13,7 +13,7 @@ For an output x and its float64 reference r (both upcast to float64; d = x - r):
     mistrusted   more than ZERO_TRUST (30%) of x is exactly 0 where r is not negligible
                  (|r| > 2^-24 max|r|, below which any kernel may flush): a mostly-zero output
                  on non-degenerate input is never a pass
-    slices       the squared error and squared reference of every slice (``slice_sums``):
+    slices       the squared error and squared reference of every slice (``_slices_pending``):
                  o per (sequence, head) and per (sequence, SLICE_ROWS-token block); a state per
                  (sequence, head), the paged cache per (written slot, head).  A pooled figure
                  hides a bug that ruins one short sequence, one head or one slot of a batch;
@@ -229,39 +229,22 @@ def _read(pending: list) -> list:
     return out
 
 
-def slice_sums(d: torch.Tensor, r: torch.Tensor, problem, tensor: str) -> Optional[dict]:
-    """Squared error and squared reference of every slice of one output, float64 on d's device.
-
-    d = x - ref and r = ref, both float64 and shaped as the output:
-    o [B,T,HV,V] -> "seq_head" [N, HV] (sequence n, head h; count = len_n * V elements,
-                    tokens = len_n),
-                    "seq_block" (sequence n, its tokens t0..t1 in ``sequence_blocks``, all heads) and
-                    "seq_start" (sequence n's first START_ROWS tokens, all heads; sequences
-                    longer than that);
-    final_state [N,HV,*,*] -> "seq_head" [N, HV];
-    state_cache (written slots only, in state_indices order) [N,HV,*,*] -> "slot_head" [N, HV].
-    Returns {kind: {"err_sq": [...], "ref_sq": [...], "count": [...], "labels": [...]}} as
-    plain lists (labels: (n, h), (n, first token, last token) or (slot, h)); None when the tensor
-    has no slices.  (``tensor_metrics`` gets the same from its blockwise row sums,
-    ``_slices_pending``.)"""
-    if problem is None or d.dim() != 4 or d.numel() == 0:
-        return None
-    dv, rv = _rows_view(d, tensor), _rows_view(r, tensor)
-    return slice_sums_from_rows(dv.square().sum(-1), rv.square().sum(-1), problem, tensor, dv.shape[2])
-
-
-def slice_sums_from_rows(e2: torch.Tensor, r2: torch.Tensor, problem, tensor: str, per_row: int) -> dict:
-    """``slice_sums`` from the per-(row, head) sums of squares: e2, r2 [rows, HV] float64, rows =
-    packed tokens (o) or sequences / written slots (final_state, state_cache); ``per_row`` =
-    elements per (row, head): V for o, K*V for a state.  One device->host read
-    (``tensor_metrics`` queues the same, ``_slices_pending``, with the rest of its read)."""
-    return _read([_slices_pending(e2, r2, problem, tensor, per_row)])[0]
-
-
 def _slices_pending(e2: torch.Tensor, r2: torch.Tensor, problem, tensor: str, per_row: int) -> _Pending:
-    """``slice_sums_from_rows`` queued on e2's device: the sums per slice, reduced there, and the
-    host half that labels them.  The rows' sequences and blocks come from the host's bounds
-    (``_seq_bounds``); the written slots (state_cache) are read with the sums."""
+    """Squared error and squared reference of every slice of one output, queued on e2's device:
+    the sums per slice, reduced there, and the host half that labels them.
+
+    e2, r2 [rows, HV] float64: the per-(row, head) sums of (x - ref)^2 and ref^2, rows = packed
+    tokens (o) or sequences / written slots (final_state, state_cache); ``per_row`` = elements per
+    (row, head): V for o, K*V for a state.  The slices:
+    o -> "seq_head" [N, HV] (sequence n, head h; count = len_n * V elements, tokens = len_n),
+         "seq_block" (sequence n, its tokens t0..t1 in ``sequence_blocks``, all heads) and
+         "seq_start" (sequence n's first START_ROWS tokens, all heads; sequences longer than that);
+    final_state -> "seq_head" [N, HV];
+    state_cache (written slots only, in state_indices order) -> "slot_head" [N, HV].
+    Finished: {kind: {"err_sq": [...], "ref_sq": [...], "count": [...], "labels": [...]}} as plain
+    lists (labels: (n, h), (n, first token, last token) or (slot, h)).  The rows' sequences and
+    blocks come from the host's bounds (``_seq_bounds``); the written slots (state_cache) are read
+    with the sums."""
     dev = e2.device
     if tensor == "o":
         HV, V = e2.shape[1], per_row

@@ -226,7 +226,7 @@ def slice_allowance(kind: str, label, tokens: Optional[int] = None) -> float:
 
 
 def slice_errors(sl: dict) -> list:
-    """Per-slice relative L2 of one kind of slices (``metrics.slice_sums``), a slice whose
+    """Per-slice relative L2 of one kind of slices (the "slices" of ``metrics.tensor_metrics``), a slice whose
     reference rms is below NEGLIGIBLE_SLICE of the whole's measured on the whole's scale."""
     ref_tot, cnt_tot = sum(sl["ref_sq"]), sum(sl["count"])
     ms = ref_tot / cnt_tot if cnt_tot else 0.0
