@@ -15,6 +15,14 @@ EMULATOR_ROUTES = [r.name for r in EmulatorBackend().routes()]
 
 pytest_plugins = ["pytester"]
 
+# pytester's in-process runs drop the modules they imported when they end, and triton's compiled
+# extension aborts the process when it is imported a second time; so it is imported here, once,
+# before any run (the whole suite imports it earlier; this file alone would not)
+try:
+    import triton  # noqa: F401
+except ImportError:        # no triton: the matrix never imports it either
+    pass
+
 ROOT = Path(__file__).resolve().parents[1]
 MATRIX = "tests/test_verify_matrix.py"
 DENSE = "smoke/dense-T64-lb-5"
