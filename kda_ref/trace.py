@@ -54,9 +54,9 @@ from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .files import UnreadableFile, read_safetensors
 from .problem import BETA_KINDS, GATE_KINDS, Problem, ProblemError, shape_of, validate
 
 TRACE_FORMAT = "kda-verify-trace/1"
@@ -528,14 +528,10 @@ OPTION_KEYS = {"cache", "scale", "lower_bound", "gate", "beta_kind", "qk_l2norm"
 
 def load_trace(path: str) -> Trace:
     """Read and validate a trace file; every problem is one TraceError line naming the key."""
-    _req(os.path.isfile(path), f"trace: expected an existing safetensors file, got {path!r} (no such file)")
     try:
-        with safe_open(path, framework="pt") as f:
-            meta = dict(f.metadata() or {})
-            tensors = {n: f.get_tensor(n) for n in f.keys()}
-    except Exception as e:  # noqa: BLE001 - any parse failure is a bad file
-        raise TraceError(f"trace: expected a safetensors file, got {path!r} that cannot be read "
-                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+        tensors, meta = read_safetensors(path)
+    except UnreadableFile as e:
+        raise TraceError(e.line("trace")) from None
     _req(meta.get("format") == TRACE_FORMAT,
          f"format: expected {TRACE_FORMAT!r} in the metadata of {path}, got {meta.get('format')!r}")
     try:

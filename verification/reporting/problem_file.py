@@ -38,9 +38,9 @@ import math
 import os
 from typing import Optional
 
-from safetensors import safe_open
 from safetensors.torch import save_file
 
+from kda_ref.files import UnreadableFile, read_safetensors
 from kda_ref.problem import (BETA_KINDS, FLOAT_DTYPES, FLOAT_NAMES, GATE_KINDS, Problem, ProblemError,
                              STATE_LAYOUTS, shape_of)
 from kda_ref.workspace import SUPPORTED_C
@@ -75,16 +75,10 @@ def _save(path: str, tensors: dict, metadata: dict):
 
 def _open(path: str, what: str):
     """(tensors, metadata) of a safetensors file, with one-line errors."""
-    if not os.path.isfile(path):
-        raise _usage(f"{what}: expected an existing safetensors file, got {path!r} (no such file)")
     try:
-        with safe_open(path, framework="pt") as f:
-            meta = dict(f.metadata() or {})
-            tensors = {n: f.get_tensor(n) for n in f.keys()}
-    except Exception as e:  # noqa: BLE001 - any parse failure is a bad file
-        raise _usage(f"{what}: expected a safetensors file, got {path!r} that cannot be read "
-                     f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
-    return tensors, meta
+        return read_safetensors(path)
+    except UnreadableFile as e:
+        raise _usage(e.line(what)) from None
 
 
 def save_problem(path: str, problem: Problem) -> None:

@@ -43,11 +43,11 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from kda_kernels.base import Route
 from kda_kernels.trace_calls import group_rows
+from kda_ref.files import UnreadableFile, read_safetensors
 from kda_ref.problem import ProblemError
 from kda_ref.trace import load_trace, save_trace
 from kda_ref.trace_oracle import trace_oracle
@@ -164,13 +164,11 @@ class Dump:
 
 
 def _read_st(path: Path, what: str) -> dict:
-    if not path.is_file():
-        _bad(f"{path}: expected {what}, got no such file")
     try:
-        with safe_open(str(path), framework="pt") as f:
-            return {k: f.get_tensor(k) for k in f.keys()}
-    except Exception as e:  # noqa: BLE001 - any parse failure is a bad file
-        _bad(f"{path}: expected {what} (safetensors), got a file that cannot be read ({type(e).__name__})")
+        return read_safetensors(path)[0]
+    except UnreadableFile as e:
+        _bad(f"{path}: expected {what}, got no such file" if e.missing
+             else f"{path}: expected {what} (safetensors), got a file that cannot be read ({e.reason})")
 
 
 def load_dump(path) -> Dump:
