@@ -187,6 +187,13 @@ def test_cli_bad_metadata(tmp_path, capsys, key, value, pattern):
     (["oracle-bench", "--shapes", "1x2", "--device", "cpu"], "--shapes: expected BxTxH[,BxTxH...] like 1x16384x96"),
     (["oracle-bench", "--shapes", "1x0x2", "--device", "cpu"], "--shapes: expected positive B, T, H, got '1x0x2'"),
     (["oracle-bench", "--recurrence-tokens", "0", "--device", "cpu"], "--recurrence-tokens: expected a positive"),
+    (["oracle-bench", "--repeat", "0", "--device", "cpu"], "--repeat: expected an integer >= 1, got 0"),
+    (["oracle-bench", "--chunks-per-seg", "-2", "--device", "cpu"], "--chunks-per-seg: expected an integer >= 1, got -2"),
+    (["oracle-bench", "--peak-tflops", "-1", "--device", "cpu"], "--peak-tflops: expected a number > 0, got -1"),
+    (["oracle", "--inputs", "P", "--out", "T", "--chunks-per-seg", "0"], "--chunks-per-seg: expected an integer >= 1, got 0"),
+    (["isa", "--kernels", "walk"], "--kernels: expected only with --backend aiter, got it with --backend triton"),
+    (["isa", "--kernel-timeout", "-1"], "--kernel-timeout: expected only with --backend aiter, got it with --backend triton"),
+    (["isa", "--backend", "aiter", "--routes", "seg"], "--routes: expected only with --backend triton, got it with --backend aiter"),
 ])
 def test_cli_bad_flags(tmp_path, capsys, argv, pattern):
     save_problem(str(tmp_path / "P"), base())

@@ -23,9 +23,9 @@ kda-verify isa --backend aiter --arch gfx1250,gfx950 --kernels chunk_kda_prepare
 def add_arguments(p):
     p.add_argument("--arch", default="gfx950,gfx1250,sm90", metavar="ARCH",
                    help="comma-separated targets: sm90, sm100, gfx942, gfx950, gfx1250 (default gfx950,gfx1250,sm90)")
-    p.add_argument("--routes", default="all", metavar="ROUTES",
+    p.add_argument("--routes", default=None, metavar="ROUTES",
                    help="comma-separated route names of the triton backend, or 'all' (default)")
-    p.add_argument("--states", default="kv,paged", metavar="STATES",
+    p.add_argument("--states", default=None, metavar="STATES",
                    help="initial-state configurations whose kernels to compile: none, kv, vk, paged (default kv,paged)")
     p.add_argument("--json", action="store_true", help="print the reports as JSON instead of a table")
     p.add_argument("--backend", default="triton", choices=("triton", "aiter"),
@@ -34,10 +34,10 @@ def add_arguments(p):
                         "passes for H=12, C=32, K=V=128; and on gfx1250 / gfx950 its Gluon chunk_kda prepare / "
                         "walk / scan and kda decode, every variant its host wrappers pick for H=12, K=V=128 "
                         "(the gfx1250 prefill needs triton >= 3.9); --routes and --states do not apply)")
-    p.add_argument("--kernels", default="", metavar="NAMES",
+    p.add_argument("--kernels", default=None, metavar="NAMES",
                    help="with --backend aiter: comma-separated parts of kernel names; only the kernels whose name "
                         "contains one are compiled (default: all), e.g. chunk_kda_walk,prepare")
-    p.add_argument("--kernel-timeout", type=float, default=900.0, metavar="SECONDS",
+    p.add_argument("--kernel-timeout", type=float, default=None, metavar="SECONDS",
                    help="with --backend aiter: seconds one kernel may compile before its row says it did not "
                         "(default 900)")
 
@@ -51,10 +51,33 @@ def _split(text: str, arg: str) -> list:
     return items
 
 
+# the options of one backend's kernels, and their defaults; given with the other backend they are
+# an error, never silently ignored
+BACKEND_OPTIONS = {"triton": {"routes": "all", "states": "kv,paged"},
+                   "aiter": {"kernels": "", "kernel_timeout": 900.0}}
+
+
+def _options_of(args, backend: str):
+    """Fill in ``backend``'s options left unset; any option of the other backend that was given is a
+    UsageError naming it."""
+    # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
+    from verification.errors import UsageError
+    for other, options in BACKEND_OPTIONS.items():
+        for name, default in options.items():
+            if other == backend:
+                if getattr(args, name, None) is None:
+                    setattr(args, name, default)
+            elif getattr(args, name, None) is not None:
+                flag = "--" + name.replace("_", "-")
+                raise UsageError(f"{flag}: expected only with --backend {other}, got it with --backend {backend}")
+
+
 def run(args) -> int:
     # lazy: a command's machinery loads when it runs, not for --help (docs/design.md, Imports)
     from verification.errors import UsageError
-    if getattr(args, "backend", "triton") == "aiter":
+    backend = getattr(args, "backend", "triton")
+    _options_of(args, backend)
+    if backend == "aiter":
         return _run_aiter(args)
     # lazy: importing kda_kernels.triton builds the kernels, after TRITON_INTERPRET is decided (docs/design.md, Imports)
     from kda_kernels.triton.isa import STATE_CONFIGS, TARGETS, isa_report

@@ -46,6 +46,8 @@ def run(args) -> int:
     if args.chunk_size not in (16, 32, 64) or (args.method == "fla" and args.chunk_size not in (32, 64)):
         allowed = "32 or 64 (fla)" if args.method == "fla" else "16, 32 or 64"
         raise UsageError(f"--chunk-size: expected {allowed}, got {args.chunk_size}")
+    if args.chunks_per_seg is not None and args.chunks_per_seg < 1:
+        raise UsageError(f"--chunks-per-seg: expected an integer >= 1, got {args.chunks_per_seg}")
     p = load_problem(args.inputs).to(dev)
     # the chunked form runs streamed (block by block, the same chunk steps) unless the whole
     # workspace is asked for

@@ -213,7 +213,7 @@ def bench_shape(B, T, H, args, dev) -> dict:
         with PeakMemory(dev) as mem:
             run()
         cpu_peak = (mem.peak, mem.peak - mem.base)
-    for _ in range(max(1, args.repeat)):
+    for _ in range(args.repeat):
         truth_o = truth_final = None            # the previous repetition's truth is not held while this one runs
         # the matmul rate is sampled beside every repetition, so that both bests come from the same
         # stretch of time (on a shared machine the rate drifts from one minute to the next)
@@ -240,7 +240,7 @@ def bench_shape(B, T, H, args, dev) -> dict:
     if args.phases:
         res["chunks_per_seg"] = args.chunks_per_seg
         ph = None
-        for _ in range(max(1, args.repeat)):
+        for _ in range(args.repeat):
             with PeakMemory(dev) as mem:
                 pp, t_pre = _timed(lambda: prepare(p), dev)
                 ws, t_ws = _timed(lambda: workspace_prepared(pp, C), dev)
@@ -285,6 +285,12 @@ def run(args) -> int:
         raise UsageError(f"--chunk-size: expected 16, 32 or 64, got {args.chunk_size}")
     if args.recurrence_tokens is not None and args.recurrence_tokens < 1:
         raise UsageError(f"--recurrence-tokens: expected a positive integer, got {args.recurrence_tokens}")
+    if args.repeat < 1:
+        raise UsageError(f"--repeat: expected an integer >= 1, got {args.repeat}")
+    if args.chunks_per_seg < 1:
+        raise UsageError(f"--chunks-per-seg: expected an integer >= 1, got {args.chunks_per_seg}")
+    if not args.peak_tflops > 0:
+        raise UsageError(f"--peak-tflops: expected a number > 0, got {args.peak_tflops:g}")
     if args.block_tokens is not None and args.block_tokens < args.chunk_size:
         raise UsageError(f"--block-tokens: expected at least one chunk ({args.chunk_size} tokens), got {args.block_tokens}")
     dev = torch.device(check_device(args.device))
